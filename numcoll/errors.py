@@ -1,0 +1,40 @@
+"""The exceptions numcoll raises.
+
+Argument errors are plain ``ValueError`` / ``TypeError`` raised at the call.
+Runtime failures travel through the Work and are one of the classes below;
+transport-level exceptions are translated into them in exactly one place
+(:mod:`numcoll.comm`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NumcollError",
+    "CollectiveTimeoutError",
+    "PeerError",
+    "GroupPoisonedError",
+]
+
+
+class NumcollError(RuntimeError):
+    """Base class of numcoll's runtime failures (a RuntimeError, as torch's are)."""
+
+
+class CollectiveTimeoutError(NumcollError, TimeoutError):
+    """A collective or store operation did not finish within its deadline.
+
+    The message starts ``Timed out waiting {ms}ms`` and names the operation,
+    this rank and the peer that was waited for.
+    """
+
+
+class PeerError(NumcollError):
+    """A peer closed, crashed or sent something unexpected; ``peer`` names it."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
+class GroupPoisonedError(NumcollError):
+    """A collective failed earlier on this group; later calls fail fast with this."""

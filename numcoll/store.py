@@ -1,0 +1,605 @@
+"""Key-value stores: where ranks meet before they have sockets to each other.
+
+A store maps ``str`` keys to ``bytes`` values. Ranks use it to exchange
+addresses, count arrivals and wait for each other, with the semantics of
+torch's c10d stores:
+
+- :class:`HashStore` lives in one process (ranks that are threads);
+- :class:`FileStore` is a file on a shared file system (ranks that are
+  processes on one host, or hosts sharing a file system);
+- :class:`PrefixStore` gives a sub-namespace of another store;
+- :class:`numcoll.tcpstore.TCPStore` is served over TCP by the master rank.
+
+Every blocking call (``get``, ``wait``) has a deadline and raises
+:class:`StoreTimeoutError` naming the missing keys when it passes.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import datetime
+import fcntl
+import operator
+import os
+import struct
+import threading
+import time
+from typing import Iterable, Iterator, Union
+
+from .errors import CollectiveTimeoutError, NumcollError
+
+__all__ = [
+    "DEFAULT_STORE_TIMEOUT",
+    "Store",
+    "StoreTimeoutError",
+    "HashStore",
+    "FileStore",
+    "PrefixStore",
+]
+
+#: Deadline of blocking store calls unless set otherwise (torch's default).
+DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+#: FileStore waits by polling the file: first after this many seconds, then
+#: twice as long each time up to FILE_POLL_MAX_S. Short first polls keep
+#: rendezvous of a few local processes fast; the cap bounds the CPU spent by
+#: many waiters on a slow rank.
+FILE_POLL_MIN_S = 0.001
+FILE_POLL_MAX_S = 0.05
+
+ValueLike = Union[str, bytes, bytearray, memoryview]
+
+
+class StoreTimeoutError(CollectiveTimeoutError):
+    """A store's ``get`` or ``wait`` passed its deadline.
+
+    Attributes
+    ----------
+    keys : list of str
+        The keys that were still missing.
+    timeout : datetime.timedelta
+        The deadline that passed.
+    """
+
+    def __init__(self, message: str, keys: Iterable[str] = (),
+                 timeout: datetime.timedelta | None = None):
+        super().__init__(message)
+        self.keys = list(keys)
+        self.timeout = timeout
+
+
+# -- helpers shared by every store (also used by numcoll.tcpstore) -----------
+
+def _as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    """A timedelta from a timedelta or a number of seconds; never negative."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (datetime.timedelta, int, float)):
+        raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout < datetime.timedelta(0):
+        raise ValueError(f"timeout must not be negative, got {timeout}")
+    return timeout
+
+
+def _ms(timeout: datetime.timedelta) -> int:
+    return int(timeout.total_seconds() * 1000)
+
+
+def _timeout_error(timeout: datetime.timedelta, missing: list[str], where: str,
+                   op: str) -> StoreTimeoutError:
+    return StoreTimeoutError(
+        f"Timed out waiting {_ms(timeout)}ms for key(s) {missing!r} in {where} ({op})",
+        missing, timeout)
+
+
+def _check_key(key: str) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"store keys must be str, got {type(key).__name__}: {key!r}")
+    return key
+
+
+def _to_bytes(value, what: str = "value") -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"store {what} must be str or bytes, got {type(value).__name__}")
+
+
+def _key_list(keys: Iterable[str] | str) -> list[str]:
+    # A lone str would otherwise be iterated as characters.
+    if isinstance(keys, str):
+        return [keys]
+    return [_check_key(k) for k in keys]
+
+
+def _added(current: bytes | None, amount: int, key: str) -> bytes:
+    """The new value of counter ``key``: ASCII decimal, as torch stores it."""
+    try:
+        base = 0 if current is None else int(current)
+    except ValueError:
+        raise ValueError(f"add: key {key!r} holds {current[:40]!r}, not an integer") from None
+    return str(base + amount).encode("ascii")
+
+
+def _compare_set(current: bytes | None, expected: bytes,
+                 desired: bytes) -> tuple[bytes | None, bytes]:
+    """torch's compare_set: ``(value to write or None, value to return)``.
+
+    A missing key counts as matching ``b""``. For a missing key and a
+    non-empty ``expected``, torch returns ``expected`` unchanged (and writes
+    nothing); we keep that so code written against torch behaves the same.
+    """
+    if current is None:
+        return (desired, desired) if expected == b"" else (None, expected)
+    if current == expected:
+        return desired, desired
+    return None, current
+
+
+class Store(abc.ABC):
+    """Base class of the key-value stores (abstract).
+
+    The public methods validate and convert their arguments, then call the
+    underscore hooks that a concrete store implements. Keys are ``str``;
+    values are given as ``str`` (encoded as UTF-8) or bytes and returned as
+    ``bytes``. All stores are thread-safe.
+
+    Parameters
+    ----------
+    timeout : datetime.timedelta or float
+        Deadline of ``get`` and of ``wait`` without an explicit timeout
+        (a timedelta, or seconds). Default 300 s.
+    """
+
+    def __init__(self, timeout: datetime.timedelta | float = DEFAULT_STORE_TIMEOUT):
+        self._timeout = _as_timeout(timeout)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The default deadline of ``get`` and ``wait``."""
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta | float) -> None:
+        """Set the default deadline of ``get`` and ``wait`` (timedelta or seconds)."""
+        self._timeout = _as_timeout(timeout)
+
+    def set(self, key: str, value: ValueLike) -> None:
+        """Store ``value`` under ``key``, replacing any previous value."""
+        self._set(_check_key(key), _to_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to :attr:`timeout` for it to be set.
+
+        Raises
+        ------
+        StoreTimeoutError
+            If the key is still missing when the timeout passes.
+        """
+        return self._get(_check_key(key), self.timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (missing = 0); return the sum."""
+        return int(self._add(_check_key(key), operator.index(amount)))
+
+    def compare_set(self, key: str, expected: ValueLike, desired: ValueLike) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected``; return its value after.
+
+        A missing key matches ``expected == b""``. As in torch, a missing key
+        with a non-empty ``expected`` is left missing and ``expected`` is
+        returned.
+        """
+        return self._compare_set(_check_key(key), _to_bytes(expected, "expected value"),
+                                 _to_bytes(desired, "desired value"))
+
+    def wait(self, keys: Iterable[str] | str,
+             timeout: datetime.timedelta | float | None = None) -> None:
+        """Block until every key in ``keys`` is set.
+
+        Parameters
+        ----------
+        keys : iterable of str
+            The keys to wait for (a lone str is one key).
+        timeout : datetime.timedelta or float, optional
+            Deadline (timedelta or seconds); default :attr:`timeout`.
+
+        Raises
+        ------
+        StoreTimeoutError
+            Naming the keys still missing when the deadline passes.
+        """
+        timeout = self.timeout if timeout is None else _as_timeout(timeout)
+        self._wait(_key_list(keys), timeout)
+
+    def check(self, keys: Iterable[str] | str) -> bool:
+        """Whether every key in ``keys`` is set, without waiting."""
+        return self._check(_key_list(keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Remove ``key``; return whether it existed."""
+        return self._delete_key(_check_key(key))
+
+    def num_keys(self) -> int:
+        """The number of keys set (internal bookkeeping keys are not counted)."""
+        return self._num_keys()
+
+    def close(self) -> None:
+        """Release the store's resources; the base class has none."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- hooks: keys are str, values bytes, timeouts timedelta ----------------
+    @abc.abstractmethod
+    def _set(self, key: str, value: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _get(self, key: str, timeout: datetime.timedelta) -> bytes: ...
+
+    @abc.abstractmethod
+    def _add(self, key: str, amount: int) -> int: ...
+
+    @abc.abstractmethod
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    @abc.abstractmethod
+    def _wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
+
+    @abc.abstractmethod
+    def _check(self, keys: list[str]) -> bool: ...
+
+    @abc.abstractmethod
+    def _delete_key(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _num_keys(self) -> int: ...
+
+
+class HashStore(Store):
+    """An in-memory store for ranks that are threads of one process.
+
+    Waiters sleep on a condition variable and wake when a key is written
+    (no polling).
+
+    Parameters
+    ----------
+    timeout : datetime.timedelta or float
+        Default deadline of ``get`` and ``wait``.
+    """
+
+    def __init__(self, timeout: datetime.timedelta | float = DEFAULT_STORE_TIMEOUT):
+        super().__init__(timeout)
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def __repr__(self) -> str:
+        return f"HashStore(<{len(self._data)} keys>)"
+
+    def _set(self, key, value):
+        with self._cond:
+            self._data[key] = value
+            self._cond.notify_all()
+
+    def _wait_locked(self, keys: list[str], timeout: datetime.timedelta, op: str) -> None:
+        data = self._data
+        if not self._cond.wait_for(lambda: all(k in data for k in keys),
+                                   timeout.total_seconds()):
+            missing = [k for k in keys if k not in data]
+            raise _timeout_error(timeout, missing, "HashStore", op)
+
+    def _get(self, key, timeout):
+        with self._cond:
+            self._wait_locked([key], timeout, "get")
+            return self._data[key]
+
+    def _add(self, key, amount):
+        with self._cond:
+            value = self._data[key] = _added(self._data.get(key), amount, key)
+            self._cond.notify_all()
+            return int(value)
+
+    def _compare_set(self, key, expected, desired):
+        with self._cond:
+            write, result = _compare_set(self._data.get(key), expected, desired)
+            if write is not None:
+                self._data[key] = write
+                self._cond.notify_all()
+            return result
+
+    def _wait(self, keys, timeout):
+        with self._cond:
+            self._wait_locked(keys, timeout, "wait")
+
+    def _check(self, keys):
+        with self._cond:
+            return all(k in self._data for k in keys)
+
+    def _delete_key(self, key):
+        with self._cond:
+            return self._data.pop(key, None) is not None
+
+    def _num_keys(self):
+        with self._cond:
+            return len(self._data)
+
+
+# FileStore record: kind (u8), key length (u32), value length (u32), key, value.
+_RECORD_HEADER = struct.Struct("<BII")
+_RECORD_SET = 1
+_RECORD_DELETE = 2
+# User keys get a prefix so that they never collide with the bookkeeping keys.
+_USER_PREFIX = "/"
+_REFCOUNT_KEY = "refcount"
+_FINISHED_KEY = "cleanup"
+
+
+class FileStore(Store):
+    """A store in a file, shared by processes that can lock it (``flock``).
+
+    The file is an append-only log of records (a set, or a delete as a
+    tombstone); each instance keeps a dictionary up to date by reading the
+    log from where it last stopped. Writers hold an exclusive ``flock``,
+    readers a shared one; ``get`` and ``wait`` poll the file with short,
+    growing sleeps.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file; created if missing. Its directory must exist.
+    world_size : int
+        How many instances (over all processes) will use the file. When the
+        last of them closes, the file is removed. ``-1``: unknown, the file
+        is left behind (as torch does).
+    timeout : datetime.timedelta or float
+        Default deadline of ``get`` and ``wait``.
+    """
+
+    def __init__(self, path: str | os.PathLike, world_size: int = -1,
+                 timeout: datetime.timedelta | float = DEFAULT_STORE_TIMEOUT):
+        super().__init__(timeout)
+        self._fd: int | None = None
+        self._path = os.fspath(path)
+        self._world_size = int(world_size)
+        if self._world_size == 0 or self._world_size < -1:
+            raise ValueError(f"FileStore world_size must be positive or -1, got {world_size}")
+        directory = os.path.dirname(os.path.abspath(self._path))
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"FileStore: directory {directory!r} of {self._path!r} does not exist")
+        self._lock = threading.Lock()  # flock does not exclude threads sharing our fd
+        self._cache: dict[str, bytes] = {}
+        self._offset = 0
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        with self._locked(exclusive=True):
+            self._add_locked(_REFCOUNT_KEY, 1)
+
+    @property
+    def path(self) -> str:
+        """The file's path."""
+        return self._path
+
+    def __repr__(self) -> str:
+        return f"FileStore({self._path!r}, world_size={self._world_size})"
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        with self._lock:
+            if self._fd is None:
+                raise NumcollError(f"{self!r} is closed")
+            with self._flocked(exclusive):
+                yield
+
+    @contextlib.contextmanager
+    def _flocked(self, exclusive: bool) -> Iterator[None]:
+        """Hold the file lock (the caller holds the thread lock) and catch up."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            self._refresh()
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _refresh(self) -> None:
+        """Apply the records appended since the last read."""
+        size = os.fstat(self._fd).st_size
+        if size <= self._offset:
+            return
+        data = os.pread(self._fd, size - self._offset, self._offset)
+        pos = 0
+        while pos + _RECORD_HEADER.size <= len(data):
+            kind, key_nbytes, value_nbytes = _RECORD_HEADER.unpack_from(data, pos)
+            start = pos + _RECORD_HEADER.size
+            end = start + key_nbytes + value_nbytes
+            if end > len(data):
+                break  # a writer died mid-record; the next writer truncates it
+            key = data[start:start + key_nbytes].decode("utf-8")
+            if kind == _RECORD_SET:
+                self._cache[key] = data[start + key_nbytes:end]
+            elif kind == _RECORD_DELETE:
+                self._cache.pop(key, None)
+            else:
+                raise NumcollError(f"{self!r}: corrupt record at byte {self._offset + pos}")
+            pos = end
+        self._offset += pos
+
+    def _append(self, kind: int, key: str, value: bytes = b"") -> None:
+        """Append one record; the caller holds the exclusive lock and has refreshed."""
+        if os.fstat(self._fd).st_size != self._offset:
+            # Only a partial record from a crashed writer can be left after a
+            # refresh under the exclusive lock: drop it so the log stays parseable.
+            os.ftruncate(self._fd, self._offset)
+        key_bytes = key.encode("utf-8")
+        record = _RECORD_HEADER.pack(kind, len(key_bytes), len(value)) + key_bytes + value
+        view = memoryview(record)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self._offset += len(record)
+        if kind == _RECORD_SET:
+            self._cache[key] = value
+        else:
+            self._cache.pop(key, None)
+
+    def _add_locked(self, key: str, amount: int) -> int:
+        value = _added(self._cache.get(key), amount, key)
+        self._append(_RECORD_SET, key, value)
+        return int(value)
+
+    def _poll(self, keys: list[str], timeout: datetime.timedelta, op: str) -> bytes:
+        """Wait for ``keys``; return the first one's value."""
+        names = [_USER_PREFIX + k for k in keys]
+        deadline = time.monotonic() + timeout.total_seconds()
+        delay = FILE_POLL_MIN_S
+        while True:
+            with self._locked(exclusive=False):
+                missing = [k for k, n in zip(keys, names) if n not in self._cache]
+                if not missing:
+                    return self._cache[names[0]]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _timeout_error(timeout, missing, repr(self), op)
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, FILE_POLL_MAX_S)
+
+    def _set(self, key, value):
+        with self._locked(exclusive=True):
+            self._append(_RECORD_SET, _USER_PREFIX + key, value)
+
+    def _get(self, key, timeout):
+        return self._poll([key], timeout, "get")
+
+    def _add(self, key, amount):
+        with self._locked(exclusive=True):
+            return self._add_locked(_USER_PREFIX + key, amount)
+
+    def _compare_set(self, key, expected, desired):
+        name = _USER_PREFIX + key
+        with self._locked(exclusive=True):
+            write, result = _compare_set(self._cache.get(name), expected, desired)
+            if write is not None:
+                self._append(_RECORD_SET, name, write)
+            return result
+
+    def _wait(self, keys, timeout):
+        if keys:
+            self._poll(keys, timeout, "wait")
+
+    def _check(self, keys):
+        with self._locked(exclusive=False):
+            return all(_USER_PREFIX + k in self._cache for k in keys)
+
+    def _delete_key(self, key):
+        name = _USER_PREFIX + key
+        with self._locked(exclusive=True):
+            if name not in self._cache:
+                return False
+            self._append(_RECORD_DELETE, name)
+            return True
+
+    def _num_keys(self):
+        with self._locked(exclusive=False):
+            return sum(1 for k in self._cache if k.startswith(_USER_PREFIX))
+
+    def close(self) -> None:
+        """Stop using the file; the last of ``world_size`` users removes it."""
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                if self._still_on_disk():
+                    with self._flocked(exclusive=True):
+                        finished = self._add_locked(_FINISHED_KEY, 1)
+                        users = self._add_locked(_REFCOUNT_KEY, -1)
+                        if users == 0 and 0 <= self._world_size <= finished:
+                            os.unlink(self._path)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def _still_on_disk(self) -> bool:
+        """Whether our path still names the file we have open."""
+        try:
+            on_disk = os.stat(self._path)
+        except FileNotFoundError:
+            return False  # removed already (e.g. its temporary directory was cleaned up)
+        own = os.fstat(self._fd)
+        return (own.st_ino, own.st_dev) == (on_disk.st_ino, on_disk.st_dev)
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            try:
+                self.close()
+            except Exception:  # best effort: never raise from a finalizer
+                pass
+
+
+class PrefixStore(Store):
+    """A view of ``store`` in which every key ``k`` is ``f"{prefix}/{k}"``.
+
+    The timeout is the underlying store's. ``num_keys`` counts *all* keys of
+    the underlying store, with or without the prefix, as torch's does.
+
+    Parameters
+    ----------
+    prefix : str
+        The namespace.
+    store : Store
+        The store that holds the keys.
+    """
+
+    def __init__(self, prefix: str, store: Store):
+        if not isinstance(prefix, str):
+            raise TypeError(f"PrefixStore prefix must be str, got {type(prefix).__name__}")
+        if not isinstance(store, Store):
+            raise TypeError(f"PrefixStore needs a numcoll Store, got {type(store).__name__}")
+        # No Store.__init__: the timeout lives in the underlying store.
+        self._prefix = prefix
+        self._store = store
+
+    @property
+    def underlying_store(self) -> Store:
+        """The store this one writes to."""
+        return self._store
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._store.timeout
+
+    def set_timeout(self, timeout: datetime.timedelta | float) -> None:
+        self._store.set_timeout(timeout)
+
+    def __repr__(self) -> str:
+        return f"PrefixStore({self._prefix!r}, {self._store!r})"
+
+    def _k(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def _set(self, key, value):
+        self._store._set(self._k(key), value)
+
+    def _get(self, key, timeout):
+        return self._store._get(self._k(key), timeout)
+
+    def _add(self, key, amount):
+        return self._store._add(self._k(key), amount)
+
+    def _compare_set(self, key, expected, desired):
+        return self._store._compare_set(self._k(key), expected, desired)
+
+    def _wait(self, keys, timeout):
+        self._store._wait([self._k(k) for k in keys], timeout)
+
+    def _check(self, keys):
+        return self._store._check([self._k(k) for k in keys])
+
+    def _delete_key(self, key):
+        return self._store._delete_key(self._k(key))
+
+    def _num_keys(self):
+        return self._store._num_keys()

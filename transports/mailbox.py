@@ -1,0 +1,329 @@
+"""Matching arriving messages to posted receives: the part every transport shares.
+
+A :class:`Mailbox` belongs to one receiving rank. Receives are posted by
+``(peer, tag)`` (``peer`` may be ``ANY_SOURCE``); a message that finds no posted
+receive waits in a per-``(src, tag)`` FIFO until one is posted. The in-process
+transport delivers into mailboxes from the sending thread; the ZeroMQ
+transport from its I/O thread, reading the payload straight into the posted
+buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from _thread import allocate_lock
+from collections import deque
+from typing import Callable
+
+from .base import (
+    ANY_SOURCE,
+    RECV,
+    MessageSizeError,
+    PeerClosed,
+    TransportClosed,
+    TransportError,
+    TransportTimeout,
+    describe,
+)
+
+__all__ = ["PendingRequest", "Mailbox", "DISCARD"]
+
+#: Passed to a payload reader to drop the payload (an empty receive buffer).
+DISCARD = memoryview(bytearray())
+
+
+class PendingRequest:
+    """A posted send or receive; implements :class:`transports.base.Request`.
+
+    A zero-copy send completes in two steps: handed to ZeroMQ, then ``after``
+    (ZeroMQ's tracker event) fires when ZeroMQ releases the buffer.
+    """
+
+    __slots__ = ("what", "rank", "peer", "tag", "buf", "source", "seq",
+                 "_finished", "_lock", "_after", "_result", "_error")
+
+    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None):
+        self.what = what
+        self.rank = rank
+        self.peer = peer
+        self.tag = tag
+        self.buf = buf
+        self.source = None if peer == ANY_SOURCE else peer
+        self.seq = 0
+        # Completion is a lock held until the request finishes (as threading.Thread
+        # does it): far cheaper to make than an Event, and this is made per message.
+        self._finished = False
+        self._lock = allocate_lock()
+        self._lock.acquire()
+        self._after: threading.Event | None = None
+        self._result: memoryview | None = None
+        self._error: TransportError | None = None
+
+    def complete(self, result: memoryview | None = None, source: int | None = None,
+                 after: threading.Event | None = None) -> None:
+        """Mark done (``after``: an event still to fire before the buffer is free).
+
+        Called once, by whoever owns the request (the mailbox, or the I/O thread).
+        """
+        if source is not None:
+            self.source = source
+        self._result = result
+        self._after = after
+        self._finished = True
+        self._lock.release()
+
+    def fail(self, exc: TransportError) -> None:
+        """Fail the request, unless it already finished. Called by its owner.
+
+        A zero-copy send already handed to ZeroMQ keeps waiting for ``after``:
+        the caller must not reuse its buffer while ZeroMQ may still read it
+        (whoever fails it also closes the socket, which releases the buffer).
+        """
+        if self._finished:
+            after = self._after
+            if after is not None and not after.is_set():
+                self._error = exc
+            return
+        self._error = exc  # written before the release: the waiter's acquire orders it
+        self._finished = True
+        self._lock.release()
+
+    def done(self) -> bool:
+        if not self._finished:
+            return False
+        after = self._after
+        return after is None or after.is_set()
+
+    def wait(self, deadline: float | None) -> memoryview | None:
+        start = time.monotonic()
+        if not self._finished and not self._wait_lock(deadline):
+            raise self._timeout(start)
+        after = self._after
+        if after is not None and not _wait_event(after, deadline):
+            raise self._timeout(start)
+        if self._error is not None:
+            raise self._error.with_traceback(None)  # raised again on every wait: don't grow the traceback
+        return self._result
+
+    def _wait_lock(self, deadline: float | None) -> bool:
+        lock = self._lock
+        if deadline is None:
+            lock.acquire()
+        else:
+            remaining = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
+            if remaining <= 0 or not lock.acquire(timeout=remaining):
+                return False
+        lock.release()  # let other waiters (and later waits) through
+        return True
+
+    def _timeout(self, start: float) -> TransportTimeout:
+        waited_s = time.monotonic() - start
+        return TransportTimeout(
+            f"Timed out waiting {waited_s * 1000:.0f}ms for {self.describe()}",
+            self.peer, self.tag, self.what, waited_s)
+
+    def describe(self) -> str:
+        return describe(self.what, self.rank, self.peer, self.tag)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self.done() else "pending"
+        return f"<PendingRequest {self.describe()}: {state}>"
+
+
+def _wait_event(event: threading.Event, deadline: float | None) -> bool:
+    if event.is_set():
+        return True
+    if deadline is None:
+        return event.wait()
+    remaining = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
+    return remaining > 0 and event.wait(remaining)
+
+
+#: Reads the payload of the message being delivered: ``read(None)`` returns it
+#: as a read-only memoryview; ``read(view)`` receives it into ``view`` (of the
+#: right size, or :data:`DISCARD` to drop it).
+PayloadReader = Callable[[memoryview | None], memoryview | None]
+
+
+class Mailbox:
+    """Posted receives and unexpected messages of one rank. Thread-safe."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self._lock = threading.Lock()
+        # (src or ANY_SOURCE, tag) -> posted receives, oldest first
+        self._posted: dict[tuple[int, int], deque[PendingRequest]] = {}
+        # tag -> src -> (arrival number, payload), oldest first
+        self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview]]]] = {}
+        self._gone: dict[int, str] = {}  # peer -> why it left
+        self._closed: str | None = None
+        # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
+        self._counter = itertools.count()
+
+    # --- receiving side -----------------------------------------------------
+
+    def post(self, req: PendingRequest) -> None:
+        """Match ``req`` with the oldest queued message, or post it."""
+        with self._lock:
+            found = self._take_unexpected(req.peer, req.tag)
+            if found is None:
+                exc = self._refusal(req)
+                if exc is None:
+                    req.seq = next(self._counter)
+                    self._posted.setdefault((req.peer, req.tag), deque()).append(req)
+                    return
+        if found is None:
+            req.fail(exc)
+            return
+        src, payload = found
+        # Outside the lock: the copy into the buffer may be large.
+        if req.buf is None:
+            req.complete(payload, source=src)
+        elif self._fits(req, src, payload.nbytes):
+            req.buf[:] = payload
+            req.complete(None, source=src)
+
+    def gone_reason(self, peer: int) -> str | None:
+        """Why ``peer`` left, or ``None`` while it is connected."""
+        return self._gone.get(peer)
+
+    # --- delivering side ----------------------------------------------------
+
+    def deliver(self, src: int, tag: int, data: memoryview, *, private: bool = False) -> bool:
+        """Deliver the bytes of ``data``; returns False, delivering nothing, if
+        this mailbox is closed.
+
+        ``private``: ``data`` is a copy nobody else holds, which may be kept as
+        it is. Otherwise it is the sender's buffer (the send completes on
+        return, so it may be reused): it is copied before being kept.
+        """
+        with self._lock:
+            if self._closed is not None:
+                return False
+            req = self._claim(src, tag)
+            if req is None and private:
+                self._hold(src, tag, data)
+                return True
+        if req is None:
+            data, private = memoryview(bytes(data)), True  # copied without the lock held
+            with self._lock:
+                if self._closed is not None:
+                    return False
+                req = self._claim(src, tag)  # a receive may have been posted meanwhile
+                if req is None:
+                    self._hold(src, tag, data)
+                    return True
+        if req.buf is None:
+            req.complete(data if private else memoryview(bytes(data)), source=src)
+        elif self._fits(req, src, data.nbytes):
+            req.buf[:] = data
+            req.complete(None, source=src)
+        return True
+
+    def arrive(self, src: int, tag: int, nbytes: int, read: PayloadReader) -> None:
+        """Deliver a message whose payload ``read`` fetches (see :data:`PayloadReader`).
+
+        Called by a single I/O thread, in arrival order.
+        """
+        with self._lock:
+            req = self._claim(src, tag)
+            if req is None:
+                # Read under the lock so a receive posted now cannot miss the message.
+                if self._closed is None:
+                    self._hold(src, tag, read(None))
+                else:
+                    read(DISCARD)
+                return
+        if req.buf is None:
+            req.complete(read(None), source=src)
+        elif self._fits(req, src, nbytes):
+            read(req.buf)
+            req.complete(None, source=src)
+        else:
+            read(DISCARD)
+
+    def peer_gone(self, peer: int, reason: str) -> None:
+        """``peer`` left: fail receives from it that no queued message satisfies
+        (and ANY_SOURCE ones once every other rank has left)."""
+        with self._lock:
+            if peer in self._gone or self._closed is not None:
+                return
+            self._gone[peer] = reason
+            all_gone = len(self._gone) >= self.size - 1
+            victims = []
+            for key in [k for k in self._posted if k[0] == peer or (all_gone and k[0] == ANY_SOURCE)]:
+                victims.extend(self._posted.pop(key))
+        for req in victims:
+            req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
+
+    def close(self, reason: str) -> None:
+        """Fail every posted receive with :class:`TransportClosed`; refuse later ones."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = reason
+            victims = [req for queue in self._posted.values() for req in queue]
+            self._posted.clear()
+            self._unexpected.clear()
+        for req in victims:
+            req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
+
+    # --- internals (all but _fits: callers hold the lock) ----------------------
+
+    def _claim(self, src: int, tag: int) -> PendingRequest | None:
+        specific = self._posted.get((src, tag))
+        wildcard = self._posted.get((ANY_SOURCE, tag))
+        if specific and (not wildcard or specific[0].seq < wildcard[0].seq):
+            key, queue = (src, tag), specific
+        elif wildcard:
+            key, queue = (ANY_SOURCE, tag), wildcard
+        else:
+            return None
+        req = queue.popleft()
+        if not queue:
+            del self._posted[key]
+        return req
+
+    def _hold(self, src: int, tag: int, payload: memoryview) -> None:
+        by_src = self._unexpected.setdefault(tag, {})
+        by_src.setdefault(src, deque()).append((next(self._counter), payload))
+
+    def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview] | None:
+        by_src = self._unexpected.get(tag)
+        if not by_src:
+            return None
+        if peer == ANY_SOURCE:
+            peer = min(by_src, key=lambda s: by_src[s][0][0])
+        queue = by_src.get(peer)
+        if not queue:
+            return None
+        _, payload = queue.popleft()
+        if not queue:
+            del by_src[peer]
+            if not by_src:
+                del self._unexpected[tag]
+        return peer, payload
+
+    def _refusal(self, req: PendingRequest) -> TransportError | None:
+        if self._closed is not None:
+            return TransportClosed(f"{req.describe()}: {self._closed}", req.peer)
+        if req.peer == ANY_SOURCE:
+            if self.size > 1 and len(self._gone) >= self.size - 1:
+                return PeerClosed(f"{req.describe()}: every other rank has left", None)
+            return None
+        reason = self._gone.get(req.peer)
+        if reason is not None:
+            return PeerClosed(f"{req.describe()}: {reason}", req.peer)
+        return None
+
+    def _fits(self, req: PendingRequest, src: int, nbytes: int) -> bool:
+        """Fail ``req`` (and return False) if the message does not fit its buffer."""
+        if req.buf.nbytes == nbytes:
+            return True
+        req.fail(MessageSizeError(
+            f"{describe(RECV, self.rank, src, req.tag)}: the message is {nbytes} bytes "
+            f"but the receive buffer is {req.buf.nbytes} bytes", src))
+        return False

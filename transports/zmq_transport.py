@@ -1,0 +1,497 @@
+"""ZeroMQ transport: ``tcp://`` between hosts, ``ipc://`` between processes on one host.
+
+Sockets
+    Each rank binds one PULL socket (the OS picks the port, or a fresh file for
+    ipc) and publishes its endpoint in the store as ``addr/{rank}``; it connects
+    one PUSH socket to every peer's PULL. One I/O thread per transport owns every
+    socket. Sends reach it through a queue plus a wakeup fd; receives never wait
+    for it: they are matched in a :class:`~transports.mailbox.Mailbox`, which the
+    I/O thread fills, reading each payload straight into the posted buffer.
+Wire format
+    A message starts with a :data:`HEADER` (kind, source rank, tag, payload
+    bytes). Payloads below ``zero_copy_nbytes`` follow the header in the same
+    frame (``INLINE``: one send and one receive per message); larger ones are a
+    second frame (``DATA``), sent without a copy and received straight into the
+    posted buffer. ``BYE`` is a header alone.
+Liveness
+    A closing rank sends ``BYE`` to every peer after all its data (same pipe, so
+    a peer that reads ``BYE`` has everything). A crash shows up as a disconnect
+    on the PUSH socket's monitor; after ``peer_grace_s`` of silence (data sent
+    before the crash may still be arriving) the peer is declared lost.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections import deque
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .base import (
+    RECV,
+    SEND,
+    PeerClosed,
+    Rendezvous,
+    TransportClosed,
+    TransportError,
+    byte_view,
+    check_peer,
+)
+from .mailbox import Mailbox, PendingRequest
+
+__all__ = ["ZmqTransport", "SCHEMES"]
+
+SCHEMES = ("tcp", "ipc")
+
+#: kind, source rank, tag, payload bytes.
+HEADER = struct.Struct("<BiQQ")
+KIND_INLINE = 0
+KIND_DATA = 1
+KIND_BYE = 2
+
+#: How long ZeroMQ may keep flushing queued messages (BYE included) after close.
+LINGER_MS = 1000
+#: Poll timeout of the I/O thread when nothing is due. Only a safety net:
+#: posted sends and close() wake it through the wakeup fd.
+IDLE_POLL_MS = 250
+#: Inbound messages handled per loop turn before posted sends are served again.
+RECV_BATCH = 64
+#: Bound on close() waiting for the I/O thread (socket close itself never waits:
+#: ZeroMQ lingers in the background).
+JOIN_TIMEOUT_S = 5.0
+#: TCP keepalive, so a vanished host (no RST) is noticed: idle, interval (s), probes.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+#: Bind addresses that peers cannot connect to: publish this host's address instead.
+WILDCARD_HOSTS = ("*", "0.0.0.0", "")
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+_WAKE = (1).to_bytes(8, "little")  # an eventfd takes 8-byte counts; a pipe takes anything
+
+
+class _Wakeup:
+    """An fd that worker threads make readable to wake the I/O thread's poll."""
+
+    def __init__(self):
+        if hasattr(os, "eventfd"):
+            self.fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self.fd, self._write_fd = os.pipe()
+            os.set_blocking(self.fd, False)
+            os.set_blocking(self._write_fd, False)
+
+    def set(self) -> None:
+        try:
+            os.write(self._write_fd, _WAKE)
+        except BlockingIOError:  # full: already readable
+            pass
+
+    def clear(self) -> None:
+        try:
+            os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self._write_fd != self.fd:
+            os.close(self._write_fd)
+
+
+class ZmqTransport:
+    """Point-to-point messaging over ZeroMQ (``tcp`` or ``ipc``).
+
+    Parameters
+    ----------
+    scheme : {"tcp", "ipc"}
+    rank, size : int
+        This rank and the group size.
+    store : Rendezvous
+        Already prefixed for the group; carries ``addr/{rank}``. Its ``get``
+        enforces the rendezvous deadline.
+    host : str
+        Interface the tcp PULL socket binds to (ignored for ipc).
+    timeout_s : float
+        Kept as ``self.timeout_s`` for callers; every wait here takes its own deadline.
+    peer_grace_s : float
+        How long a disconnected peer may stay silent before it is declared lost.
+    zero_copy_nbytes : int
+        Sends of at least this many bytes go out without a copy and complete
+        when ZeroMQ releases the buffer; smaller ones are copied and complete at once.
+    """
+
+    def __init__(self, scheme: str, rank: int, size: int, store: Rendezvous, *,
+                 host: str = "127.0.0.1", timeout_s: float = 300.0,
+                 peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536):
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
+        if not 0 <= rank < size:
+            raise ValueError(f"invalid rank {rank} for group size {size}")
+        self.rank = rank
+        self.size = size
+        self.scheme = scheme
+        self.timeout_s = timeout_s
+        self._grace_s = peer_grace_s
+        self._zero_copy_nbytes = zero_copy_nbytes
+        self._mailbox = Mailbox(rank, size)
+        # (peer, first frame, second frame | None, zero-copy send | None), or None to stop
+        self._ops: deque = deque()
+        self._ops_lock = threading.Lock()
+        self._closing = False  # no more sends are taken
+        self._closed_reason = "this transport is closed"
+        self._close_called = False
+        self._wakeup = _Wakeup()
+        self._ipc_dir: str | None = None
+        self._pull: zmq.Socket | None = None
+        self._push: dict[int, zmq.Socket] = {}
+        self._monitors: dict[int, zmq.Socket] = {}
+        # State below belongs to the I/O thread.
+        self._backlog: dict[int, deque] = {}  # sends ZeroMQ refused (HWM), in order
+        self._tracked: dict[int, deque[PendingRequest]] = {p: deque() for p in range(size)}
+        self._suspects: dict[int, float] = {}  # disconnected peer -> end of its grace
+        self._poller = zmq.Poller()
+        ctx = zmq.Context.instance()
+        try:
+            self._pull = ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.RCVHWM, 0)
+            self._pull.setsockopt(zmq.LINGER, 0)
+            self.endpoint = self._bind(host)
+            store.set(f"addr/{rank}", self.endpoint.encode())
+            for peer in range(size):
+                if peer != rank:
+                    self._connect(ctx, peer, store.get(f"addr/{peer}").decode())
+        except BaseException:
+            self._release_sockets()
+            self._wakeup.close()
+            self._remove_ipc_dir()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"numcoll-{scheme}-io-rank{rank}", daemon=True)
+        self._thread.start()  # publishes the sockets made above to the thread that owns them
+
+    # --- setup ----------------------------------------------------------------
+
+    def _bind(self, host: str) -> str:
+        if self.scheme == "ipc":
+            self._ipc_dir = tempfile.mkdtemp(prefix="numcoll-ipc-")
+            path = os.path.join(self._ipc_dir, f"numcoll-{uuid.uuid4().hex}-{self.rank}.sock")
+            self._pull.bind(f"ipc://{path}")
+            return f"ipc://{path}"
+        self._set_keepalive(self._pull)
+        self._pull.bind(f"tcp://{host or '*'}:0")
+        endpoint = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        if host in WILDCARD_HOSTS:
+            port = endpoint.rsplit(":", 1)[1]
+            endpoint = f"tcp://{socket.gethostbyname(socket.gethostname())}:{port}"
+        return endpoint
+
+    def _connect(self, ctx: zmq.Context, peer: int, endpoint: str) -> None:
+        sock = ctx.socket(zmq.PUSH)
+        self._push[peer] = sock
+        # Unbounded queue, and no IMMEDIATE: messages wait for the connection
+        # instead of being refused; the algorithms bound what is in flight.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        if self.scheme == "tcp":
+            self._set_keepalive(sock)
+        # Monitor before connecting, so the first CONNECTED is not missed.
+        self._monitors[peer] = sock.get_monitor_socket(MONITOR_EVENTS)
+        sock.connect(endpoint)
+
+    @staticmethod
+    def _set_keepalive(sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+
+    # --- the Transport interface (called from any thread) ------------------------
+
+    def isend(self, peer: int, tag: int, buf) -> PendingRequest:
+        check_peer(SEND, self.rank, self.size, peer, tag)
+        data = byte_view(buf)
+        req = PendingRequest(SEND, self.rank, peer, tag)
+        if peer == self.rank:
+            if self._mailbox.deliver(peer, tag, data):
+                req.complete(None, source=peer)
+            else:
+                req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
+            return req
+        reason = self._mailbox.gone_reason(peer)
+        if reason is not None:
+            req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
+            return req
+        if data.nbytes >= self._zero_copy_nbytes:
+            # ZeroMQ reads the caller's buffer; the I/O thread completes the request
+            # with ZeroMQ's tracker, which fires when the buffer is released.
+            header = HEADER.pack(KIND_DATA, self.rank, tag, data.nbytes)
+            posted = self._post((peer, header, data, req))
+        else:
+            message = HEADER.pack(KIND_INLINE, self.rank, tag, data.nbytes) + data
+            posted = self._post((peer, message, None, None))
+            if posted:  # the copy frees the caller's buffer now
+                req.complete(None, source=peer)
+        if not posted:
+            req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
+        return req
+
+    def irecv(self, peer: int, tag: int, buf=None) -> PendingRequest:
+        check_peer(RECV, self.rank, self.size, peer, tag)
+        view = None if buf is None else byte_view(buf, writable=True)
+        req = PendingRequest(RECV, self.rank, peer, tag, view)
+        self._mailbox.post(req)
+        return req
+
+    def close(self) -> None:
+        with self._ops_lock:
+            if self._close_called:
+                return
+            self._close_called = True
+            if not self._closing:
+                self._closing = True
+                self._closed_reason = f"rank {self.rank}'s transport was closed"
+                self._ops.append(None)  # after every send posted so far: BYE follows the data
+        self._mailbox.close(f"rank {self.rank}'s transport was closed")
+        self._wakeup.set()
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            warnings.warn(f"rank {self.rank}: transport I/O thread did not stop within "
+                          f"{JOIN_TIMEOUT_S}s", RuntimeWarning, stacklevel=2)
+            return  # its sockets and fd are still in use: leave them to it
+        self._wakeup.close()
+        self._remove_ipc_dir()
+
+    def __repr__(self) -> str:
+        return f"<ZmqTransport {self.endpoint} rank {self.rank}/{self.size}>"
+
+    def _post(self, op) -> bool:
+        with self._ops_lock:
+            if self._closing:
+                return False
+            # A non-empty queue means a wakeup is already pending (the I/O thread
+            # clears the fd before it takes the queue), so skip the syscall.
+            wake = not self._ops
+            self._ops.append(op)
+        if wake:
+            self._wakeup.set()
+        return True
+
+    # --- the I/O thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = self._poller
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        for mon in self._monitors.values():
+            poller.register(mon, zmq.POLLIN)
+        error = None
+        try:
+            running = True
+            while running:
+                ready = poller.poll(self._poll_timeout_ms())
+                for sock, _ in ready:
+                    if sock is self._pull:
+                        self._read_inbound()
+                    elif sock == self._wakeup.fd:
+                        self._wakeup.clear()
+                    else:
+                        self._on_peer_socket(sock)
+                running = self._run_ops()
+                if self._suspects:
+                    self._expire_suspects()
+        except Exception as exc:  # fail every waiter with the cause instead of leaving them hanging
+            error = exc
+        finally:
+            self._shutdown(error)
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._suspects:
+            return IDLE_POLL_MS
+        due_s = min(self._suspects.values()) - time.monotonic()
+        return max(0, min(IDLE_POLL_MS, int(due_s * 1000) + 1))
+
+    def _on_peer_socket(self, sock: zmq.Socket) -> None:
+        for peer, mon in self._monitors.items():
+            if sock is mon:
+                return self._read_monitor(peer)
+        for peer, push in self._push.items():
+            if sock is push:
+                return self._flush_backlog(peer)
+
+    def _run_ops(self) -> bool:
+        """Send what the workers posted; False once told to stop."""
+        while True:
+            with self._ops_lock:
+                if not self._ops:
+                    return True
+                ops, self._ops = self._ops, deque()
+            for op in ops:
+                if op is None:
+                    return False
+                self._send(*op)
+
+    def _send(self, peer: int, first: bytes, payload, req: PendingRequest | None) -> None:
+        if peer not in self._push:  # gone; eager sends to it are silently lost, as on any crash
+            if req is not None:
+                reason = self._mailbox.gone_reason(peer) or f"rank {peer} has left"
+                req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
+            return
+        backlog = self._backlog.get(peer)
+        if backlog is not None:
+            backlog.append((first, payload, req))
+        elif not self._try_send(peer, first, payload, req):
+            self._backlog[peer] = deque([(first, payload, req)])
+            self._poller.register(self._push[peer], zmq.POLLOUT)
+
+    def _try_send(self, peer: int, first: bytes, payload, req: PendingRequest | None) -> bool:
+        sock = self._push[peer]
+        try:
+            sock.send(first, zmq.NOBLOCK if payload is None else zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if payload is None:
+            return True
+        # Once the first frame is taken, ZeroMQ takes the rest of the message.
+        frame = zmq.Frame(payload, track=True, copy=False)
+        sock.send(frame, zmq.NOBLOCK, copy=False)
+        req.complete(None, source=peer, after=frame.tracker_event)
+        # Drop our reference: ZeroMQ releases the buffer only once every copy of the frame is gone.
+        del frame
+        tracked = self._tracked[peer]
+        while tracked and tracked[0].done():
+            tracked.popleft()
+        tracked.append(req)
+        return True
+
+    def _flush_backlog(self, peer: int) -> None:
+        backlog = self._backlog[peer]
+        while backlog:
+            if not self._try_send(peer, *backlog[0]):
+                return
+            backlog.popleft()
+        del self._backlog[peer]
+        self._poller.unregister(self._push[peer])
+
+    def _read_inbound(self) -> None:
+        pull = self._pull
+        for _ in range(RECV_BATCH):
+            try:
+                first = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, src, tag, nbytes = HEADER.unpack_from(first)
+            if src in self._suspects:  # still draining what it sent: extend its grace
+                self._suspects[src] = time.monotonic() + self._grace_s
+            if kind == KIND_INLINE:  # the frame is our own copy: the mailbox may keep it
+                self._mailbox.deliver(src, tag, memoryview(first)[HEADER.size:], private=True)
+            elif kind == KIND_DATA:
+                self._mailbox.arrive(src, tag, nbytes, self._read_payload)
+            elif kind == KIND_BYE:  # comes after everything src sent us
+                self._peer_gone(src, f"rank {src} closed its transport")
+            else:  # not a numcoll peer: fail loudly rather than misread the stream
+                raise TransportError(f"rank {self.rank}: message of unknown kind {kind} "
+                                     f"claiming to be from rank {src}")
+
+    def _read_payload(self, into: memoryview | None) -> memoryview | None:
+        # The payload frame is already here: a multipart message arrives whole.
+        if into is None:
+            return memoryview(self._pull.recv(zmq.NOBLOCK, copy=False)).toreadonly()
+        self._pull.recv_into(into, flags=zmq.NOBLOCK)
+        return None
+
+    def _read_monitor(self, peer: int) -> None:
+        mon = self._monitors[peer]
+        while True:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._suspects.setdefault(peer, time.monotonic() + self._grace_s)
+            elif event == zmq.EVENT_CONNECTED:
+                self._suspects.pop(peer, None)
+
+    def _expire_suspects(self) -> None:
+        now = time.monotonic()
+        for peer, end in list(self._suspects.items()):
+            if end <= now:
+                self._peer_gone(peer, f"connection to rank {peer} lost (process exited?)")
+
+    def _peer_gone(self, peer: int, reason: str) -> None:
+        self._suspects.pop(peer, None)
+        if peer not in self._push:
+            return
+        self._mailbox.peer_gone(peer, reason)
+        unsent = [req for _, _, req in self._backlog.pop(peer, ()) if req is not None]
+        for req in unsent + list(self._tracked[peer]):
+            req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
+        self._tracked[peer].clear()
+        # Nothing queued for it can be delivered: drop it now, which releases the
+        # zero-copy buffers and so lets the failed sends' waiters return.
+        self._close_peer(peer, linger_ms=0)
+
+    def _close_peer(self, peer: int, linger_ms: int) -> None:
+        sock = self._push.pop(peer)
+        mon = self._monitors.pop(peer)
+        registered = {s for s, _ in self._poller.sockets}
+        for s in (sock, mon):
+            if s in registered:
+                self._poller.unregister(s)
+        sock.disable_monitor()
+        mon.close(linger=0)
+        sock.close(linger=linger_ms)
+
+    def _shutdown(self, error: Exception | None) -> None:
+        reason = (f"rank {self.rank}'s transport was closed" if error is None
+                  else f"the I/O thread of rank {self.rank} failed: {error!r}")
+        with self._ops_lock:
+            self._closing = True
+            self._closed_reason = reason
+            leftover = [op for op in self._ops if op is not None]
+            self._ops.clear()
+        self._mailbox.close(reason)
+        failed = [req for _, _, _, req in leftover if req is not None]
+        for peer in self._push:
+            backlog = self._backlog.pop(peer, None)
+            if backlog is not None:
+                failed.extend(req for _, _, req in backlog if req is not None)
+            elif error is None:
+                self._say_bye(peer)
+            failed.extend(self._tracked[peer])
+        # Fail the waiters before touching sockets, which may be what broke. Zero-copy
+        # sends already handed over still wait until the closing sockets release their buffers.
+        for req in failed:
+            req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
+        try:
+            for peer in list(self._push):
+                self._close_peer(peer, linger_ms=LINGER_MS)  # lingers in the background
+        finally:
+            self._pull.close(linger=0)
+
+    def _say_bye(self, peer: int) -> None:
+        try:
+            self._push[peer].send(HEADER.pack(KIND_BYE, self.rank, 0, 0), zmq.NOBLOCK)
+        except zmq.ZMQError:  # it will see the disconnect instead
+            pass
+
+    def _release_sockets(self) -> None:
+        """Close sockets from the constructing thread (the I/O thread never started)."""
+        for peer in list(self._push):
+            if peer in self._monitors:
+                self._close_peer(peer, linger_ms=0)
+            else:
+                self._push.pop(peer).close(linger=0)
+        if self._pull is not None:
+            self._pull.close(linger=0)
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)

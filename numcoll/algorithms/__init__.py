@@ -1,0 +1,39 @@
+"""Collective algorithms, written against a small send/recv interface (a
+:class:`numcoll.comm.Comm`) and a work buffer (:mod:`numcoll.buffers`) that
+knows how to reduce. They never see sockets, dtypes or kernels.
+
+Naming: ``<collective>_<algorithm>``. Each docstring gives the cost in steps
+and bytes (P ranks, S bytes) and the source.
+"""
+
+from .allgather import allgather_ring
+from .allreduce import allreduce_recursive_doubling, allreduce_ring
+from .alltoall import alltoall_pairwise
+from .barrier import barrier_dissemination
+from .broadcast import broadcast_binomial, broadcast_chain
+from .reduce import reduce_binomial, reduce_ring
+from .reduce_scatter import reduce_scatter_ring
+from .rooted import gather_direct, scatter_direct
+
+__all__ = [
+    "allgather_ring",
+    "allreduce_recursive_doubling",
+    "allreduce_ring",
+    "alltoall_pairwise",
+    "barrier_dissemination",
+    "broadcast_binomial",
+    "broadcast_chain",
+    "gather_direct",
+    "reduce_binomial",
+    "reduce_ring",
+    "reduce_scatter_ring",
+    "scatter_direct",
+]
+
+#: Algorithms selectable by name per collective (config ``algorithm`` or a
+#: per-call/per-group override); the first is not necessarily the default.
+CHOICES = {
+    "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling},
+    "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain},
+    "reduce": {"binomial": reduce_binomial, "ring": reduce_ring},
+}

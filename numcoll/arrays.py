@@ -1,0 +1,107 @@
+"""Turning what the caller passed into arrays, and the checks on them.
+
+Buffer checks live here, in one place, with the Gloo backend's wording
+(``invalid tensor type``, ``invalid tensor size`` ...) so error messages match
+what torch.distributed users know. Every message names the operation.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .dtypes import dtype_name, is_supported
+
+__all__ = [
+    "as_array",
+    "as_array_list",
+    "check_same_type_and_size",
+    "check_writable",
+    "flat_view",
+    "is_device_array",
+]
+
+
+def is_device_array(obj) -> bool:
+    """True for CUDA memory (anything with ``__cuda_array_interface__``)."""
+    return hasattr(obj, "__cuda_array_interface__")
+
+
+def as_array(obj, op: str) -> np.ndarray:
+    """A NumPy view of ``obj`` sharing its memory (results must land in the
+    caller's memory, so nothing that would need a copy is accepted)."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif is_device_array(obj):
+        from .cuda_arrays import as_device_array  # lazy: no numba.cuda on import
+
+        return as_device_array(obj, op)
+    elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") or _has_buffer(obj):
+        # torch CPU tensors, memoryviews, bytearrays...: NumPy views them in place.
+        arr = np.asarray(obj)
+    else:
+        raise TypeError(
+            f"{op}: invalid tensor type: expected a NumPy array (or an object NumPy can "
+            f"view without a copy), got {type(obj).__name__}")
+    if not is_supported(arr.dtype):
+        raise TypeError(f"{op}: invalid tensor type: dtype {dtype_name(arr.dtype)} is not "
+                        "supported")
+    return arr
+
+
+def _has_buffer(obj) -> bool:
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
+
+
+def as_array_list(arrays, op: str, *, allow_single: bool = True) -> list:
+    """One array or a sequence of arrays -> list of arrays."""
+    if allow_single and not isinstance(arrays, (list, tuple)):
+        return [as_array(arrays, op)]
+    if not isinstance(arrays, (list, tuple)):
+        raise TypeError(f"{op}: expected a list of arrays, got {type(arrays).__name__}")
+    return [as_array(a, op) for a in arrays]
+
+
+def check_same_type_and_size(arrays: Sequence, op: str, like=None) -> None:
+    """Gloo's assertTypeAndSizesMatch: every array has ``like``'s (or the
+    first's) dtype and shape."""
+    if not arrays and like is None:
+        return
+    ref = like if like is not None else arrays[0]
+    for i, a in enumerate(arrays):
+        if a.dtype != ref.dtype or _is_dev(a) != _is_dev(ref):
+            raise TypeError(
+                f"{op}: invalid tensor type at index {i} (expected "
+                f"{_describe(ref)}, got {_describe(a)})")
+        if a.shape != ref.shape:
+            raise ValueError(
+                f"{op}: invalid tensor size at index {i} (expected {tuple(ref.shape)}, "
+                f"got {tuple(a.shape)})")
+
+
+def _is_dev(a) -> bool:
+    return not isinstance(a, np.ndarray)
+
+
+def _describe(a) -> str:
+    where = "device" if _is_dev(a) else "host"
+    return f"{dtype_name(a.dtype)} on the {where}"
+
+
+def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
+    for i, a in enumerate(arrays):
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"{op}: {what} array at index {i} is read-only")
+
+
+def flat_view(arr: np.ndarray) -> np.ndarray | None:
+    """``arr`` as a flat C-contiguous view sharing memory, or None if it is not
+    contiguous (the caller then works on a copy and writes it back)."""
+    if arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    return None

@@ -1,0 +1,410 @@
+"""Collectives that move data without reducing it: broadcast, allgather
+(+coalesced, +into_tensor), gather, scatter, alltoall (+base)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..algorithms import allgather_ring, alltoall_pairwise, gather_direct, scatter_direct
+from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
+from ..buffers import HostBuffer
+from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
+from .checks import check_root_rank, check_root_tensor, check_same_dtype, originals
+from .choice import choose, segment_count
+
+__all__ = ["DataMovement"]
+
+
+class DataMovement:
+    """Mixin of :class:`~numcoll.ProcessGroup`: the data-movement collectives."""
+
+    def _segment(self, itemsize: int) -> int:
+        return segment_count(self._cfg, itemsize)
+
+    # -- broadcast -----------------------------------------------------------------
+    def broadcast(self, arrays, opts: BroadcastOptions | None = None, *, root=None):
+        """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` into every
+        array on every rank. ``root`` overrides ``opts.root_rank``."""
+        name = "broadcast"
+        opts = opts or BroadcastOptions()
+        root_rank = opts.root_rank if root is None else root
+        outs = originals(arrays)
+        arrays = as_array_list(arrays, name)
+        check_root_rank(root_rank, self._size, name)
+        check_root_tensor(opts.root_tensor, len(arrays), name)
+        check_same_type_and_size(arrays, name)
+        check_writable(arrays, name)
+        src = arrays[opts.root_tensor]
+        algorithm = choose(self._cfg, name, opts.algorithm, src.nbytes, self._size)
+        seg = self._segment(src.itemsize)
+        is_root = self._rank == root_rank
+
+        def run(comm, work):
+            flat = _flat_or_copy(src, copy_in=is_root)
+            algorithm(comm, HostBuffer(flat), root_rank, seg)
+            for i, a in enumerate(arrays):
+                if i != opts.root_tensor or not src.flags.c_contiguous:
+                    np.copyto(a, flat.reshape(a.shape))
+            return outs
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    # -- allgather family ----------------------------------------------------------------
+    def allgather(self, output_lists, input_list, opts: AllgatherOptions | None = None):
+        """Every rank's inputs, in rank order, into every output list.
+
+        With n inputs per rank, each of the n output lists holds n * world_size
+        arrays: rank 0's n inputs, then rank 1's, ... The future's value is the
+        output list for n == 1, the list of output lists otherwise.
+        """
+        name = "allgather"
+        opts = opts or AllgatherOptions()
+        inputs = as_array_list(input_list, name)
+        if not inputs:
+            raise ValueError(f"{name}: requires non-empty input tensor list")
+        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != len(inputs):
+            got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
+            raise ValueError(f"{name}: requires input/output tensor lists to have the same "
+                             f"length ({len(inputs)} inputs, {got} output lists)")
+        expected = len(inputs) * self._size
+        outputs = []
+        for i, lst in enumerate(output_lists):
+            if not isinstance(lst, (list, tuple)) or len(lst) != expected:
+                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+                raise ValueError(f"{name}: invalid output tensor list at index {i} (expected "
+                                 f"length {expected}, got {got})")
+            outputs.append(as_array_list(lst, name, allow_single=False))
+        check_same_type_and_size(inputs, name)
+        for lst in outputs:
+            check_same_type_and_size(lst, name, like=inputs[0])
+            check_writable(lst, name)
+        value = [list(lst) for lst in output_lists]
+        value = value[0] if len(value) == 1 else value
+        per_rank = sum(a.size for a in inputs)
+        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
+        seg = self._segment(inputs[0].itemsize)
+
+        def run(comm, work):
+            buf = np.empty(per_rank * self._size, inputs[0].dtype)
+            _pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            gathered = _unpack_like(buf, [inputs[0]] * expected)
+            for lst in outputs:
+                for a, g in zip(lst, gathered):
+                    np.copyto(a, g)
+            return value
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    def allgather_coalesced(self, output_lists, input_list, opts: AllgatherOptions | None = None):
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]``; inputs may
+        differ in shape (one dtype). One ring moves them all."""
+        name = "allgather_coalesced"
+        opts = opts or AllgatherOptions()
+        inputs = as_array_list(input_list, name)
+        if not inputs:
+            raise ValueError(f"{name}: requires non-empty input tensor list")
+        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != self._size:
+            got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
+            raise ValueError(f"{name}: output lists should be equal to world size "
+                             f"({self._size}), got {got}")
+        check_same_dtype(inputs, name)
+        outputs = []
+        for r, lst in enumerate(output_lists):
+            lst = as_array_list(lst, name, allow_single=False)
+            if len(lst) != len(inputs):
+                raise ValueError(f"{name}: invalid output size at index {r} (expected "
+                                 f"length {len(inputs)}, got {len(lst)})")
+            for j, (o, i) in enumerate(zip(lst, inputs)):
+                if o.dtype != i.dtype:
+                    raise TypeError(f"{name}: invalid tensor type at index {j} of output "
+                                    f"list {r}: expected {i.dtype}, got {o.dtype}")
+                if o.size != i.size:
+                    raise ValueError(f"{name}: invalid size of output tensor at index {j} of "
+                                     f"output list {r}: expected {i.size} elements, got "
+                                     f"{o.size}")
+            check_writable(lst, name)
+            outputs.append(lst)
+        value = [list(lst) for lst in output_lists]
+        per_rank = sum(a.size for a in inputs)
+        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
+        seg = self._segment(inputs[0].itemsize)
+
+        def run(comm, work):
+            buf = np.empty(per_rank * self._size, inputs[0].dtype)
+            _pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            for r, lst in enumerate(outputs):
+                for a, g in zip(lst, _unpack_like(buf[r * per_rank:], lst)):
+                    np.copyto(a, g)
+            return value
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    def allgather_into_tensor(self, output, input, opts: AllgatherOptions | None = None):
+        """``output`` (``world_size`` times ``input``'s size) gets every rank's
+        ``input`` back to back, in rank order."""
+        work = self.allgather_into_tensor_coalesced([output], [input], opts,
+                                                    _name="allgather_into_tensor")
+        return work
+
+    _allgather_base = allgather_into_tensor
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None, *,
+                                        _name: str = "allgather_into_tensor_coalesced"):
+        """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
+        name = _name
+        opts = opts or AllgatherOptions()
+        outs = originals(outputs)
+        outputs = as_array_list(outputs, name)
+        inputs = as_array_list(inputs, name)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{name}: requires input/output tensor lists to have the same "
+                             f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
+        if not inputs:
+            raise ValueError(f"{name}: requires non-empty input tensor list")
+        for o, i in zip(outputs, inputs):
+            if o.dtype != i.dtype:
+                raise TypeError(f"{name}: input and output tensors must have the same type "
+                                f"({i.dtype} vs {o.dtype})")
+            if o.size != i.size * self._size:
+                raise ValueError(
+                    f"{name}: output tensor size must equal world size times input tensor "
+                    f"size: output has {o.size} elements, input {i.size} x {self._size} ranks")
+        check_same_dtype(inputs, name)
+        check_writable(outputs, name)
+        per_rank = sum(a.size for a in inputs)
+        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
+        seg = self._segment(inputs[0].itemsize)
+        direct = len(outputs) == 1 and outputs[0].flags.c_contiguous
+
+        def run(comm, work):
+            # One pair with a contiguous output: gather straight into it.
+            buf = outputs[0].reshape(-1) if direct else np.empty(per_rank * self._size,
+                                                                 inputs[0].dtype)
+            _pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            if not direct:
+                rows = buf.reshape(self._size, per_rank)
+                col = 0
+                for o, i in zip(outputs, inputs):
+                    np.copyto(o, rows[:, col:col + i.size].reshape(o.shape))
+                    col += i.size
+            return outs
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    # -- gather / scatter ------------------------------------------------------------
+    def gather(self, output_lists, input_list, opts: GatherOptions | None = None):
+        """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``.
+        Non-roots pass ``[]`` as output. The future's value is the root's output
+        list (``[]`` on other ranks)."""
+        name = "gather"
+        opts = opts or GatherOptions()
+        root = opts.root_rank
+        check_root_rank(root, self._size, name)
+        inputs = as_array_list(input_list, name)
+        if len(inputs) != 1:
+            raise ValueError(f"{name}: requires a single-element input tensor list "
+                             f"(got {len(inputs)})")
+        src = inputs[0]
+        is_root = self._rank == root
+        outputs, value = [], []
+        if is_root:
+            if not isinstance(output_lists, (list, tuple)) or len(output_lists) != 1:
+                raise ValueError(f"{name}: requires a single-element output list")
+            lst = output_lists[0]
+            if not isinstance(lst, (list, tuple)) or len(lst) != self._size:
+                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+                raise ValueError(f"{name}: Incorrect output list size {got}. "
+                                 f"Output list size should be {self._size}")
+            outputs = as_array_list(lst, name, allow_single=False)
+            check_same_type_and_size(outputs, name, like=src)
+            check_writable(outputs, name)
+            value = list(lst)
+        elif output_lists:
+            raise ValueError(f"{name}: requires empty output on non-root (rank {self._rank}, "
+                             f"root {root})")
+        seg = self._segment(src.itemsize)
+
+        def run(comm, work):
+            send = HostBuffer(_flat_or_copy(src, copy_in=True))
+            targets = [_flat_or_copy(o, copy_in=False) for o in outputs]
+            gather_direct(comm, send, [HostBuffer(t) for t in targets], root, seg)
+            if is_root:
+                targets[root][...] = send.array
+                for o, t in zip(outputs, targets):
+                    if not o.flags.c_contiguous:
+                        np.copyto(o, t.reshape(o.shape))
+            return value
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    def scatter(self, output_list, input_lists, opts: ScatterOptions | None = None):
+        """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``.
+        Non-roots pass ``[]`` as input."""
+        name = "scatter"
+        opts = opts or ScatterOptions()
+        root = opts.root_rank
+        check_root_rank(root, self._size, name)
+        outs = originals(output_list)
+        outputs = as_array_list(output_list, name)
+        if len(outputs) != 1:
+            raise ValueError(f"{name}: requires a single-element output tensor list "
+                             f"(got {len(outputs)})")
+        out = outputs[0]
+        check_writable(outputs, name)
+        is_root = self._rank == root
+        inputs = []
+        if is_root:
+            if not isinstance(input_lists, (list, tuple)) or len(input_lists) != 1:
+                raise ValueError(f"{name}: requires a single-element input list")
+            lst = input_lists[0]
+            if not isinstance(lst, (list, tuple)) or len(lst) != self._size:
+                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+                raise ValueError(f"{name}: Incorrect input list size {got}. "
+                                 f"Input list size should be {self._size}")
+            inputs = as_array_list(lst, name, allow_single=False)
+            check_same_type_and_size(inputs, name, like=out)
+        elif input_lists:
+            raise ValueError(f"{name}: requires empty input on non-root (rank {self._rank}, "
+                             f"root {root})")
+        seg = self._segment(out.itemsize)
+
+        def run(comm, work):
+            target = _flat_or_copy(out, copy_in=False)
+            sends = [HostBuffer(_flat_or_copy(a, copy_in=True)) for a in inputs]
+            scatter_direct(comm, sends, HostBuffer(target), root, seg)
+            if is_root:
+                target[...] = sends[root].array
+            if not out.flags.c_contiguous:
+                np.copyto(out, target.reshape(out.shape))
+            return outs
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    # -- alltoall ---------------------------------------------------------------------
+    def alltoall(self, output_list, input_list, opts: AllToAllOptions | None = None):
+        """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
+        name = "alltoall"
+        opts = opts or AllToAllOptions()
+        outs = originals(output_list)
+        outputs = as_array_list(output_list, name, allow_single=False)
+        inputs = as_array_list(input_list, name, allow_single=False)
+        if len(inputs) != self._size:
+            raise ValueError(f"{name}: input tensor list size {len(inputs)} does not match "
+                             f"world size {self._size}")
+        if len(outputs) != self._size:
+            raise ValueError(f"{name}: output tensor list size {len(outputs)} does not match "
+                             f"world size {self._size}")
+        check_same_dtype([*inputs, *outputs], name)
+        check_writable(outputs, name)
+        send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
+        seg = self._segment(inputs[0].itemsize)
+
+        def run(comm, work):
+            send = np.empty(sum(a.size for a in inputs), inputs[0].dtype)
+            recv = np.empty(sum(a.size for a in outputs), inputs[0].dtype)
+            _pack(inputs, send)
+            alltoall_pairwise(comm, HostBuffer(send), send_chunks, HostBuffer(recv),
+                              recv_chunks, seg)
+            s, n = send_chunks[self._rank]
+            r, m = recv_chunks[self._rank]
+            if n != m:
+                raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
+                                 f"expects {m}")
+            recv[r:r + m] = send[s:s + n]
+            for a, g in zip(outputs, _unpack_like(recv, outputs)):
+                np.copyto(a, g)
+            return outs
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+    def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                      opts: AllToAllOptions | None = None):
+        """Split ``input`` along dim 0 (equally, or by ``input_split_sizes``);
+        block q goes to rank q, and rank r's block for us lands in ``output``'s
+        r-th block (by ``output_split_sizes``)."""
+        name = "alltoall_base"
+        opts = opts or AllToAllOptions()
+        out, inp = as_array(output, name), as_array(input, name)
+        if not out.flags.c_contiguous or not inp.flags.c_contiguous:
+            raise ValueError(f"{name}: Tensors must be contiguous")
+        if out.dtype != inp.dtype:
+            raise TypeError(f"{name}: input and output tensors must have the same type "
+                            f"({inp.dtype} vs {out.dtype})")
+        check_writable([out], name)
+        send_chunks = _split_bounds(inp, input_split_sizes, self._size, name, "input")
+        recv_chunks = _split_bounds(out, output_split_sizes, self._size, name, "output")
+        if input_split_sizes is None and output_split_sizes is None and out.size != inp.size:
+            raise ValueError(f"{name}: input and output tensors must have the same size "
+                             f"({inp.size} vs {out.size} elements)")
+        seg = self._segment(inp.itemsize)
+
+        def run(comm, work):
+            send, recv = inp.reshape(-1), out.reshape(-1)
+            alltoall_pairwise(comm, HostBuffer(send), send_chunks, HostBuffer(recv),
+                              recv_chunks, seg)
+            s, n = send_chunks[self._rank]
+            r, m = recv_chunks[self._rank]
+            if n != m:
+                raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
+                                 f"expects {m}")
+            recv[r:r + m] = send[s:s + n]
+            return [output]
+
+        return self._enqueue(name, run, self._timeout_for(opts))
+
+
+def _flat_or_copy(a: np.ndarray, copy_in: bool) -> np.ndarray:
+    """``a``'s memory as a flat array, or a flat copy (filled from ``a`` if
+    ``copy_in``) when ``a`` is not contiguous."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    return np.ascontiguousarray(a).reshape(-1) if copy_in else np.empty(a.size, a.dtype)
+
+
+def _pack(arrays, buf) -> None:
+    start = 0
+    for a in arrays:
+        buf[start:start + a.size] = a.reshape(-1) if a.flags.c_contiguous else a.ravel()
+        start += a.size
+
+
+def _unpack_like(buf, like):
+    """Views of ``buf``, back to back, shaped like each array of ``like``."""
+    views, start = [], 0
+    for a in like:
+        views.append(buf[start:start + a.size].reshape(a.shape))
+        start += a.size
+    return views
+
+
+def _bounds(arrays):
+    bounds, start = [], 0
+    for a in arrays:
+        bounds.append((start, a.size))
+        start += a.size
+    return bounds
+
+
+def _split_bounds(arr, split_sizes, size, op, what):
+    rows = arr.shape[0] if arr.ndim else 1
+    row_elems = arr.size // rows if rows else 0
+    if split_sizes is None:
+        if rows % size:
+            raise ValueError(f"{op}: {what} tensor's dim 0 ({rows}) does not divide equally "
+                             f"across group size {size}")
+        split_sizes = [rows // size] * size
+    split_sizes = list(split_sizes)
+    if len(split_sizes) != size:
+        raise ValueError(f"{op}: {what} split sizes has {len(split_sizes)} entries, expected "
+                         f"world size {size}")
+    if any(s < 0 for s in split_sizes) or sum(split_sizes) != rows:
+        raise ValueError(f"{op}: {what} split sizes {split_sizes} must be non-negative and "
+                         f"sum to dim 0 ({rows})")
+    bounds, start = [], 0
+    for s in split_sizes:
+        bounds.append((start * row_elems, s * row_elems))
+        start += s
+    return bounds

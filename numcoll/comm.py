@@ -1,0 +1,142 @@
+"""Comm: one collective's view of the transport.
+
+A Comm binds the collective's sequence number (every message tag carries it,
+so concurrent collectives never see each other's messages), its deadline and
+its name. Transport exceptions are translated into numcoll's errors here and
+nowhere else, with messages that say what was waited for, how long, and
+between which ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from transports import (
+    MessageSizeError,
+    PeerClosed,
+    TransportClosed,
+    TransportError,
+    TransportTimeout,
+)
+
+from .errors import CollectiveTimeoutError, NumcollError, PeerError
+
+__all__ = ["Comm", "collective_tag", "p2p_tag", "MAX_STEP", "MAX_USER_TAG"]
+
+_SEQ_BITS = 31
+_STEP_BITS = 32
+MAX_STEP = (1 << _STEP_BITS) - 1
+_P2P_BIT = 1 << 63
+MAX_USER_TAG = _P2P_BIT - 1
+
+
+def collective_tag(seq: int, step: int) -> int:
+    """Tag of message ``step`` of collective number ``seq`` (seq wraps at 2**31)."""
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step {step} out of range")
+    return ((seq & ((1 << _SEQ_BITS) - 1)) << _STEP_BITS) | step
+
+
+def p2p_tag(user_tag: int) -> int:
+    """Tag of a point-to-point send/recv: a namespace of its own (bit 63 set),
+    so user tags never collide with collective traffic."""
+    if not 0 <= user_tag <= MAX_USER_TAG:
+        raise ValueError(f"tag must be in [0, {MAX_USER_TAG}], got {user_tag}")
+    return _P2P_BIT | user_tag
+
+
+class Pending:
+    """A posted send/recv, with what the error message needs to know."""
+
+    __slots__ = ("request", "peer", "what", "step")
+
+    def __init__(self, request, peer: int, what: str, step: int | None):
+        self.request, self.peer, self.what, self.step = request, peer, what, step
+
+    @property
+    def source(self) -> int | None:
+        return self.request.source
+
+
+class Comm:
+    """Send/recv by (peer, step) for one collective, waits bounded by its deadline."""
+
+    def __init__(self, transport, seq: int, op_name: str, timeout_s: float,
+                 peer_note: Callable[[int], str | None] | None = None):
+        self.transport = transport
+        self.rank = transport.rank
+        self.size = transport.size
+        self.seq = seq
+        self.op_name = op_name
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._peer_note = peer_note
+
+    # -- posting ----------------------------------------------------------------
+    def isend(self, peer: int, step: int, buf) -> Pending:
+        return self._post(self.transport.isend, peer, collective_tag(self.seq, step), buf,
+                          "send", step)
+
+    def irecv(self, peer: int, step: int, buf=None) -> Pending:
+        return self._post(self.transport.irecv, peer, collective_tag(self.seq, step), buf,
+                          "recv", step)
+
+    def isend_tagged(self, peer: int, tag: int, buf) -> Pending:
+        return self._post(self.transport.isend, peer, tag, buf, "send", None)
+
+    def irecv_tagged(self, peer: int, tag: int, buf=None) -> Pending:
+        return self._post(self.transport.irecv, peer, tag, buf, "recv", None)
+
+    def _post(self, fn, peer, tag, buf, what, step) -> Pending:
+        try:
+            return Pending(fn(peer, tag, buf), peer, what, step)
+        except TransportError as exc:
+            raise self._translate(exc, peer, what) from exc
+
+    # -- waiting ----------------------------------------------------------------
+    def wait(self, pending: Pending):
+        """Wait for ``pending`` until the collective's deadline; return what the
+        transport returns (the message for a receive posted without a buffer)."""
+        try:
+            return pending.request.wait(self.deadline)
+        except TransportError as exc:
+            raise self._translate(exc, pending.peer, pending.what) from exc
+
+    def wait_all(self, pendings) -> None:
+        for p in pendings:
+            self.wait(p)
+
+    def sendrecv(self, send_peer: int, recv_peer: int, step: int, send_buf, recv_buf=None):
+        """Exchange: post the receive, then the send, wait for both (no deadlock
+        when both sides call it at once: nothing blocks before both are posted)."""
+        r = self.irecv(recv_peer, step, recv_buf)
+        s = self.isend(send_peer, step, send_buf)
+        data = self.wait(r)
+        self.wait(s)
+        return data
+
+    # -- the one place transport errors become numcoll errors ---------------------
+    def _translate(self, exc: TransportError, peer: int | None, what: str) -> NumcollError:
+        where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
+        peer = exc.peer if exc.peer is not None else peer
+        direction = "from" if what == "recv" else "to"
+        if isinstance(exc, TransportTimeout):
+            ms = round(self.timeout_s * 1000)
+            return CollectiveTimeoutError(
+                f"Timed out waiting {ms}ms for {where}: {what} {direction} rank {peer} "
+                f"did not complete (the peer may not have called {self.op_name}, "
+                "or called collectives in a different order)"
+            )
+        if isinstance(exc, PeerClosed):
+            note = self._peer_note(peer) if self._peer_note and peer is not None else None
+            why = f"; rank {peer} had aborted the group: {note}" if note else ""
+            return PeerError(f"{where}: rank {peer} is gone: {exc}{why}", peer=peer)
+        if isinstance(exc, TransportClosed):
+            return NumcollError(f"{where}: this rank's process group was shut down or "
+                                f"aborted: {exc}")
+        if isinstance(exc, MessageSizeError):
+            return PeerError(
+                f"{where}: message {direction} rank {peer} has the wrong size ({exc}); "
+                "ranks passed arrays of different sizes or dtypes", peer=peer)
+        return NumcollError(f"{where}: transport error with rank {peer}: {exc}")

@@ -1,0 +1,120 @@
+"""Futures: the value of a collective, available when its Work completes.
+
+A small, thread-safe future in the style of ``torch.futures.Future``:
+``wait()`` returns the value or raises the error, ``then(fn)`` chains,
+``add_done_callback(fn)`` runs ``fn(fut)`` on completion.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+__all__ = ["Future", "wait_all"]
+
+_UNSET = object()
+
+
+class Future:
+    """The eventual value (or error) of an asynchronous operation."""
+
+    __slots__ = ("_cond", "_value", "_error", "_callbacks")
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._value: Any = _UNSET
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Future], None]] = []
+
+    # -- completion (called by the thread that ran the operation) --------------
+    def set_result(self, value: Any) -> None:
+        self._complete(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._complete(_UNSET, error)
+
+    def _complete(self, value, error) -> None:
+        with self._cond:
+            if self._value is not _UNSET or self._error is not None:
+                raise RuntimeError("Future already completed")
+            self._value, self._error = value, error
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            _run_callback(cb, self)
+
+    # -- observation ------------------------------------------------------------
+    def done(self) -> bool:
+        with self._cond:
+            return self._value is not _UNSET or self._error is not None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done (at most ``timeout`` seconds), then return the value
+        or raise the operation's error. Raises ``TimeoutError`` if ``timeout``
+        passes first (the operation itself goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._value is _UNSET and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
+                self._cond.wait(remaining)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def value(self) -> Any:
+        """The value of a completed future (raises its error; ValueError if not done)."""
+        if not self.done():
+            raise ValueError("Future.value() called before the future completed")
+        return self.wait()
+
+    def exception(self) -> BaseException | None:
+        with self._cond:
+            return self._error
+
+    def add_done_callback(self, fn: Callable[[Future], None]) -> None:
+        """Run ``fn(self)`` when done (immediately, on this thread, if already done)."""
+        with self._cond:
+            if self._value is _UNSET and self._error is None:
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def then(self, fn: Callable[[Future], Any]) -> Future:
+        """A new future holding ``fn(self)``'s return value (or its exception)."""
+        chained = Future()
+
+        def run(fut: Future) -> None:
+            try:
+                chained.set_result(fn(fut))
+            except BaseException as exc:  # noqa: BLE001 - forwarded, not swallowed
+                chained.set_exception(exc)
+
+        self.add_done_callback(run)
+        return chained
+
+    def __repr__(self):
+        state = "pending" if not self.done() else ("failed" if self._error else "done")
+        return f"<numcoll.Future {state}>"
+
+
+def _run_callback(cb: Callable[[Future], None], fut: Future) -> None:
+    try:
+        cb(fut)
+    except Exception:  # a user's callback must not kill the worker thread
+        import logging
+
+        logging.getLogger("numcoll").exception("future callback %r raised", cb)
+
+
+def wait_all(futures: Iterable) -> list:
+    """Wait for every future (or Work) and return their values in order; the
+    first error encountered is raised."""
+    values = []
+    for fut in futures:
+        if hasattr(fut, "get_future"):
+            fut = fut.get_future()
+        values.append(fut.wait())
+    return values

@@ -1,0 +1,111 @@
+"""Per-call options, as dataclasses in the style of torch.distributed's.
+
+Every option class has ``timeout`` (a ``timedelta``, or None for the group's
+default) and ``algorithm`` (force an algorithm by name for this call, e.g.
+"ring"; None chooses by message size). torch's camelCase attribute names
+(``rootRank``, ``rootTensor``, ``reduceOp``) are accepted as aliases so code
+ported from torch's tests reads the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from .ops import ReduceOp
+
+__all__ = [
+    "AllreduceOptions",
+    "AllreduceCoalescedOptions",
+    "BroadcastOptions",
+    "ReduceOptions",
+    "AllgatherOptions",
+    "GatherOptions",
+    "ScatterOptions",
+    "ReduceScatterOptions",
+    "AllToAllOptions",
+    "BarrierOptions",
+]
+
+_ALIASES = {"rootRank": "root_rank", "rootTensor": "root_tensor", "reduceOp": "reduce_op"}
+
+
+class _CamelAliases:
+    def __getattr__(self, name):
+        if name in _ALIASES:
+            return getattr(self, _ALIASES[name])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        name = _ALIASES.get(name, name)
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise AttributeError(f"{type(self).__name__} has no option {name!r}")
+        object.__setattr__(self, name, value)
+
+
+@dataclasses.dataclass
+class AllreduceOptions(_CamelAliases):
+    reduce_op: ReduceOp = ReduceOp.SUM
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class AllreduceCoalescedOptions(AllreduceOptions):
+    pass
+
+
+@dataclasses.dataclass
+class BroadcastOptions(_CamelAliases):
+    root_rank: int = 0
+    root_tensor: int = 0
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class ReduceOptions(_CamelAliases):
+    reduce_op: ReduceOp = ReduceOp.SUM
+    root_rank: int = 0
+    root_tensor: int = 0
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class AllgatherOptions(_CamelAliases):
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class GatherOptions(_CamelAliases):
+    root_rank: int = 0
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class ScatterOptions(_CamelAliases):
+    root_rank: int = 0
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class ReduceScatterOptions(_CamelAliases):
+    reduce_op: ReduceOp = ReduceOp.SUM
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class AllToAllOptions(_CamelAliases):
+    timeout: timedelta | None = None
+    algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class BarrierOptions(_CamelAliases):
+    timeout: timedelta | None = None
+    algorithm: str | None = None

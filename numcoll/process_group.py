@@ -1,0 +1,298 @@
+"""ProcessGroup: the object every collective is called on.
+
+A call validates its arguments on the caller's thread (so a rejected call does
+not take a sequence number and cannot desynchronise the ranks), takes the next
+sequence number, and queues the work; ``Options.threads`` worker threads run
+queued work, each collective on a :class:`~numcoll.comm.Comm` whose tags carry
+the sequence number. The collectives themselves are in
+:mod:`numcoll.collectives`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+import transports
+
+from . import config as _config
+from .collectives.movement import DataMovement
+from .collectives.p2p import PointToPoint
+from .collectives.reductions import Reductions
+from .comm import Comm
+from .errors import GroupPoisonedError, NumcollError
+from .store import PrefixStore, Store
+from .work import Work
+
+__all__ = ["ProcessGroup"]
+
+_TRANSPORTS = ("tcp", "ipc", "inproc")
+_SHUTDOWN = object()
+# How long shutdown() waits for queued work before failing it: every work has
+# its own deadline, but a group whose peers vanished should not take 30 min.
+_SHUTDOWN_DRAIN_S = 10.0
+# How long an aborting rank tries to publish its reason before closing anyway.
+_ABORT_PUBLISH_S = 1.0
+
+
+@dataclasses.dataclass
+class _Options:
+    """ProcessGroup options.
+
+    timeout: default deadline of every collective (per-call ``opts.timeout``
+        overrides it). threads: worker threads, i.e. collectives that can make
+        progress at once. transport: "tcp", "ipc", "inproc", or None to choose
+        (inproc when every rank is a thread of this process, else ipc when all
+        share a host, else tcp). host: the address tcp binds to.
+        algorithm: force algorithms for this group, e.g. "allreduce:ring".
+        group_name: separates groups sharing one store.
+    """
+
+    timeout: timedelta = timedelta(minutes=30)
+    threads: int = 2
+    transport: str | None = None
+    host: str = "127.0.0.1"
+    algorithm: str = ""
+    group_name: str = "default"
+
+
+class ProcessGroup(Reductions, DataMovement, PointToPoint):
+    """A group of ``world_size`` ranks running Gloo's collectives on arrays.
+
+    Parameters
+    ----------
+    store : a numcoll store shared by all ranks (addresses are exchanged through it).
+    rank, world_size : this rank and the number of ranks.
+    options : :class:`ProcessGroup.Options`.
+
+    Every collective returns a :class:`~numcoll.Work`; results are written into
+    the caller's arrays and are also the future's value. Use as a context
+    manager, or call :meth:`shutdown`.
+    """
+
+    Options = _Options
+
+    def __init__(self, store: Store, rank: int, world_size: int,
+                 options: _Options | None = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
+        self.options = options if options is not None else _Options()
+        opts = self.options
+        if opts.threads < 1:
+            raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")
+        if opts.transport not in (None, *_TRANSPORTS):
+            raise ValueError(f"ProcessGroup: transport must be one of {_TRANSPORTS} or None, "
+                             f"got {opts.transport!r}")
+        self._rank, self._size = rank, world_size
+        self._cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
+        self._timeout_s = opts.timeout.total_seconds()
+
+        # A generation counter keeps a group re-created on the same store from
+        # reading the previous group's addresses.
+        base = PrefixStore(f"numcoll/{opts.group_name}", store)
+        generation = (base.add("joined", 1) - 1) // world_size
+        self._store = PrefixStore(str(generation), base)
+        self.transport_kind = opts.transport or self._choose_transport()
+        self._transport = transports.create(
+            self.transport_kind, rank, world_size, PrefixStore("transport", self._store),
+            host=opts.host, timeout_s=self._timeout_s, peer_grace_s=self._cfg.peer_grace_s,
+            zero_copy_nbytes=self._cfg.zero_copy_nbytes)
+
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._order = itertools.count()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight: dict[int, Work] = {}
+        self._poisoned: str | None = None
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
+            for i in range(opts.threads)
+        ]
+        for w in self._workers:
+            w.start()
+
+    # -- identity and settings -------------------------------------------------------
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Set the default deadline of later collectives."""
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise ValueError(f"set_timeout: expected a positive timedelta, got {timeout!r}")
+        self.options.timeout = timeout
+        self._timeout_s = timeout.total_seconds()
+
+    _set_default_timeout = set_timeout  # torch's private name, used by ported tests
+
+    def _choose_transport(self) -> str:
+        here = f"{socket.gethostname()}:{os.getpid()}"
+        self._store.set(f"where/{self._rank}", here)
+        places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
+        if all(p == here for p in places):
+            return "inproc"
+        host = here.rsplit(":", 1)[0]
+        return "ipc" if all(p.rsplit(":", 1)[0] == host for p in places) else "tcp"
+
+    # -- queueing ----------------------------------------------------------------
+    def _timeout_for(self, opts) -> float:
+        t = getattr(opts, "timeout", None)
+        if t is None:
+            return self._timeout_s
+        if not isinstance(t, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(t).__name__}")
+        return t.total_seconds()
+
+    def _check_usable(self, op_name: str) -> None:
+        if self._closed:
+            raise NumcollError(f"{op_name}: the process group on rank {self._rank} was shut down")
+        if self._poisoned is not None:
+            raise GroupPoisonedError(
+                f"{op_name}: the process group on rank {self._rank} is unusable because "
+                f"{self._poisoned}; create a new group")
+
+    def _enqueue(self, op_name: str, run: Callable[[Comm], object], timeout_s: float,
+                 collective: bool = True) -> Work:
+        """Queue ``run(comm)``; its return value becomes the future's value.
+
+        Collectives take the next sequence number (in call order, under the lock,
+        so the n-th collective is number n on every rank). Point-to-point ops
+        pass ``collective=False``: they are matched by tag and take none.
+        """
+        with self._lock:
+            self._check_usable(op_name)
+            seq = next(self._seq) if collective else -1
+            work = Work(op_name, seq)
+            key = work.order = next(self._order)
+            self._inflight[key] = work
+            self._queue.put((work, run, timeout_s, key))
+        return work
+
+    def _earlier_work(self, work: Work) -> list[Work]:
+        """Work queued on this rank before ``work`` and not finished yet."""
+        with self._lock:
+            return [w for k, w in self._inflight.items() if k < work.order]
+
+    def _worker_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _SHUTDOWN:
+                return
+            work, run, timeout_s, key = item
+            try:
+                if self._poisoned is not None:
+                    raise GroupPoisonedError(
+                        f"{work.op_name} (collective #{work.seq}) on rank {self._rank} was not "
+                        f"run because {self._poisoned}")
+                if self._closed:
+                    raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
+                                       "group was shut down before it ran")
+                comm = Comm(self._transport, max(work.seq, 0), work.op_name, timeout_s,
+                            peer_note=self._abort_reason)
+                result = run(comm, work)
+            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+                exc = self._fail(work, exc)
+                with self._lock:
+                    self._inflight.pop(key, None)
+                work.get_future().set_exception(exc)
+            else:
+                with self._lock:
+                    self._inflight.pop(key, None)
+                work.get_future().set_result(result)
+
+    def _fail(self, work: Work, exc: BaseException) -> BaseException:
+        """Record a failed work; the first failure poisons and aborts the group.
+
+        Aborting closes the transport, so peers blocked on this rank fail at
+        once (naming it, with the reason published in the store) instead of
+        waiting out their deadlines. Work that fails because of the abort
+        reports the original cause.
+        """
+        if isinstance(exc, GroupPoisonedError) or self._closed:
+            return exc
+        with self._lock:
+            first = self._poisoned is None
+            if first:
+                what = f"collective #{work.seq}" if work.seq >= 0 else "point-to-point op"
+                self._poisoned = f"{work.op_name} ({what}) failed on rank {self._rank}: {exc}"
+        if first:
+            self._abort(self._poisoned)
+            return exc
+        poisoned = GroupPoisonedError(
+            f"{work.op_name} (collective #{work.seq}) on rank {self._rank} did not complete "
+            f"because {self._poisoned} (its own error: {exc})")
+        poisoned.__cause__ = exc
+        return poisoned
+
+    def _abort(self, reason: str) -> None:
+        def publish():
+            try:
+                self._store.set(f"abort/{self._rank}", reason)
+            except Exception:  # noqa: BLE001 - best effort: peers still see the close
+                pass
+
+        # The store write is bounded so a dead store cannot delay the abort.
+        writer = threading.Thread(target=publish, name=f"numcoll-r{self._rank}-abort",
+                                  daemon=True)
+        writer.start()
+        writer.join(_ABORT_PUBLISH_S)
+        self._transport.close()
+
+    def _abort_reason(self, peer: int) -> str | None:
+        """Why ``peer`` aborted the group, if it said so in the store."""
+        key = f"abort/{peer}"
+        try:
+            if self._store.check([key]):
+                return self._store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - only an explanation; never mask the error
+            return None
+        return None
+
+    # -- lifecycle ---------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish queued work (bounded), then close the transport and join the
+        worker threads. Leaves no thread, socket or file behind. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            pending = list(self._inflight.values())
+        drain_deadline = time.monotonic() + min(self._timeout_s, _SHUTDOWN_DRAIN_S)
+        for w in pending:
+            remaining = drain_deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                w.get_future().wait(remaining)
+            except BaseException:  # noqa: BLE001 - the caller sees it through the Work
+                pass
+        with self._lock:
+            self._closed = True
+        # Closing the transport fails every pending wait at once, so workers
+        # stuck on a peer return promptly.
+        self._transport.close()
+        for _ in self._workers:
+            self._queue.put(_SHUTDOWN)
+        for w in self._workers:
+            w.join(timeout=max(5.0, _SHUTDOWN_DRAIN_S))
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self):
+        return (f"<numcoll.ProcessGroup rank={self._rank} size={self._size} "
+                f"transport={self.transport_kind}>")

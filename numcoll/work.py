@@ -1,0 +1,63 @@
+"""Work: the handle a collective call returns.
+
+Work wraps the Future that the worker thread completes; ``wait()`` re-raises
+the collective's error, ``result()`` is the output arrays.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from .futures import Future
+
+__all__ = ["Work"]
+
+
+class Work:
+    """One enqueued collective. Completed by a ProcessGroup worker thread."""
+
+    __slots__ = ("op_name", "seq", "order", "_future", "_source_rank")
+
+    def __init__(self, op_name: str, seq: int, future: Future | None = None):
+        self.op_name = op_name
+        self.seq = seq
+        self.order = -1  # position in this rank's queue (collectives and p2p alike)
+        self._future = future if future is not None else Future()
+        self._source_rank: int | None = None
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the collective completes; raise its error. Returns True.
+
+        ``timeout`` (timedelta or seconds) bounds only this wait; the
+        collective has its own deadline from its options or the group.
+        """
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        self._future.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
+
+    def result(self) -> Any:
+        """The output arrays (the future's value); waits for completion."""
+        return self._future.wait()
+
+    def source_rank(self) -> int:
+        """For recv/recv_anysource: the rank the message came from."""
+        if self._source_rank is None:
+            raise ValueError(f"{self.op_name}: source_rank() is only known for a completed recv")
+        return self._source_rank
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def __repr__(self):
+        return f"<numcoll.Work {self.op_name} seq={self.seq} {self._future!r}>"

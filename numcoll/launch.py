@@ -32,6 +32,8 @@ DEFAULT_LAUNCH_TIMEOUT = timedelta(minutes=30)
 #: fast once the failed rank is gone) before they are terminated.
 _FAILURE_GRACE_S = 15.0
 _POLL_S = 0.05
+_EXIT_HINT = (" (its stderr says why; note that ranks are spawned, so a script that calls "
+              "launch() must do so under `if __name__ == \"__main__\":`)")
 
 
 class RankFailedError(NumcollError):
@@ -218,7 +220,7 @@ def _collect(procs, store, outcomes, timeout) -> None:
                     if store.check([key]):
                         continue
                     outcomes.fail(rank, None, f"process exited with code {procs[rank].exitcode} "
-                                              "without reporting a result")
+                                              f"without reporting a result{_EXIT_HINT}")
                     pending.discard(rank)
         if outcomes.failures and first_failure_at is None:
             first_failure_at = time.monotonic()

@@ -177,7 +177,9 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             work = Work(op_name, seq)
             key = work.order = next(self._order)
             self._inflight[key] = work
-            self._queue.put((work, run, timeout_s, key))
+            item = (work, run, timeout_s, key)
+            work._run_here = lambda: self._execute(item)
+            self._queue.put(item)
         return work
 
     def _earlier_work(self, work: Work) -> list[Work]:
@@ -190,27 +192,32 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             item = self._queue.get()
             if item is _SHUTDOWN:
                 return
-            work, run, timeout_s, key = item
-            try:
-                if self._poisoned is not None:
-                    raise GroupPoisonedError(
-                        f"{work.op_name} (collective #{work.seq}) on rank {self._rank} was not "
-                        f"run because {self._poisoned}")
-                if self._closed:
-                    raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
-                                       "group was shut down before it ran")
-                comm = Comm(self._transport, max(work.seq, 0), work.op_name, timeout_s,
-                            peer_note=self._abort_reason)
-                result = run(comm, work)
-            except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-                exc = self._fail(work, exc)
-                with self._lock:
-                    self._inflight.pop(key, None)
-                work.get_future().set_exception(exc)
-            else:
-                with self._lock:
-                    self._inflight.pop(key, None)
-                work.get_future().set_result(result)
+            if item[0]._claim():  # else a waiting caller already ran it
+                self._execute(item)
+
+    def _execute(self, item) -> None:
+        """Run one queued work and complete its future (on a worker or the caller)."""
+        work, run, timeout_s, key = item
+        try:
+            if self._poisoned is not None:
+                raise GroupPoisonedError(
+                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank} was not "
+                    f"run because {self._poisoned}")
+            if self._closed:
+                raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
+                                   "group was shut down before it ran")
+            comm = Comm(self._transport, max(work.seq, 0), work.op_name, timeout_s,
+                        peer_note=self._abort_reason)
+            result = run(comm, work)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+            exc = self._fail(work, exc)
+            with self._lock:
+                self._inflight.pop(key, None)
+            work.get_future().set_exception(exc)
+        else:
+            with self._lock:
+                self._inflight.pop(key, None)
+            work.get_future().set_result(result)
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.

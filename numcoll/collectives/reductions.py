@@ -193,12 +193,16 @@ class Reductions:
         def run(comm, work):
             # Lay the buffer out share-major: [rank 0's share of every pair,
             # rank 1's share of every pair, ...], so one ring moves them all.
-            buf = np.empty(share * self._size, red.wire_dtype)
+            if len(inputs) == 1:
+                buf = red.to_wire(inputs[0])  # already share-major: a single copy
+            else:
+                buf = np.empty(share * self._size, red.wire_dtype)
+                col = 0
+                for o, i in zip(outputs, inputs):
+                    buf.reshape(self._size, share)[:, col:col + o.size] = \
+                        red.to_wire(i).reshape(self._size, o.size)
+                    col += o.size
             view = buf.reshape(self._size, share)
-            col = 0
-            for o, i in zip(outputs, inputs):
-                view[:, col:col + o.size] = red.to_wire(i).reshape(self._size, o.size)
-                col += o.size
             reduce_scatter_ring(comm, HostBuffer(buf, red.reduce), chunks, seg)
             mine = view[self._rank]
             red.finish(mine)

@@ -49,16 +49,16 @@ def check_op_dtype(op: ReduceOp, dtype: np.dtype, opname: str) -> None:
     if not isinstance(op, ReduceOp):
         raise TypeError(f"{opname}: reduce_op must be a numcoll.ReduceOp, got {op!r}")
     kind = np.dtype(dtype).kind
-    name = dtype_name(dtype)
     if op.is_bitwise and kind not in "iub":
-        raise ValueError(f"{opname}: Cannot use ReduceOp.{op.name} with non-integral dtype {name}")
+        raise ValueError(f"{opname}: Cannot use ReduceOp.{op.name} with non-integral dtype "
+                         f"{dtype_name(dtype)}")
     if kind == "c" and op.name in ("MIN", "MAX"):
         raise ValueError(
-            f"{opname}: ReduceOp.{op.name} is not defined for complex dtype {name} "
+            f"{opname}: ReduceOp.{op.name} is not defined for complex dtype {dtype_name(dtype)} "
             "(complex numbers have no order); use SUM, AVG or PRODUCT"
         )
     if op.name == "AVG" and kind in "iub":
         raise ValueError(
-            f"{opname}: ReduceOp.AVG needs a floating point or complex dtype, got {name} "
-            "(an integer average would have to round; use SUM and divide)"
+            f"{opname}: ReduceOp.AVG needs a floating point or complex dtype, got "
+            f"{dtype_name(dtype)} (an integer average would have to round; use SUM and divide)"
         )

@@ -13,17 +13,19 @@ from typing import Any, Callable, Iterable
 
 __all__ = ["Future", "wait_all"]
 
-_UNSET = object()
-
-
 class Future:
     """The eventual value (or error) of an asynchronous operation."""
 
-    __slots__ = ("_cond", "_value", "_error", "_callbacks")
+    __slots__ = ("_state_lock", "_done_lock", "_completed", "_value", "_error", "_callbacks")
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._value: Any = _UNSET
+        # _done_lock is held until completion (the pattern Thread.join uses):
+        # cheaper to make than a Condition, and a future is made per collective.
+        self._state_lock = threading.Lock()
+        self._done_lock = threading.Lock()
+        self._done_lock.acquire()
+        self._completed = False
+        self._value: Any = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] = []
 
@@ -32,52 +34,48 @@ class Future:
         self._complete(value, None)
 
     def set_exception(self, error: BaseException) -> None:
-        self._complete(_UNSET, error)
+        self._complete(None, error)
 
     def _complete(self, value, error) -> None:
-        with self._cond:
-            if self._value is not _UNSET or self._error is not None:
+        with self._state_lock:
+            if self._completed:
                 raise RuntimeError("Future already completed")
             self._value, self._error = value, error
+            self._completed = True
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+        self._done_lock.release()
         for cb in callbacks:
             _run_callback(cb, self)
 
     # -- observation ------------------------------------------------------------
     def done(self) -> bool:
-        with self._cond:
-            return self._value is not _UNSET or self._error is not None
+        return self._completed
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done (at most ``timeout`` seconds), then return the value
         or raise the operation's error. Raises ``TimeoutError`` if ``timeout``
         passes first (the operation itself goes on)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._value is _UNSET and self._error is None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
-                self._cond.wait(remaining)
+        if not self._completed:
+            if not self._done_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise TimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
+            self._done_lock.release()  # let every other waiter through too
         if self._error is not None:
             raise self._error
         return self._value
 
     def value(self) -> Any:
         """The value of a completed future (raises its error; ValueError if not done)."""
-        if not self.done():
+        if not self._completed:
             raise ValueError("Future.value() called before the future completed")
         return self.wait()
 
     def exception(self) -> BaseException | None:
-        with self._cond:
-            return self._error
+        return self._error if self._completed else None
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:
         """Run ``fn(self)`` when done (immediately, on this thread, if already done)."""
-        with self._cond:
-            if self._value is _UNSET and self._error is None:
+        with self._state_lock:
+            if not self._completed:
                 self._callbacks.append(fn)
                 return
         _run_callback(fn, self)
@@ -96,7 +94,7 @@ class Future:
         return chained
 
     def __repr__(self):
-        state = "pending" if not self.done() else ("failed" if self._error else "done")
+        state = "pending" if not self._completed else ("failed" if self._error else "done")
         return f"<numcoll.Future {state}>"
 
 

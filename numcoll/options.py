@@ -31,6 +31,14 @@ _ALIASES = {"rootRank": "root_rank", "rootTensor": "root_tensor", "reduceOp": "r
 
 
 class _CamelAliases:
+    # Field names per class, computed once: __setattr__ runs on every option
+    # of every call, and dataclasses.fields() is slow.
+    _field_names: frozenset = frozenset()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._field_names = None
+
     def __getattr__(self, name):
         if name in _ALIASES:
             return getattr(self, _ALIASES[name])
@@ -38,7 +46,10 @@ class _CamelAliases:
 
     def __setattr__(self, name, value):
         name = _ALIASES.get(name, name)
-        if name not in {f.name for f in dataclasses.fields(self)}:
+        names = type(self)._field_names
+        if names is None:
+            names = type(self)._field_names = frozenset(f.name for f in dataclasses.fields(self))
+        if name not in names:
             raise AttributeError(f"{type(self).__name__} has no option {name!r}")
         object.__setattr__(self, name, value)
 

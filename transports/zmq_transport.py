@@ -145,6 +145,11 @@ class ZmqTransport:
         # (peer, first frame, second frame | None, zero-copy send | None), or None to stop
         self._ops: deque = deque()
         self._ops_lock = threading.Lock()
+        # Held by whichever thread touches a PUSH socket: the I/O thread, or a
+        # worker sending a small message itself (see _send_now). ZeroMQ allows a
+        # socket to move between threads across a full memory barrier; the lock
+        # is that barrier, and it keeps each peer's messages in posting order.
+        self._push_lock = threading.Lock()
         self._closing = False  # no more sends are taken
         self._closed_reason = "this transport is closed"
         self._close_called = False
@@ -236,7 +241,7 @@ class ZmqTransport:
             posted = self._post((peer, header, data, req))
         else:
             message = HEADER.pack(KIND_INLINE, self.rank, tag, data.nbytes) + data
-            posted = self._post((peer, message, None, None))
+            posted = self._send_now(peer, message) or self._post((peer, message, None, None))
             if posted:  # the copy frees the caller's buffer now
                 req.complete(None, source=peer)
         if not posted:
@@ -272,6 +277,28 @@ class ZmqTransport:
     def __repr__(self) -> str:
         return f"<ZmqTransport {self.endpoint} rank {self.rank}/{self.size}>"
 
+    def _send_now(self, peer: int, message: bytes) -> bool:
+        """Send a small message on the calling thread, sparing the hand-off to
+        the I/O thread (a large part of a small message's latency). Only when
+        nothing is queued ahead of it, so per-peer order holds; False means
+        "queue it instead", never an error."""
+        if not self._push_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._ops_lock:
+                if self._ops or self._closing:
+                    return False
+            sock = self._push.get(peer)
+            if sock is None or peer in self._backlog:
+                return False
+            try:
+                sock.send(message, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return False
+            return True
+        finally:
+            self._push_lock.release()
+
     def _post(self, op) -> bool:
         with self._ops_lock:
             if self._closing:
@@ -303,14 +330,17 @@ class ZmqTransport:
                     elif sock == self._wakeup.fd:
                         self._wakeup.clear()
                     else:
-                        self._on_peer_socket(sock)
-                running = self._run_ops()
-                if self._suspects:
-                    self._expire_suspects()
+                        with self._push_lock:
+                            self._on_peer_socket(sock)
+                with self._push_lock:
+                    running = self._run_ops()
+                    if self._suspects:
+                        self._expire_suspects()
         except Exception as exc:  # fail every waiter with the cause instead of leaving them hanging
             error = exc
         finally:
-            self._shutdown(error)
+            with self._push_lock:
+                self._shutdown(error)
 
     def _poll_timeout_ms(self) -> int:
         if not self._suspects:
@@ -395,7 +425,8 @@ class ZmqTransport:
             elif kind == KIND_DATA:
                 self._mailbox.arrive(src, tag, nbytes, self._read_payload)
             elif kind == KIND_BYE:  # comes after everything src sent us
-                self._peer_gone(src, f"rank {src} closed its transport")
+                with self._push_lock:
+                    self._peer_gone(src, f"rank {src} closed its transport")
             else:  # not a numcoll peer: fail loudly rather than misread the stream
                 raise TransportError(f"rank {self.rank}: message of unknown kind {kind} "
                                      f"claiming to be from rank {src}")

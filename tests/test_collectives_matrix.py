@@ -215,3 +215,93 @@ def test_float16_sums_do_not_drift():
         err = np.abs(x.astype(np.float64) - exact)
         ulp = np.spacing(np.abs(once)).astype(np.float64)
         assert np.all(err <= ulp * 0.5 + 1e-12)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp", "ipc"])
+def test_every_collective_on_every_transport(transport, tiny_segments):
+    """Every collective, 3 ranks, over each transport (the rest of this file
+    runs on inproc; the ported Gloo tests run on ipc between processes)."""
+    world_size, dtypes, counts = 3, [np.float32, np.int64, np.float16], [0, 1, 13, 700]
+
+    def body():
+        pg, rank = nc.get_default_group(), nc.get_rank()
+        done = set()
+        for dtype in dtypes:
+            for count in counts:
+                theirs = [make_input(dtype, count, r, None) for r in range(world_size)]
+                mine = theirs[rank]
+                for algorithm in ("ring", "recursive_doubling"):
+                    x = mine.copy()
+                    pg.allreduce(x, nc.AllreduceOptions(algorithm=algorithm)).wait()
+                    np.testing.assert_array_equal(
+                        x, reduce_reference(nc.ReduceOp.SUM, dtype, theirs))
+                done.add("allreduce")
+                x = [mine.copy(), mine.copy()]
+                pg.allreduce_coalesced(x).wait()
+                np.testing.assert_array_equal(x[1], reduce_reference(nc.ReduceOp.SUM, dtype,
+                                                                     theirs))
+                done.add("allreduce_coalesced")
+                for algorithm in ("binomial", "ring"):
+                    x = mine.copy()
+                    pg.reduce([x], nc.ReduceOptions(root_rank=1, algorithm=algorithm)).wait()
+                    if rank == 1:
+                        np.testing.assert_array_equal(
+                            x, reduce_reference(nc.ReduceOp.SUM, dtype, theirs))
+                done.add("reduce")
+                for algorithm in ("binomial", "chain"):
+                    x = mine.copy()
+                    pg.broadcast(x, nc.BroadcastOptions(root_rank=2, algorithm=algorithm)).wait()
+                    np.testing.assert_array_equal(x, theirs[2])
+                done.add("broadcast")
+                out = [np.empty(count, dtype) for _ in range(world_size)]
+                pg.allgather([out], [mine]).wait()
+                [np.testing.assert_array_equal(o, t) for o, t in zip(out, theirs)]
+                done.add("allgather")
+                outs = [[np.empty(count, dtype)] for _ in range(world_size)]
+                pg.allgather_coalesced(outs, [mine]).wait()
+                [np.testing.assert_array_equal(o[0], t) for o, t in zip(outs, theirs)]
+                done.add("allgather_coalesced")
+                flat = np.empty(count * world_size, dtype)
+                pg.allgather_into_tensor(flat, mine).wait()
+                np.testing.assert_array_equal(flat, np.concatenate(theirs))
+                done.add("allgather_into_tensor")
+                out = [np.empty(count, dtype) for _ in range(world_size)]
+                pg.gather([out] if rank == 0 else [], [mine]).wait()
+                if rank == 0:
+                    [np.testing.assert_array_equal(o, t) for o, t in zip(out, theirs)]
+                done.add("gather")
+                got = np.empty(count, dtype)
+                pg.scatter([got], [theirs] if rank == 0 else []).wait()
+                np.testing.assert_array_equal(got, theirs[rank])
+                done.add("scatter")
+                big = [make_input(dtype, count * world_size, r, None) for r in range(world_size)]
+                out = np.empty(count, dtype)
+                pg.reduce_scatter_tensor(out, big[rank]).wait()
+                np.testing.assert_array_equal(out, reduce_reference(
+                    nc.ReduceOp.SUM, dtype, big)[rank * count:(rank + 1) * count])
+                done.add("reduce_scatter_tensor")
+                out = np.empty(count, dtype)
+                pg.reduce_scatter([out], [[mine] * world_size]).wait()
+                np.testing.assert_array_equal(out, reduce_reference(nc.ReduceOp.SUM, dtype,
+                                                                    theirs))
+                done.add("reduce_scatter")
+                outs = [np.empty(count, dtype) for _ in range(world_size)]
+                pg.alltoall(outs, [mine] * world_size).wait()
+                [np.testing.assert_array_equal(o, t) for o, t in zip(outs, theirs)]
+                done.add("alltoall")
+                out = np.empty(count * world_size, dtype)
+                pg.alltoall_base(out, np.tile(mine, world_size)).wait()
+                np.testing.assert_array_equal(out, np.concatenate(theirs))
+                done.add("alltoall_base")
+                got = np.empty(count, dtype)
+                recv = pg.recv([got], (rank - 1) % world_size, tag=5)
+                pg.send([mine], (rank + 1) % world_size, tag=5).wait()
+                recv.wait()
+                np.testing.assert_array_equal(got, theirs[(rank - 1) % world_size])
+                done.add("send/recv")
+                pg.barrier().wait()
+                done.add("barrier")
+        return sorted(done)
+
+    results = nc.launch(body, world_size, mode="thread", transport=transport, timeout=240)
+    assert results[0] == results[-1] and len(results[0]) == 15

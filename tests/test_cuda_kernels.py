@@ -504,10 +504,10 @@ import numba.cuda.dispatcher as dispatcher
 # Device functions ask the current GPU for its compute capability; there is none.
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(8, 0))
 from numba import cuda, from_dtype, types
-from numcoll.dtypes import SUPPORTED_DTYPES, is_half
-from numcoll.kernels import cuda as K
+from numcoll.dtypes import SUPPORTED_DTYPES, bfloat16, is_half
+from numcoll.kernels import cuda_device, cuda_loops
 from numcoll.ops import ReduceOp
-assert not K._SIMULATED
+assert not cuda_device._SIMULATED
 
 def arr(dtype):
     return types.Array(from_dtype(np.dtype(dtype)), 1, "C")
@@ -536,23 +536,24 @@ for dtype in SUPPORTED_DTYPES:
     bits = np.dtype(np.uint16) if is_half(dtype) else dtype
     for name in ReduceOp._BUILTIN_NAMES:
         try:
-            kernel = K._builtin_kernel(getattr(ReduceOp, name), dtype)
+            kernel = cuda_loops._builtin_kernel(getattr(ReduceOp, name), dtype)
         except TypeError:
             continue
         if (kernel, bits) not in done:
             done.add((kernel, bits))
             ptx(kernel, arr(bits), arr(bits))
     if dtype.kind in "fiu" or is_half(dtype):
-        ptx(K._custom_kernel(absmax, dtype), arr(bits), arr(bits))
+        ptx(cuda_loops._custom_kernel(absmax, dtype), arr(bits), arr(bits))
     if dtype.kind in "fc" and not is_half(dtype):
         real = np.dtype(dtype.char.lower())
-        ptx(K._scale_kernel, arr(real), from_dtype(real))
-for half in (np.dtype(np.float16), K.bfloat16):
-    ptx(K._WIDEN[half], arr(np.uint16), arr(np.float32))
-    ptx(K._NARROW[half], arr(np.float32), arr(np.uint16))
-    ptx(K._SCALE_HALF[half], arr(np.uint16), types.float32)
+        ptx(cuda_loops._scale_kernel, arr(real), from_dtype(real))
+for half in (np.dtype(np.float16), bfloat16):
+    ptx(cuda_loops._WIDEN[half], arr(np.uint16), arr(np.float32))
+    ptx(cuda_loops._NARROW[half], arr(np.float32), arr(np.uint16))
+    ptx(cuda_loops._SCALE_HALF[half], arr(np.uint16), types.float32)
+angle_sum = ReduceOp.custom(lambda a, b: (a + b) % 360)
 try:
-    ptx(K._custom_kernel(ReduceOp.custom(lambda a, b: (a + b) % 360), np.dtype(np.complex64)),
+    ptx(cuda_loops._custom_kernel(angle_sum, np.dtype(np.complex64)),
         arr(np.complex64), arr(np.complex64))
 except Exception:
     pass

@@ -13,7 +13,7 @@ import pytest
 from numba import njit
 
 from numcoll.dtypes import SUPPORTED_DTYPES, bfloat16, dtype_name, is_half
-from numcoll.kernels import cpu
+from numcoll.kernels import cpu, cpu_loops
 from numcoll.ops import ReduceOp
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,7 +185,7 @@ def test_half_arrays_of_any_shape():
 def test_kernels_release_the_gil_and_are_cached():
     """Worker threads overlap reductions with transfers only if the kernels drop
     the GIL; cache=True keeps the compile bill to the first process."""
-    kernels = {name: obj for name, obj in vars(cpu).items()
+    kernels = {name: obj for name, obj in vars(cpu_loops).items()
                if name.endswith("_kernel") and hasattr(obj, "targetoptions")}
     assert len(kernels) >= 20
     for name, dispatcher in kernels.items():

@@ -1,9 +1,12 @@
 """Numba kernels: elementwise reductions and float16/bfloat16 conversions.
 
 Kernels work on arrays only; they never see ranks or sockets. :mod:`.cpu`
-holds the CPU kernels and their validating wrappers (re-exported here);
-:mod:`.cuda`, the GPU ones, is imported on demand so that ``import numcoll``
-never loads ``numba.cuda``.
+holds the validating wrappers of the CPU kernels (re-exported here), and
+:mod:`.cpu_loops` the Numba loops themselves. :mod:`.cuda` is the GPU twin,
+with its kernels in :mod:`.cuda_loops`, the ``numba.cuda`` import and
+device-array checks in :mod:`.cuda_device` and pinned staging buffers in
+:mod:`.cuda_staging`; all ``cuda*`` modules are imported on demand so that
+``import numcoll`` never loads ``numba.cuda``.
 """
 
 from .cpu import (

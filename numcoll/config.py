@@ -33,6 +33,10 @@ class Config:
     #: exact: rounded once) or in the array's own 16-bit format ("native":
     #: half the wire bytes, rounded at every step as Gloo does).
     half_wire: str = "float32"
+    #: ipc transport: shared-memory slots per peer for payloads from
+    #: zero_copy_nbytes up to the segment size (one copy per side instead of a
+    #: socket's kernel copies); 0 sends everything through the socket.
+    shm_slots: int = 8
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.

@@ -105,7 +105,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         self._transport = transports.create(
             self.transport_kind, rank, world_size, PrefixStore("transport", self._store),
             host=opts.host, timeout_s=self._timeout_s, peer_grace_s=self._cfg.peer_grace_s,
-            zero_copy_nbytes=self._cfg.zero_copy_nbytes)
+            zero_copy_nbytes=self._cfg.zero_copy_nbytes, shm_slots=self._cfg.shm_slots,
+            # Every message an algorithm sends fits a slot: segments, and the
+            # whole buffers of the small-message algorithms.
+            shm_slot_nbytes=max(self._cfg.segment_nbytes, self._cfg.allreduce_small_nbytes,
+                                self._cfg.broadcast_small_nbytes))
 
         self._lock = threading.Lock()
         self._seq = itertools.count()

@@ -498,3 +498,46 @@ def test_crashed_process_is_reported_quickly(tmp_path, process_kind):
         t.close()
         child.join(WAIT_S)
     assert child.exitcode == 3
+
+
+# --- the ipc transport's shared-memory slots ------------------------------------------
+
+
+@pytest.mark.parametrize("with_buffer", [True, False])
+def test_more_messages_in_flight_than_shared_memory_slots(make_group, kind, with_buffer):
+    """Both ranks post many slot-sized sends before any receive: sends beyond
+    the free slots wait for credits, in order, and nothing mixes or deadlocks.
+    (On inproc/tcp this is just a many-medium-messages test.)"""
+    count, nbytes = 40, 200 << 10
+    a, b = make_group(2, shm_slot_nbytes=256 << 10, shm_slots=3)
+    sends = [(t.isend(1 - t.rank, 7 + i % 3, payload(t.rank, i, nbytes=nbytes)), t)
+             for i in range(count) for t in (a, b)]
+    for t in (a, b):
+        got = []
+        for i in range(count):
+            buf = np.empty(nbytes, np.uint8) if with_buffer else None
+            req = t.irecv(1 - t.rank, 7 + i % 3, buf)
+            data = req.wait(deadline())
+            got.append(buf if with_buffer else np.frombuffer(data, np.uint8))
+        for i, g in enumerate(got):
+            np.testing.assert_array_equal(g, payload(1 - t.rank, i, nbytes=nbytes))
+    for req, _ in sends:
+        req.wait(deadline())
+
+
+def test_shared_memory_slabs_leave_no_files(make_group, kind):
+    if kind != "ipc":
+        pytest.skip("only the ipc transport uses shared memory")
+    import glob
+
+    before = set(glob.glob("/dev/shm/numcoll-*"))
+    ranks = make_group(3)
+    # the receivers unlink each slab as soon as they have mapped it
+    assert set(glob.glob("/dev/shm/numcoll-*")) == before
+    req = ranks[0].isend(2, 1, payload(1, nbytes=300 << 10))
+    got = ranks[2].irecv(0, 1).wait(deadline())
+    req.wait(deadline())
+    np.testing.assert_array_equal(np.frombuffer(got, np.uint8), payload(1, nbytes=300 << 10))
+    for t in ranks:
+        t.close()
+    assert set(glob.glob("/dev/shm/numcoll-*")) == before

@@ -40,7 +40,8 @@ KINDS = ("inproc", "tcp", "ipc")
 
 def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "127.0.0.1",
            timeout_s: float = 300.0, peer_grace_s: float = 0.25,
-           zero_copy_nbytes: int = 65536) -> Transport:
+           zero_copy_nbytes: int = 65536, shm_slot_nbytes: int = 1 << 20,
+           shm_slots: int = 8) -> Transport:
     """Connect this rank to the other ranks of a group.
 
     Every rank of the group calls this (concurrently) with the same ``kind``
@@ -65,6 +66,10 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
         before its pending receives fail (ZeroMQ transports).
     zero_copy_nbytes : int
         Sends at least this large go out without a copy (ZeroMQ transports).
+    shm_slot_nbytes, shm_slots : int
+        ``ipc`` only: payloads from ``zero_copy_nbytes`` up to ``shm_slot_nbytes``
+        travel through ``shm_slots`` shared-memory slots per peer (one copy on
+        each side instead of a socket's); ``shm_slots=0`` turns this off.
 
     Returns
     -------
@@ -83,5 +88,6 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
         from .zmq_transport import ZmqTransport  # zmq is imported only when used
 
         return ZmqTransport(kind, rank, size, store, host=host, timeout_s=timeout_s,
-                            peer_grace_s=peer_grace_s, zero_copy_nbytes=zero_copy_nbytes)
+                            peer_grace_s=peer_grace_s, zero_copy_nbytes=zero_copy_nbytes,
+                            shm_slot_nbytes=shm_slot_nbytes, shm_slots=shm_slots)
     raise ValueError(f"unknown transport {kind!r}; valid kinds are {', '.join(KINDS)}")

@@ -46,7 +46,8 @@ from .base import (
     byte_view,
     check_peer,
 )
-from .mailbox import Mailbox, PendingRequest
+from .mailbox import DISCARD, Mailbox, PendingRequest
+from .shm import SharedSlabs
 
 __all__ = ["ZmqTransport", "SCHEMES"]
 
@@ -57,6 +58,11 @@ HEADER = struct.Struct("<BiQQ")
 KIND_INLINE = 0
 KIND_DATA = 1
 KIND_BYE = 2
+#: Payload is in shared-memory slot SLOT (after the header); see transports.shm.
+KIND_SHM = 3
+#: The receiver copied slot ``nbytes`` (the header's last field) out: reuse it.
+KIND_CREDIT = 4
+SLOT = struct.Struct("<I")
 
 #: How long ZeroMQ may keep flushing queued messages (BYE included) after close.
 LINGER_MS = 1000
@@ -130,7 +136,8 @@ class ZmqTransport:
 
     def __init__(self, scheme: str, rank: int, size: int, store: Rendezvous, *,
                  host: str = "127.0.0.1", timeout_s: float = 300.0,
-                 peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536):
+                 peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536,
+                 shm_slot_nbytes: int = 0, shm_slots: int = 0):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
         if not 0 <= rank < size:
@@ -142,6 +149,7 @@ class ZmqTransport:
         self._grace_s = peer_grace_s
         self._zero_copy_nbytes = zero_copy_nbytes
         self._mailbox = Mailbox(rank, size)
+        self._shm: SharedSlabs | None = None
         # (peer, first frame, second frame | None, zero-copy send | None), or None to stop
         self._ops: deque = deque()
         self._ops_lock = threading.Lock()
@@ -173,10 +181,14 @@ class ZmqTransport:
             for peer in range(size):
                 if peer != rank:
                     self._connect(ctx, peer, store.get(f"addr/{peer}").decode())
+            if scheme == "ipc" and size > 1 and shm_slots > 0 and shm_slot_nbytes >= zero_copy_nbytes:
+                self._shm = SharedSlabs(rank, size, store, shm_slot_nbytes, shm_slots)
         except BaseException:
             self._release_sockets()
             self._wakeup.close()
             self._remove_ipc_dir()
+            if self._shm is not None:
+                self._shm.close()
             raise
         self._thread = threading.Thread(
             target=self._run, name=f"numcoll-{scheme}-io-rank{rank}", daemon=True)
@@ -234,7 +246,15 @@ class ZmqTransport:
         if reason is not None:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
             return req
-        if data.nbytes >= self._zero_copy_nbytes:
+        if self._shm is not None and self._zero_copy_nbytes <= data.nbytes <= self._shm.slot_nbytes:
+            # Through a shared-memory slot: the request completes once the bytes
+            # are copied in (here, or by the I/O thread when a slot frees up).
+            if self._send_now(peer, None, data, tag):
+                req.complete(None, source=peer)
+                return req
+            posted = self._post((peer, HEADER.pack(KIND_SHM, self.rank, tag, data.nbytes), data,
+                                 req))
+        elif data.nbytes >= self._zero_copy_nbytes:
             # ZeroMQ reads the caller's buffer; the I/O thread completes the request
             # with ZeroMQ's tracker, which fires when the buffer is released.
             header = HEADER.pack(KIND_DATA, self.rank, tag, data.nbytes)
@@ -273,15 +293,18 @@ class ZmqTransport:
             return  # its sockets and fd are still in use: leave them to it
         self._wakeup.close()
         self._remove_ipc_dir()
+        if self._shm is not None:
+            self._shm.close()
 
     def __repr__(self) -> str:
         return f"<ZmqTransport {self.endpoint} rank {self.rank}/{self.size}>"
 
-    def _send_now(self, peer: int, message: bytes) -> bool:
-        """Send a small message on the calling thread, sparing the hand-off to
-        the I/O thread (a large part of a small message's latency). Only when
-        nothing is queued ahead of it, so per-peer order holds; False means
-        "queue it instead", never an error."""
+    def _send_now(self, peer: int, message: bytes | None, payload=None, tag: int = 0) -> bool:
+        """Send on the calling thread, sparing the hand-off to the I/O thread
+        (a large part of a small message's latency): a small ``message``, or
+        (``message`` None) ``payload`` through a free shared-memory slot. Only
+        when nothing is queued ahead of it, so per-peer order holds; False
+        means "queue it instead", never an error."""
         if not self._push_lock.acquire(blocking=False):
             return False
         try:
@@ -291,6 +314,9 @@ class ZmqTransport:
             sock = self._push.get(peer)
             if sock is None or peer in self._backlog:
                 return False
+            if message is None:
+                return self._send_shm(peer, HEADER.pack(KIND_SHM, self.rank, tag, payload.nbytes),
+                                      payload)
             try:
                 sock.send(message, zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -298,6 +324,16 @@ class ZmqTransport:
             return True
         finally:
             self._push_lock.release()
+
+    def _send_shm(self, peer: int, header: bytes, payload) -> bool:
+        """Copy ``payload`` into a free slot towards ``peer`` and send its header;
+        False (nothing sent) if every slot is in flight. Holds the push lock."""
+        slot = self._shm.acquire(peer)
+        if slot is None:
+            return False
+        self._shm.write(peer, slot, payload)
+        self._push[peer].send(header + SLOT.pack(slot), zmq.NOBLOCK)
+        return True
 
     def _post(self, op) -> bool:
         with self._ops_lock:
@@ -379,10 +415,16 @@ class ZmqTransport:
             backlog.append((first, payload, req))
         elif not self._try_send(peer, first, payload, req):
             self._backlog[peer] = deque([(first, payload, req)])
-            self._poller.register(self._push[peer], zmq.POLLOUT)
+            if first[0] != KIND_SHM:  # a full socket; a slot shortage ends with a credit
+                self._poller.register(self._push[peer], zmq.POLLOUT)
 
     def _try_send(self, peer: int, first: bytes, payload, req: PendingRequest | None) -> bool:
         sock = self._push[peer]
+        if first[0] == KIND_SHM:
+            if not self._send_shm(peer, first, payload):
+                return False  # waits in the backlog for a credit, not for POLLOUT
+            req.complete(None, source=peer)
+            return True
         try:
             sock.send(first, zmq.NOBLOCK if payload is None else zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
@@ -402,13 +444,22 @@ class ZmqTransport:
         return True
 
     def _flush_backlog(self, peer: int) -> None:
-        backlog = self._backlog[peer]
+        backlog = self._backlog.get(peer)
+        if backlog is None:
+            return
         while backlog:
             if not self._try_send(peer, *backlog[0]):
+                if backlog[0][0][0] == KIND_SHM and self._is_polled(peer):
+                    self._poller.unregister(self._push[peer])  # now waiting for a credit
                 return
             backlog.popleft()
         del self._backlog[peer]
-        self._poller.unregister(self._push[peer])
+        if self._is_polled(peer):
+            self._poller.unregister(self._push[peer])
+
+    def _is_polled(self, peer: int) -> bool:
+        sock = self._push[peer]
+        return any(s is sock for s, _ in self._poller.sockets)
 
     def _read_inbound(self) -> None:
         pull = self._pull
@@ -424,12 +475,39 @@ class ZmqTransport:
                 self._mailbox.deliver(src, tag, memoryview(first)[HEADER.size:], private=True)
             elif kind == KIND_DATA:
                 self._mailbox.arrive(src, tag, nbytes, self._read_payload)
+            elif kind == KIND_SHM:
+                slot = SLOT.unpack_from(first, HEADER.size)[0]
+                self._mailbox.arrive(src, tag, nbytes, lambda into, s=slot, n=nbytes, p=src:
+                                     self._read_slot(p, s, n, into))
+                self._credit(src, slot)
+            elif kind == KIND_CREDIT:
+                self._shm.release(src, nbytes)
+                with self._push_lock:
+                    if src in self._push:
+                        self._flush_backlog(src)
             elif kind == KIND_BYE:  # comes after everything src sent us
                 with self._push_lock:
                     self._peer_gone(src, f"rank {src} closed its transport")
             else:  # not a numcoll peer: fail loudly rather than misread the stream
                 raise TransportError(f"rank {self.rank}: message of unknown kind {kind} "
                                      f"claiming to be from rank {src}")
+
+    def _read_slot(self, peer: int, slot: int, nbytes: int, into):
+        if into is DISCARD:
+            return None
+        view = self._shm.read(peer, slot, nbytes, into)
+        return view if into is None else None
+
+    def _credit(self, peer: int, slot: int) -> None:
+        # Straight onto the socket, never behind the backlog: two ranks each
+        # waiting for slots must still be able to hand each other credits.
+        with self._push_lock:
+            sock = self._push.get(peer)
+            if sock is not None:
+                try:
+                    sock.send(HEADER.pack(KIND_CREDIT, self.rank, 0, slot), zmq.NOBLOCK)
+                except zmq.ZMQError:  # gone: it will not need the slot again
+                    pass
 
     def _read_payload(self, into: memoryview | None) -> memoryview | None:
         # The payload frame is already here: a multipart message arrives whole.

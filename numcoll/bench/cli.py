@@ -1,0 +1,167 @@
+"""``numcoll-bench`` / ``python -m numcoll.bench``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .runners import (
+    DEFAULT_TIMEOUT_S,
+    TorchUnavailableError,
+    run_plan,
+    torch_available,
+    torch_version,
+)
+from .sweep import (
+    OPS,
+    compare_rows,
+    format_table,
+    make_plan,
+    metadata,
+    parse_nbytes,
+    sizes_between,
+    write_json,
+)
+
+__all__ = ["main", "build_parser"]
+
+_EPILOG = """\
+size is the per-rank buffer as nccl-tests define it (allgather: the output;
+reduce_scatter: the input; alltoall: the send buffer); count = size / itemsize.
+algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
+reduce_scatter, alltoall), 1 (broadcast, reduce). time = median over iterations
+of the slowest rank. With --compare torch: "busbw x" = numcoll/gloo busbw
+(>1: numcoll faster), "time x" = numcoll/gloo time (<1: numcoll faster).
+
+examples:
+  python -m numcoll.bench --op allreduce --world-size 4 --sizes 8,1M,64M
+  python -m numcoll.bench --op broadcast --algorithm chain --compare torch --json out.json
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_nbytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _sizes(text: str) -> list[int]:
+    items = [s for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("--sizes needs at least one size, e.g. 8,1M,64M")
+    return [_size(s) for s in items]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="numcoll-bench", description="nccl-tests-style sweeps of numcoll collectives "
+        "on local ranks, optionally beside torch.distributed's gloo backend.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
+    p.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--mode", choices=("process", "thread"), default="process",
+                   help="ranks as processes (default) or threads of one process")
+    p.add_argument("--transport", choices=("tcp", "ipc", "inproc"), default=None,
+                   help="numcoll transport (default: numcoll chooses; ipc for local processes, "
+                        "inproc for threads)")
+    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--min-bytes", "-b", type=_size, default=8, help="smallest size (default 8)")
+    p.add_argument("--max-bytes", "-e", type=_size, default=64 << 20,
+                   help="largest size (default 64M)")
+    p.add_argument("--factor", "-f", type=float, default=2.0,
+                   help="size multiplier between steps (default 2)")
+    p.add_argument("--sizes", type=_sizes, default=None,
+                   help="explicit comma-separated sizes, e.g. 8,1M,16M,64M (overrides -b/-e/-f)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per size (default: 200 for small sizes, down to 5 "
+                        "for large ones: about 2 GiB of buffer per size)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed iterations per size (default: iters/10, 2 to 10)")
+    p.add_argument("--algorithm", default=None,
+                   help="force a numcoll algorithm (allreduce: ring, recursive_doubling; "
+                        "broadcast: binomial, chain; reduce: binomial, ring)")
+    p.add_argument("--sync-each-iter", action="store_true",
+                   help="untimed barrier before every timed iteration (default: once per size, "
+                        "as nccl-tests; then a broadcast/reduce root whose sends complete "
+                        "eagerly can run ahead, which flatters their small-size times)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write metadata and every row as JSON to PATH ('-' for stdout, "
+                        "which then replaces the table)")
+    p.add_argument("--compare", choices=("torch",), default=None,
+                   help="also run torch.distributed (backend gloo) on the same sizes")
+    p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+                   help=f"deadline of each sweep in seconds (default {DEFAULT_TIMEOUT_S:.0f})")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``numcoll-bench``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    if args.mode == "process" and args.transport == "inproc":
+        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+    if args.iters is not None and args.iters < 1:
+        parser.error(f"--iters must be at least 1, got {args.iters}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    try:
+        sizes = args.sizes or sizes_between(args.min_bytes, args.max_bytes, args.factor)
+        plan = make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype,
+                         iters=args.iters, warmup=args.warmup, algorithm=args.algorithm,
+                         progress=not args.quiet, sync_each_iter=args.sync_each_iter)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.compare == "torch":
+        if not torch_available():
+            print("numcoll-bench: error: --compare torch needs PyTorch, which is not importable "
+                  "in this environment (pip install torch)", file=sys.stderr)
+            return 2
+        if args.mode == "thread":
+            print("numcoll-bench: note: torch gloo ranks always run as processes",
+                  file=sys.stderr)
+
+    if plan.op in ("broadcast", "reduce") and not plan.sync_each_iter and not args.quiet:
+        print("numcoll-bench: note: without --sync-each-iter the root may run ahead of its "
+              "receivers between iterations, which understates small-size latency",
+              file=sys.stderr)
+    rows, info = run_plan(plan, backend="numcoll", mode=args.mode, transport=args.transport,
+                          timeout_s=args.timeout)
+    torch_rows, status = None, 0
+    if args.compare == "torch":
+        try:
+            torch_rows, _ = run_plan(plan, backend="torch", timeout_s=args.timeout)
+        except TorchUnavailableError as exc:
+            print(f"numcoll-bench: error: {exc}", file=sys.stderr)
+            status = 2
+        except Exception as exc:  # noqa: BLE001 - keep numcoll's results, report torch's failure
+            print(f"numcoll-bench: error: the torch gloo run failed: {exc}", file=sys.stderr)
+            status = 1
+    rows = compare_rows(rows, torch_rows)
+    meta = metadata(plan, mode=args.mode, transport=args.transport,
+                    transport_used=info.get("transport"), compare=args.compare,
+                    torch_version=torch_version())
+
+    if args.json != "-":
+        title = (f"# numcoll {plan.op}: world_size={plan.world_size} mode={args.mode} "
+                 f"transport={info.get('transport')} dtype={plan.dtype}"
+                 + (f" algorithm={plan.algorithm}" if plan.algorithm else "")
+                 + (f"  vs torch {meta['torch_version']} gloo (processes, 1 thread/rank)"
+                    if torch_rows is not None else ""))
+        print(format_table(rows, title=title), flush=True)
+    if args.json is not None:
+        write_json(args.json, meta, rows)
+    return status

@@ -1,0 +1,382 @@
+"""What a benchmark sweep measures and how it is reported, nccl-tests style.
+
+A sweep is a :class:`Plan`: one collective, one dtype, one world size and a
+list of :class:`Case` (one per message size). ``size`` is the nccl-tests
+size: the bytes of the per-rank buffer (allreduce, broadcast, reduce: the
+buffer; allgather: the *output*, n x input; reduce_scatter: the *input*,
+n x output; alltoall: the per-rank send buffer). ``count = size / itemsize``.
+
+Bandwidths follow nccl-tests' PERFORMANCE.md: ``algbw = size / time`` and
+``busbw = algbw * factor`` with factor ``2(n-1)/n`` for allreduce,
+``(n-1)/n`` for allgather, reduce_scatter and alltoall, and 1 for broadcast
+and reduce, so that busbw is comparable to the link bandwidth whatever n.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import sys
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "OPS",
+    "Case",
+    "Plan",
+    "bus_factor",
+    "parse_nbytes",
+    "format_nbytes",
+    "sizes_between",
+    "make_plan",
+    "algorithm_name",
+    "summarize",
+    "compare_rows",
+    "format_table",
+    "metadata",
+    "write_json",
+]
+
+#: The collectives the benchmark knows.
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall")
+#: Collectives whose buffer is split into world_size equal blocks: their size
+#: is rounded down to a multiple of world_size elements (as nccl-tests does).
+_SPLIT_OPS = frozenset({"allgather", "reduce_scatter", "alltoall"})
+
+#: Default iteration policy: about this many bytes of buffer per size (so the
+#: large sizes run few iterations), clamped to [MIN_ITERS, MAX_ITERS].
+ITER_BUDGET_NBYTES = 2 << 30
+MIN_ITERS, MAX_ITERS = 5, 200
+MIN_WARMUP, MAX_WARMUP = 2, 10
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for ``op`` on ``world_size`` ranks (nccl-tests' factors)."""
+    n = world_size
+    if op == "allreduce":
+        return 2 * (n - 1) / n
+    if op in _SPLIT_OPS:
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+
+
+def parse_nbytes(text: str | int) -> int:
+    """``"64M"`` -> 67108864. Suffixes K, M, G are powers of 1024 (optionally
+    followed by B or iB); a bare number is bytes."""
+    if isinstance(text, int):
+        nbytes = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        if not match:
+            raise ValueError(f"invalid size {text!r}: expected bytes such as 8, 4K, 16M or 1G")
+        nbytes = int(match.group(1)) * _UNITS[match.group(2).upper()]
+    if nbytes < 1:
+        raise ValueError(f"invalid size {text!r}: must be at least 1 byte")
+    return nbytes
+
+
+def format_nbytes(nbytes: int) -> str:
+    """Short human form: ``4 KiB``, ``64 MiB``, ``12 B``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def sizes_between(min_nbytes: int, max_nbytes: int, factor: float = 2) -> list[int]:
+    """``min, min*factor, ...`` up to and including ``max`` (nccl-tests' -b/-e/-f)."""
+    if min_nbytes < 1:
+        raise ValueError(f"min size must be at least 1 byte, got {min_nbytes}")
+    if max_nbytes < min_nbytes:
+        raise ValueError(f"max size ({max_nbytes} B) is smaller than min size ({min_nbytes} B)")
+    if factor <= 1:
+        raise ValueError(f"factor must be greater than 1, got {factor}")
+    sizes, nbytes = [], float(min_nbytes)
+    while round(nbytes) <= max_nbytes:
+        if not sizes or round(nbytes) != sizes[-1]:
+            sizes.append(int(round(nbytes)))
+        nbytes *= factor
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One message size of a sweep.
+
+    nbytes, count: the nccl-tests size and element count (see the module
+    docstring); iters, warmup: timed and untimed iterations.
+    """
+
+    nbytes: int
+    count: int
+    iters: int
+    warmup: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A sweep: ``op`` on ``world_size`` ranks over ``cases``.
+
+    algorithm: forced numcoll algorithm (None: numcoll chooses per size).
+    progress: rank 0 prints one line per size on stderr.
+    sync_each_iter: an untimed barrier before every timed iteration (by default
+        the ranks meet once per size, as in nccl-tests; then a broadcast root
+        whose sends complete eagerly can run ahead of its receivers).
+    """
+
+    op: str
+    dtype: str
+    world_size: int
+    cases: tuple[Case, ...]
+    algorithm: str | None = None
+    progress: bool = False
+    sync_each_iter: bool = False
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        from ..dtypes import bfloat16
+
+        return bfloat16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+
+
+def _default_iters(nbytes: int) -> int:
+    return int(min(MAX_ITERS, max(MIN_ITERS, ITER_BUDGET_NBYTES // max(1, nbytes))))
+
+
+def _default_warmup(iters: int) -> int:
+    return int(min(MAX_WARMUP, max(MIN_WARMUP, iters // 10)))
+
+
+def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str = "float32",
+              iters: int | None = None, warmup: int | None = None,
+              algorithm: str | None = None, progress: bool = False,
+              sync_each_iter: bool = False) -> Plan:
+    """Validate the arguments and build a :class:`Plan`.
+
+    Sizes are rounded down to whole elements (to a multiple of ``world_size``
+    elements for allgather, reduce_scatter and alltoall; at least one element
+    per rank); sizes that round to the same value are measured once.
+    ``iters``/``warmup`` None: fewer iterations for larger sizes
+    (about 2 GiB of buffer per size, 5 to 200 iterations).
+    """
+    from ..dtypes import SUPPORTED_DTYPES, dtype_name
+
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    names = {dtype_name(d): d for d in SUPPORTED_DTYPES}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(names)}")
+    if iters is not None and iters < 1:
+        raise ValueError(f"iters must be at least 1, got {iters}")
+    if warmup is not None and warmup < 0:
+        raise ValueError(f"warmup must be at least 0, got {warmup}")
+    if algorithm is not None:
+        _check_algorithm(op, algorithm)
+    itemsize = names[dtype].itemsize
+    per = world_size if op in _SPLIT_OPS else 1
+    cases, seen = [], set()
+    for requested in sizes:
+        count = max(1, int(requested) // (itemsize * per)) * per
+        if count in seen:
+            continue
+        seen.add(count)
+        nbytes = count * itemsize
+        n_iters = iters if iters is not None else _default_iters(nbytes)
+        n_warmup = warmup if warmup is not None else _default_warmup(n_iters)
+        cases.append(Case(nbytes, count, n_iters, n_warmup))
+    if not cases:
+        raise ValueError("no sizes to measure")
+    return Plan(op, dtype, world_size, tuple(cases), algorithm, progress, sync_each_iter)
+
+
+def _check_algorithm(op: str, algorithm: str) -> None:
+    from ..algorithms import CHOICES
+
+    if op not in CHOICES:
+        raise ValueError(f"--algorithm: {op} has a single algorithm in numcoll; algorithms can "
+                         f"be chosen for {', '.join(sorted(CHOICES))}")
+    if algorithm not in CHOICES[op]:
+        raise ValueError(f"unknown {op} algorithm {algorithm!r}; choose one of "
+                         f"{', '.join(sorted(CHOICES[op]))}")
+
+
+def algorithm_name(plan: Plan, case: Case) -> str:
+    """The numcoll algorithm that runs ``case`` (forced, or chosen by size)."""
+    from ..algorithms import CHOICES
+    from ..collectives.choice import choose
+    from ..config import current
+    from ..dtypes import is_half
+
+    fixed = {"allgather": "ring", "reduce_scatter": "ring", "alltoall": "pairwise"}
+    if plan.op not in CHOICES:
+        return fixed[plan.op]
+    cfg = current()
+    # Reductions of 16-bit floats travel as float32 unless half_wire="native".
+    wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
+        cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
+    fn = choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size)
+    return fn.__name__.removeprefix(plan.op + "_")
+
+
+def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
+              backend: str = "numcoll") -> list[dict]:
+    """One row per case from every rank's per-iteration times (seconds).
+
+    ``rank_times[r][i]`` holds rank r's iteration times for case i. The time
+    of an iteration is the slowest rank's; a case's time is the median over
+    its iterations (min and max are kept too).
+    """
+    if len(rank_times) != plan.world_size:
+        raise ValueError(f"expected times from {plan.world_size} ranks, got {len(rank_times)}")
+    factor = bus_factor(plan.op, plan.world_size)
+    rows = []
+    for i, case in enumerate(plan.cases):
+        per_iter = np.max(np.stack([np.asarray(t[i], dtype=np.float64) for t in rank_times]),
+                          axis=0)
+        median_s = float(np.median(per_iter))
+        algbw = case.nbytes / median_s / 1e9 if median_s > 0 else None
+        row = {
+            "backend": backend,
+            "op": plan.op,
+            "algorithm": algorithm_name(plan, case) if backend == "numcoll" else "gloo",
+            "world_size": plan.world_size,
+            "size": case.nbytes,
+            "count": case.count,
+            "dtype": plan.dtype,
+            "iters": case.iters,
+            "warmup": case.warmup,
+            "time_us": median_s * 1e6,
+            "time_us_min": float(per_iter.min()) * 1e6,
+            "time_us_max": float(per_iter.max()) * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": None if algbw is None else algbw * factor,
+        }
+        rows.append(row)
+    return rows
+
+
+def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
+    """Add ``torch_*`` columns and the numcoll/torch ratios to ``rows`` (by size).
+
+    ``busbw_ratio`` > 1 and ``time_ratio`` < 1 mean numcoll is faster.
+    """
+    if torch_rows is None:
+        return rows
+    by_size = {r["size"]: r for r in torch_rows}
+    out = []
+    for row in rows:
+        row = dict(row)
+        t = by_size.get(row["size"])
+        if t is not None:
+            row.update(torch_time_us=t["time_us"], torch_time_us_min=t["time_us_min"],
+                       torch_time_us_max=t["time_us_max"], torch_algbw_gbps=t["algbw_gbps"],
+                       torch_busbw_gbps=t["busbw_gbps"],
+                       busbw_ratio=_ratio(row["busbw_gbps"], t["busbw_gbps"]),
+                       time_ratio=_ratio(row["time_us"], t["time_us"]))
+        out.append(row)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+_COLUMNS = [  # (key, header, format)
+    ("size", "size(B)", "{:>12d}"),
+    ("count", "count", "{:>12d}"),
+    ("dtype", "type", "{:>8s}"),
+    ("algorithm", "algo", "{:>18s}"),
+    ("time_us", "time(us)", "{:>11.1f}"),
+    ("algbw_gbps", "algbw(GB/s)", "{:>11.3f}"),
+    ("busbw_gbps", "busbw(GB/s)", "{:>11.3f}"),
+]
+_TORCH_COLUMNS = [
+    ("torch_time_us", "gloo(us)", "{:>11.1f}"),
+    ("torch_busbw_gbps", "gloo busbw", "{:>11.3f}"),
+    ("busbw_ratio", "busbw x", "{:>8.2f}"),
+    ("time_ratio", "time x", "{:>8.2f}"),
+]
+
+
+def format_table(rows: list[dict], *, title: str | None = None) -> str:
+    """The rows as an nccl-tests-like text table (torch columns when present).
+
+    ``busbw x`` = numcoll busbw / gloo busbw (> 1: numcoll faster);
+    ``time x`` = numcoll time / gloo time (< 1: numcoll faster).
+    """
+    columns = list(_COLUMNS)
+    if any("torch_time_us" in r for r in rows):
+        columns += _TORCH_COLUMNS
+    widths = [len(fmt.format(0 if "d}" in fmt else ("" if "s}" in fmt else 0.0)))
+              for _, _, fmt in columns]
+    lines = [] if title is None else [title]
+    lines.append(" ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for row in rows:
+        cells = []
+        for (key, _, fmt), w in zip(columns, widths):
+            value = row.get(key)
+            cells.append("-".rjust(w) if value is None else fmt.format(value))
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: str | None,
+             compare: str | None = None, torch_version: str | None = None) -> dict:
+    """What a reader of the results needs to reproduce or weigh them."""
+    from .. import __version__
+
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    meta = {
+        "op": plan.op,
+        "world_size": plan.world_size,
+        "mode": mode,
+        "transport": transport,
+        "transport_used": transport_used,
+        "dtype": plan.dtype,
+        "algorithm": plan.algorithm,
+        "sync_each_iter": plan.sync_each_iter,
+        "numcoll_version": __version__,
+        "torch_version": torch_version,
+        "compare": compare,
+        "python": platform.python_version(),
+        "numpy_version": np.__version__,
+        "platform": platform.platform(),
+        "host_cpu_count": os.cpu_count(),
+        "host_cpus_usable": affinity,
+        "timing": ("per iteration: issue + wait, time.perf_counter; iteration time = max over "
+                   "ranks; reported time = median over iterations"),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+    }
+    if compare == "torch":
+        meta["torch_backend"] = "gloo"
+        meta["torch_mode"] = "process"
+        meta["torch_num_threads"] = 1
+        meta["torch_transport"] = "tcp (gloo, loopback)"
+    return meta
+
+
+def write_json(path: str, meta: dict, rows: list[dict]) -> None:
+    """Write ``{"metadata": ..., "rows": [...]}`` to ``path`` ("-": stdout)."""
+    text = json.dumps({"metadata": meta, "rows": rows}, indent=2)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")

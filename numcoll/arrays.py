@@ -24,8 +24,10 @@ __all__ = [
 
 
 def is_device_array(obj) -> bool:
-    """True for CUDA memory (anything with ``__cuda_array_interface__``)."""
-    return hasattr(obj, "__cuda_array_interface__")
+    """True for CUDA memory: anything with ``__cuda_array_interface__``, and Numba
+    device arrays (the CUDA simulator's have no interface, only ``__cuda_ndarray__``)."""
+    return hasattr(obj, "__cuda_array_interface__") or bool(getattr(obj, "__cuda_ndarray__",
+                                                                    False))
 
 
 def as_array(obj, op: str) -> np.ndarray:
@@ -95,8 +97,12 @@ def _describe(a) -> str:
 
 def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
     for i, a in enumerate(arrays):
-        if isinstance(a, np.ndarray) and not a.flags.writeable:
-            raise ValueError(f"{op}: {what} array at index {i} is read-only")
+        if isinstance(a, np.ndarray):
+            if not a.flags.writeable:
+                raise ValueError(f"{op}: {what} array at index {i} is read-only")
+        elif getattr(a, "_numcoll_readonly", False):   # set by cuda_arrays.as_device_array
+            raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
+                             "__cuda_array_interface__ says so)")
 
 
 def flat_view(arr: np.ndarray) -> np.ndarray | None:

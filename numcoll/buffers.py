@@ -3,7 +3,7 @@
 Algorithms never touch arrays directly: they ask a buffer for the bytes of a
 range to send, for a place to receive a range into, and to reduce received
 bytes into a range. :class:`HostBuffer` does this for a flat NumPy array; the
-CUDA buffer (:mod:`numcoll.cuda`) does the same for device memory through host
+CUDA buffer (:mod:`numcoll.cuda.buffer`) does the same for device memory through host
 staging, so every algorithm runs unchanged on both.
 """
 

@@ -1,9 +1,11 @@
 """Reduction operators: ``ReduceOp.SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ``AVG``,
-``BAND``, ``BOR``, ``BXOR``, plus user-defined ones from :meth:`ReduceOp.custom`."""
+``BAND``, ``BOR``, ``BXOR``, user-defined ones from :meth:`ReduceOp.custom`, and
+the scaled sum :meth:`ReduceOp.premul_sum`."""
 
 from __future__ import annotations
 
 import itertools
+from numbers import Number
 from typing import Callable
 
 __all__ = ["ReduceOp"]
@@ -30,13 +32,15 @@ class ReduceOp:
     _BUILTIN_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
     _custom_ids = itertools.count(1)
 
-    __slots__ = ("name", "fn", "identity", "_key")
+    __slots__ = ("name", "fn", "identity", "_key", "factor")
 
-    def __init__(self, name: str, fn: Callable | None = None, identity=None, _key=None):
+    def __init__(self, name: str, fn: Callable | None = None, identity=None, _key=None,
+                 factor=None):
         self.name = name
         self.fn = fn
         self.identity = identity
         self._key = _key if _key is not None else name
+        self.factor = factor
 
     @classmethod
     def custom(cls, fn: Callable, name: str | None = None, identity=None) -> "ReduceOp":
@@ -55,6 +59,27 @@ class ReduceOp:
         return cls(f"custom({label})", fn=fn, identity=identity,
                    _key=("custom", next(cls._custom_ids)))
 
+    @classmethod
+    def premul_sum(cls, factor) -> "ReduceOp":
+        """A sum in which every rank's input is first multiplied by ``factor``:
+        the result is ``sum over ranks of factor * x_r`` (torch's
+        ``_make_nccl_premul_sum``), e.g. ``premul_sum(1 / world_size)`` to average
+        gradients while summing.
+
+        For floating point and complex dtypes only. The product is taken in the
+        dtype the values travel in (float32 for float16/bfloat16, which are
+        then rounded once at the end, like SUM), so ``factor`` is rounded to
+        that dtype first. ``factor`` is a real number, or a complex one for
+        complex dtypes.
+        """
+        if not isinstance(factor, Number) or isinstance(factor, bool):
+            raise TypeError(f"ReduceOp.premul_sum needs a number, got {factor!r}")
+        return cls("PREMUL_SUM", factor=factor, _key=("PREMUL_SUM", factor))
+
+    @property
+    def is_premul(self) -> bool:
+        return self.name == "PREMUL_SUM"
+
     @property
     def is_custom(self) -> bool:
         return self.fn is not None
@@ -70,9 +95,13 @@ class ReduceOp:
         return hash(self._key)
 
     def __repr__(self):
+        if self.is_premul:
+            return f"ReduceOp.premul_sum({self.factor!r})"
         return f"ReduceOp.{self.name}"
 
     def __reduce__(self):
+        if self.is_premul:
+            return (ReduceOp.premul_sum, (self.factor,))
         if self.fn is None:
             return (getattr, (ReduceOp, self.name))
         return (ReduceOp, (self.name, self.fn, self.identity, self._key))

@@ -5,14 +5,20 @@ sums travel and accumulate in float32 and the result is rounded once at the
 end — unlike Gloo, whose ring rounds to 16 bits at every step and drifts
 (pytorch#152300). ``half_wire="native"`` (config) keeps 16-bit on the wire for
 half the bytes, rounding at every step as Gloo does. AVG is SUM followed by a
-division by the world size (before rounding, for halves).
+division by the world size (before rounding, for halves). PREMUL_SUM
+(:meth:`ReduceOp.premul_sum`) is SUM with every input multiplied by the
+factor as it is loaded into the wire dtype.
+
+The methods here work on host (NumPy) memory. For device arrays the plan is
+built with ``device=True`` (the op is compiled with numba.cuda instead) and
+the same steps run on the GPU (:class:`numcoll.cuda.memory.DeviceSteps`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import check_op_dtype, is_half
+from .dtypes import check_op_dtype, dtype_name, is_half
 from .kernels import cpu
 from .ops import ReduceOp
 
@@ -29,22 +35,35 @@ class Reduction:
     """
 
     def __init__(self, op: ReduceOp, dtype: np.dtype, world_size: int, half_wire: str,
-                 opname: str):
+                 opname: str, device: bool = False):
         check_op_dtype(op, dtype, opname)
         self.op = op
         self.dtype = np.dtype(dtype)
         self.widen = is_half(self.dtype) and half_wire == "float32"
         self.wire_dtype = _FLOAT32 if self.widen else self.dtype
-        self._kernel_op = ReduceOp.SUM if op == ReduceOp.AVG else op
+        # By name (a custom op's is "custom(...)"): cheaper than ReduceOp.__eq__.
+        avg, premul = op.name == "AVG", op.name == "PREMUL_SUM"
+        self.factor = _premul_factor(op, self.dtype, self.wire_dtype, opname) if premul else None
+        #: What the kernels compute: AVG and PREMUL_SUM reduce like SUM.
+        self.kernel_op = ReduceOp.SUM if avg or premul else op
+        self.device = device
         try:
-            cpu.compile_op(self._kernel_op, self.wire_dtype)
+            if device:
+                # Lazily: numba.cuda is imported only once device arrays are seen.
+                from .kernels import cuda as cuda_kernels
+
+                cuda_kernels.compile_op(self.kernel_op, self.wire_dtype)
+                if premul:      # the device multiplies as a PRODUCT with the factors
+                    cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
+            else:
+                cpu.compile_op(self.kernel_op, self.wire_dtype)
         except TypeError as exc:
             raise TypeError(f"{opname}: {exc}") from None
-        self.divisor = world_size if op == ReduceOp.AVG else None
+        self.divisor = world_size if avg else None
 
     def reduce(self, acc: np.ndarray, x: np.ndarray) -> None:
         """acc = op(acc, x), elementwise, in the wire dtype."""
-        cpu.reduce_into(self._kernel_op, acc, x)
+        cpu.reduce_into(self.kernel_op, acc, x)
 
     def to_wire(self, src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``src`` (any layout) as a flat wire-dtype array (a new one unless ``out``)."""
@@ -54,6 +73,8 @@ class Reduction:
             cpu.widen_into(np.ascontiguousarray(src).reshape(-1), out)
         else:
             np.copyto(out, src.reshape(-1) if src.flags.c_contiguous else src.ravel())
+        if self.factor is not None:
+            np.multiply(out, self.factor, out=out)
         return out
 
     def load(self, arrays: list) -> tuple[np.ndarray, bool]:
@@ -61,7 +82,10 @@ class Reduction:
         whether it *is* ``arrays[0]``'s memory (then results need no copy back)."""
         first = arrays[0]
         if len(arrays) == 1 and not self.widen and first.flags.c_contiguous:
-            return first.reshape(-1), True
+            work = first.reshape(-1)
+            if self.factor is not None:
+                np.multiply(work, self.factor, out=work)
+            return work, True
         work = self.to_wire(first)
         if len(arrays) > 1:
             scratch = np.empty_like(work)
@@ -85,3 +109,15 @@ class Reduction:
                 np.copyto(out, tmp.reshape(out.shape))
         else:
             np.copyto(out, work.reshape(out.shape))
+
+
+def _premul_factor(op: ReduceOp, dtype: np.dtype, wire_dtype: np.dtype, opname: str):
+    """PREMUL_SUM's factor as a scalar of the wire dtype."""
+    if dtype.kind not in "fc" and not is_half(dtype):
+        raise ValueError(f"{opname}: {op!r} needs a floating point or complex dtype, got "
+                         f"{dtype_name(dtype)} (scaling integers would have to round)")
+    if isinstance(op.factor, complex) or np.iscomplexobj(op.factor):
+        if dtype.kind != "c":
+            raise TypeError(f"{opname}: {op!r} has a complex factor, which cannot scale "
+                            f"real dtype {dtype_name(dtype)}")
+    return wire_dtype.type(op.factor)

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..algorithms import allgather_ring, alltoall_pairwise, gather_direct, scatter_direct
 from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
-from ..buffers import HostBuffer
 from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
 from .checks import check_root_rank, check_root_tensor, check_same_dtype, originals
 from .choice import choose, segment_count
+from .memory import memory_of
 
 __all__ = ["DataMovement"]
 
@@ -30,24 +28,26 @@ class DataMovement:
         root_rank = opts.root_rank if root is None else root
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
+        xp = memory_of(name, arrays)
         check_root_rank(root_rank, self._size, name)
         check_root_tensor(opts.root_tensor, len(arrays), name)
         check_same_type_and_size(arrays, name)
         check_writable(arrays, name)
         src = arrays[opts.root_tensor]
-        algorithm = choose(self._cfg, name, opts.algorithm, src.nbytes, self._size)
-        seg = self._segment(src.itemsize)
+        itemsize = src.dtype.itemsize
+        algorithm = choose(self._cfg, name, opts.algorithm, src.size * itemsize, self._size)
+        seg = self._segment(itemsize)
         is_root = self._rank == root_rank
 
         def run(comm, work):
-            flat = _flat_or_copy(src, copy_in=is_root)
-            algorithm(comm, HostBuffer(flat), root_rank, seg)
+            flat = xp.flat(src, copy_in=is_root)
+            algorithm(comm, xp.buffer(flat), root_rank, seg)
             for i, a in enumerate(arrays):
-                if i != opts.root_tensor or not src.flags.c_contiguous:
-                    np.copyto(a, flat.reshape(a.shape))
+                if i != opts.root_tensor or not xp.contiguous(src):
+                    xp.write(a, flat)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     # -- allgather family ----------------------------------------------------------------
     def allgather(self, output_lists, input_list, opts: AllgatherOptions | None = None):
@@ -74,6 +74,7 @@ class DataMovement:
                 raise ValueError(f"{name}: invalid output tensor list at index {i} (expected "
                                  f"length {expected}, got {got})")
             outputs.append(as_array_list(lst, name, allow_single=False))
+        xp = memory_of(name, inputs, *outputs)
         check_same_type_and_size(inputs, name)
         for lst in outputs:
             check_same_type_and_size(lst, name, like=inputs[0])
@@ -82,19 +83,19 @@ class DataMovement:
         value = value[0] if len(value) == 1 else value
         per_rank = sum(a.size for a in inputs)
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].itemsize)
+        seg = self._segment(inputs[0].dtype.itemsize)
 
         def run(comm, work):
-            buf = np.empty(per_rank * self._size, inputs[0].dtype)
-            _pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            buf = xp.empty(per_rank * self._size, inputs[0].dtype)
+            xp.pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, xp.buffer(buf), chunks, seg)
             gathered = _unpack_like(buf, [inputs[0]] * expected)
             for lst in outputs:
                 for a, g in zip(lst, gathered):
-                    np.copyto(a, g)
+                    xp.assign(a, g)
             return value
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def allgather_coalesced(self, output_lists, input_list, opts: AllgatherOptions | None = None):
         """``output_lists[r][j]`` receives rank r's ``input_list[j]``; inputs may
@@ -108,10 +109,11 @@ class DataMovement:
             got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
             raise ValueError(f"{name}: output lists should be equal to world size "
                              f"({self._size}), got {got}")
+        converted = [as_array_list(lst, name, allow_single=False) for lst in output_lists]
+        xp = memory_of(name, inputs, *converted)
         check_same_dtype(inputs, name)
         outputs = []
-        for r, lst in enumerate(output_lists):
-            lst = as_array_list(lst, name, allow_single=False)
+        for r, lst in enumerate(converted):
             if len(lst) != len(inputs):
                 raise ValueError(f"{name}: invalid output size at index {r} (expected "
                                  f"length {len(inputs)}, got {len(lst)})")
@@ -128,18 +130,18 @@ class DataMovement:
         value = [list(lst) for lst in output_lists]
         per_rank = sum(a.size for a in inputs)
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].itemsize)
+        seg = self._segment(inputs[0].dtype.itemsize)
 
         def run(comm, work):
-            buf = np.empty(per_rank * self._size, inputs[0].dtype)
-            _pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            buf = xp.empty(per_rank * self._size, inputs[0].dtype)
+            xp.pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, xp.buffer(buf), chunks, seg)
             for r, lst in enumerate(outputs):
                 for a, g in zip(lst, _unpack_like(buf[r * per_rank:], lst)):
-                    np.copyto(a, g)
+                    xp.assign(a, g)
             return value
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def allgather_into_tensor(self, output, input, opts: AllgatherOptions | None = None):
         """``output`` (``world_size`` times ``input``'s size) gets every rank's
@@ -163,6 +165,7 @@ class DataMovement:
                              f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
         if not inputs:
             raise ValueError(f"{name}: requires non-empty input tensor list")
+        xp = memory_of(name, outputs, inputs)
         for o, i in zip(outputs, inputs):
             if o.dtype != i.dtype:
                 raise TypeError(f"{name}: input and output tensors must have the same type "
@@ -175,24 +178,28 @@ class DataMovement:
         check_writable(outputs, name)
         per_rank = sum(a.size for a in inputs)
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].itemsize)
-        direct = len(outputs) == 1 and outputs[0].flags.c_contiguous
+        seg = self._segment(inputs[0].dtype.itemsize)
+        direct = len(outputs) == 1 and xp.contiguous(outputs[0])
 
         def run(comm, work):
             # One pair with a contiguous output: gather straight into it.
-            buf = outputs[0].reshape(-1) if direct else np.empty(per_rank * self._size,
-                                                                 inputs[0].dtype)
-            _pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, HostBuffer(buf), chunks, seg)
+            buf = (xp.flat(outputs[0], copy_in=False) if direct
+                   else xp.empty(per_rank * self._size, inputs[0].dtype))
+            xp.pack(inputs, buf[self._rank * per_rank:])
+            allgather_ring(comm, xp.buffer(buf), chunks, seg)
             if not direct:
                 rows = buf.reshape(self._size, per_rank)
                 col = 0
                 for o, i in zip(outputs, inputs):
-                    np.copyto(o, rows[:, col:col + i.size].reshape(o.shape))
+                    # o holds rank 0's i, then rank 1's ...: row r, these columns.
+                    target = xp.flat(o, copy_in=False)
+                    xp.assign(target.reshape(self._size, i.size), rows[:, col:col + i.size])
+                    if not xp.contiguous(o):
+                        xp.write(o, target)
                     col += i.size
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     # -- gather / scatter ------------------------------------------------------------
     def gather(self, output_lists, input_list, opts: GatherOptions | None = None):
@@ -219,26 +226,29 @@ class DataMovement:
                 raise ValueError(f"{name}: Incorrect output list size {got}. "
                                  f"Output list size should be {self._size}")
             outputs = as_array_list(lst, name, allow_single=False)
+            xp = memory_of(name, inputs, outputs)
             check_same_type_and_size(outputs, name, like=src)
             check_writable(outputs, name)
             value = list(lst)
         elif output_lists:
             raise ValueError(f"{name}: requires empty output on non-root (rank {self._rank}, "
                              f"root {root})")
-        seg = self._segment(src.itemsize)
+        else:
+            xp = memory_of(name, inputs)
+        seg = self._segment(src.dtype.itemsize)
 
         def run(comm, work):
-            send = HostBuffer(_flat_or_copy(src, copy_in=True))
-            targets = [_flat_or_copy(o, copy_in=False) for o in outputs]
-            gather_direct(comm, send, [HostBuffer(t) for t in targets], root, seg)
+            send = xp.flat(src, copy_in=True)
+            targets = [xp.flat(o, copy_in=False) for o in outputs]
+            gather_direct(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
             if is_root:
-                targets[root][...] = send.array
+                xp.assign(targets[root], send)
                 for o, t in zip(outputs, targets):
-                    if not o.flags.c_contiguous:
-                        np.copyto(o, t.reshape(o.shape))
+                    if not xp.contiguous(o):
+                        xp.write(o, t)
             return value
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def scatter(self, output_list, input_lists, opts: ScatterOptions | None = None):
         """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``.
@@ -265,23 +275,27 @@ class DataMovement:
                 raise ValueError(f"{name}: Incorrect input list size {got}. "
                                  f"Input list size should be {self._size}")
             inputs = as_array_list(lst, name, allow_single=False)
+            xp = memory_of(name, outputs, inputs)
             check_same_type_and_size(inputs, name, like=out)
         elif input_lists:
             raise ValueError(f"{name}: requires empty input on non-root (rank {self._rank}, "
                              f"root {root})")
-        seg = self._segment(out.itemsize)
+        else:
+            xp = memory_of(name, outputs)
+        seg = self._segment(out.dtype.itemsize)
 
         def run(comm, work):
-            target = _flat_or_copy(out, copy_in=False)
-            sends = [HostBuffer(_flat_or_copy(a, copy_in=True)) for a in inputs]
-            scatter_direct(comm, sends, HostBuffer(target), root, seg)
+            target = xp.flat(out, copy_in=False)
+            sources = [xp.flat(a, copy_in=True) for a in inputs]
+            sends = [xp.buffer(a) for a in sources]
+            scatter_direct(comm, sends, xp.buffer(target), root, seg)
             if is_root:
-                target[...] = sends[root].array
-            if not out.flags.c_contiguous:
-                np.copyto(out, target.reshape(out.shape))
+                xp.assign(target, sources[root])
+            if not xp.contiguous(out):
+                xp.write(out, target)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     # -- alltoall ---------------------------------------------------------------------
     def alltoall(self, output_list, input_list, opts: AllToAllOptions | None = None):
@@ -297,28 +311,29 @@ class DataMovement:
         if len(outputs) != self._size:
             raise ValueError(f"{name}: output tensor list size {len(outputs)} does not match "
                              f"world size {self._size}")
+        xp = memory_of(name, inputs, outputs)
         check_same_dtype([*inputs, *outputs], name)
         check_writable(outputs, name)
         send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
-        seg = self._segment(inputs[0].itemsize)
+        seg = self._segment(inputs[0].dtype.itemsize)
 
         def run(comm, work):
-            send = np.empty(sum(a.size for a in inputs), inputs[0].dtype)
-            recv = np.empty(sum(a.size for a in outputs), inputs[0].dtype)
-            _pack(inputs, send)
-            alltoall_pairwise(comm, HostBuffer(send), send_chunks, HostBuffer(recv),
+            send = xp.empty(sum(a.size for a in inputs), inputs[0].dtype)
+            recv = xp.empty(sum(a.size for a in outputs), inputs[0].dtype)
+            xp.pack(inputs, send)
+            alltoall_pairwise(comm, xp.buffer(send), send_chunks, xp.buffer(recv),
                               recv_chunks, seg)
             s, n = send_chunks[self._rank]
             r, m = recv_chunks[self._rank]
             if n != m:
                 raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
                                  f"expects {m}")
-            recv[r:r + m] = send[s:s + n]
+            xp.assign(recv[r:r + m], send[s:s + n])
             for a, g in zip(outputs, _unpack_like(recv, outputs)):
-                np.copyto(a, g)
+                xp.assign(a, g)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
                       opts: AllToAllOptions | None = None):
@@ -328,7 +343,8 @@ class DataMovement:
         name = "alltoall_base"
         opts = opts or AllToAllOptions()
         out, inp = as_array(output, name), as_array(input, name)
-        if not out.flags.c_contiguous or not inp.flags.c_contiguous:
+        xp = memory_of(name, [out, inp])
+        if not xp.contiguous(out) or not xp.contiguous(inp):
             raise ValueError(f"{name}: Tensors must be contiguous")
         if out.dtype != inp.dtype:
             raise TypeError(f"{name}: input and output tensors must have the same type "
@@ -339,36 +355,21 @@ class DataMovement:
         if input_split_sizes is None and output_split_sizes is None and out.size != inp.size:
             raise ValueError(f"{name}: input and output tensors must have the same size "
                              f"({inp.size} vs {out.size} elements)")
-        seg = self._segment(inp.itemsize)
+        seg = self._segment(inp.dtype.itemsize)
 
         def run(comm, work):
-            send, recv = inp.reshape(-1), out.reshape(-1)
-            alltoall_pairwise(comm, HostBuffer(send), send_chunks, HostBuffer(recv),
+            send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
+            alltoall_pairwise(comm, xp.buffer(send), send_chunks, xp.buffer(recv),
                               recv_chunks, seg)
             s, n = send_chunks[self._rank]
             r, m = recv_chunks[self._rank]
             if n != m:
                 raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
                                  f"expects {m}")
-            recv[r:r + m] = send[s:s + n]
+            xp.assign(recv[r:r + m], send[s:s + n])
             return [output]
 
-        return self._enqueue(name, run, self._timeout_for(opts))
-
-
-def _flat_or_copy(a: np.ndarray, copy_in: bool) -> np.ndarray:
-    """``a``'s memory as a flat array, or a flat copy (filled from ``a`` if
-    ``copy_in``) when ``a`` is not contiguous."""
-    if a.flags.c_contiguous:
-        return a.reshape(-1)
-    return np.ascontiguousarray(a).reshape(-1) if copy_in else np.empty(a.size, a.dtype)
-
-
-def _pack(arrays, buf) -> None:
-    start = 0
-    for a in arrays:
-        buf[start:start + a.size] = a.reshape(-1) if a.flags.c_contiguous else a.ravel()
-        start += a.size
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
 
 def _unpack_like(buf, like):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
-import numpy as np
-
 from transports import ANY_SOURCE
 
 from ..algorithms import barrier_dissemination
@@ -17,6 +15,7 @@ from ..errors import CollectiveTimeoutError, NumcollError
 from ..options import BarrierOptions
 from .checks import check_peer, originals
 from .choice import segment_count
+from .memory import memory_of
 
 __all__ = ["PointToPoint"]
 
@@ -29,62 +28,67 @@ class PointToPoint:
         arrays = as_array_list(arrays, name)
         if len(arrays) != 1:
             raise ValueError(f"{name}: requires a single-element tensor list (got {len(arrays)})")
-        return outs, arrays[0]
+        return outs, arrays[0], memory_of(name, arrays)
 
     def send(self, arrays, dst: int, tag: int = 0):
         """Send one array to rank ``dst``; matched by the receiver's (source, tag).
         Sends and receives take no collective sequence number."""
         name = "send"
-        outs, arr = self._single(arrays, name)
+        outs, arr, xp = self._single(arrays, name)
         check_peer(dst, self._size, self._rank, name, "destination")
         full_tag = p2p_tag(tag)
-        seg = segment_count(self._cfg, arr.itemsize)
+        seg = segment_count(self._cfg, arr.dtype.itemsize)
 
         def run(comm, work):
-            flat = np.ascontiguousarray(arr).reshape(-1)
-            comm.wait_all([comm.isend_tagged(dst, full_tag, flat[s:s + n])
-                           for s, n in segments(0, flat.size, seg)])
+            buf = xp.buffer(xp.flat(arr, copy_in=True))
+            comm.wait_all([comm.isend_tagged(dst, full_tag, buf.send_view(s, n))
+                           for s, n in segments(0, buf.count, seg)])
             return outs
 
-        return self._enqueue(name, run, self._timeout_s, collective=False)
+        return self._enqueue(name, xp.wrap(run), self._timeout_s, collective=False)
 
     def recv(self, arrays, src: int, tag: int = 0):
         """Receive one array from rank ``src`` into ``arrays``."""
         name = "recv"
-        outs, arr = self._single(arrays, name)
+        outs, arr, xp = self._single(arrays, name)
         check_peer(src, self._size, self._rank, name, "source")
-        return self._recv(name, outs, arr, src, tag)
+        return self._recv(name, outs, arr, xp, src, tag)
 
     def recv_anysource(self, arrays, tag: int = 0):
         """Receive one array from whichever rank sends with ``tag`` first;
         ``work.source_rank()`` tells which."""
         name = "recv_anysource"
-        outs, arr = self._single(arrays, name)
-        return self._recv(name, outs, arr, ANY_SOURCE, tag)
+        outs, arr, xp = self._single(arrays, name)
+        return self._recv(name, outs, arr, xp, ANY_SOURCE, tag)
 
-    def _recv(self, name, outs, arr, src, tag):
+    def _recv(self, name, outs, arr, xp, src, tag):
         check_writable([arr], name)
         full_tag = p2p_tag(tag)
-        seg = segment_count(self._cfg, arr.itemsize)
+        seg = segment_count(self._cfg, arr.dtype.itemsize)
 
         def run(comm, work):
-            flat = arr.reshape(-1) if arr.flags.c_contiguous else np.empty(arr.size, arr.dtype)
-            pieces = segments(0, flat.size, seg)
+            flat = xp.flat(arr, copy_in=False)
+            buf = xp.buffer(flat)
+            pieces = segments(0, buf.count, seg)
             peer = src
             if src == ANY_SOURCE:
                 # The first piece fixes the sender; the rest come from it.
                 first = pieces[0] if pieces else (0, 0)
-                p = comm.irecv_tagged(ANY_SOURCE, full_tag, flat[first[0]:sum(first)])
+                p = comm.irecv_tagged(ANY_SOURCE, full_tag, buf.recv_view(*first))
                 comm.wait(p)
+                buf.recv_done(*first)
                 peer, pieces = p.source, pieces[1:]
-            pending = [comm.irecv_tagged(peer, full_tag, flat[s:s + n]) for s, n in pieces]
-            comm.wait_all(pending)
+            pending = [(s, n, comm.irecv_tagged(peer, full_tag, buf.recv_view(s, n)))
+                       for s, n in pieces]
+            for s, n, p in pending:
+                comm.wait(p)
+                buf.recv_done(s, n)
             work._source_rank = peer
-            if not arr.flags.c_contiguous:
-                np.copyto(arr, flat.reshape(arr.shape))
+            if not xp.contiguous(arr):
+                xp.write(arr, flat)
             return outs
 
-        return self._enqueue(name, run, self._timeout_s, collective=False)
+        return self._enqueue(name, xp.wrap(run), self._timeout_s, collective=False)
 
     # -- barriers -----------------------------------------------------------------
     def barrier(self, opts: BarrierOptions | None = None):

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from ..algorithms import reduce_scatter_ring
-from ..algorithms.partition import chunk_bounds
-from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
-from ..buffers import HostBuffer
+from ..arrays import as_array_list, check_same_type_and_size, check_writable
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from ..reduction import Reduction
 from .checks import check_root_rank, check_root_tensor, check_same_dtype, originals
 from .choice import choose, segment_count
+from .memory import memory_of
 
 __all__ = ["Reductions"]
 
@@ -21,8 +18,8 @@ __all__ = ["Reductions"]
 class Reductions:
     """Mixin of :class:`~numcoll.ProcessGroup`: the reducing collectives."""
 
-    def _reduction(self, op, dtype, name) -> Reduction:
-        return Reduction(op, dtype, self._size, self._cfg.half_wire, name)
+    def _reduction(self, op, dtype, name, xp) -> Reduction:
+        return Reduction(op, dtype, self._size, self._cfg.half_wire, name, device=xp.is_device)
 
     def allreduce(self, arrays, opts: AllreduceOptions | None = None, *, op=None):
         """Reduce ``arrays`` across ranks; every rank gets the result in every array.
@@ -37,22 +34,24 @@ class Reductions:
         arrays = as_array_list(arrays, name)
         if not arrays:
             raise ValueError(f"{name}: requires non-empty tensor list")
+        xp = memory_of(name, arrays)
         check_same_type_and_size(arrays, name)
         check_writable(arrays, name)
-        red = self._reduction(opts.reduce_op, arrays[0].dtype, name)
+        red = self._reduction(opts.reduce_op, arrays[0].dtype, name, xp)
         nbytes = arrays[0].size * red.wire_dtype.itemsize
         algorithm = choose(self._cfg, name, opts.algorithm, nbytes, self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
 
         def run(comm, work):
-            buf, in_place = red.load(arrays)
-            algorithm(comm, HostBuffer(buf, red.reduce), seg)
-            red.finish(buf)
+            steps = xp.steps(red)
+            buf, in_place = steps.load(arrays)
+            algorithm(comm, xp.buffer(buf, steps.reduce), seg)
+            steps.finish(buf)
             for a in arrays if not in_place else ():
-                red.store(buf, a)
+                steps.store(buf, a)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def allreduce_coalesced(self, arrays, opts: AllreduceCoalescedOptions | None = None):
         """Allreduce a list of arrays of one dtype and any shapes as one message."""
@@ -62,24 +61,26 @@ class Reductions:
         arrays = as_array_list(arrays, name)
         if not arrays:
             raise ValueError(f"{name}: requires non-empty tensor list")
+        xp = memory_of(name, arrays)
         check_same_dtype(arrays, name)
         check_writable(arrays, name)
-        red = self._reduction(opts.reduce_op, arrays[0].dtype, name)
+        red = self._reduction(opts.reduce_op, arrays[0].dtype, name, xp)
         total = sum(a.size for a in arrays)
         algorithm = choose(self._cfg, "allreduce", opts.algorithm,
                            total * red.wire_dtype.itemsize, self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
 
         def run(comm, work):
-            buf = np.empty(total, red.wire_dtype)
-            offsets = _pack(red, arrays, buf)
-            algorithm(comm, HostBuffer(buf, red.reduce), seg)
-            red.finish(buf)
+            steps = xp.steps(red)
+            buf = xp.empty(total, red.wire_dtype)
+            offsets = _pack(steps, arrays, buf)
+            algorithm(comm, xp.buffer(buf, steps.reduce), seg)
+            steps.finish(buf)
             for a, (start, n) in zip(arrays, offsets):
-                red.store(buf[start:start + n], a)
+                steps.store(buf[start:start + n], a)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def reduce(self, arrays, opts: ReduceOptions | None = None, *, op=None, root=None):
         """Reduce into ``arrays[opts.root_tensor]`` of rank ``opts.root_rank``.
@@ -98,24 +99,26 @@ class Reductions:
             raise ValueError(f"{name}: requires a single-element tensor list "
                              f"(got {len(arrays)})")
         arr = arrays[0]
+        xp = memory_of(name, arrays)
         is_root = self._rank == opts.root_rank
         if is_root:
             check_writable(arrays, name)
-        red = self._reduction(opts.reduce_op, arr.dtype, name)
+        red = self._reduction(opts.reduce_op, arr.dtype, name, xp)
         algorithm = choose(self._cfg, name, opts.algorithm, arr.size * red.wire_dtype.itemsize,
                            self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
 
         def run(comm, work):
-            buf, in_place = red.load(arrays) if is_root else (red.to_wire(arr), False)
-            algorithm(comm, HostBuffer(buf, red.reduce), opts.root_rank, seg)
+            steps = xp.steps(red)
+            buf, in_place = steps.load(arrays) if is_root else (steps.to_wire(arr), False)
+            algorithm(comm, xp.buffer(buf, steps.reduce), opts.root_rank, seg)
             if is_root:
-                red.finish(buf)
+                steps.finish(buf)
                 if not in_place:
-                    red.store(buf, arr)
+                    steps.store(buf, arr)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def reduce_scatter(self, output_list, input_lists, opts: ReduceScatterOptions | None = None):
         """Rank r gets the reduction over ranks of ``input_lists[0][r]`` in
@@ -134,24 +137,26 @@ class Reductions:
             raise ValueError(f"{name}: Incorrect input list size {len(inputs)}. "
                              f"Input list size should be {self._size}")
         out = outputs[0]
+        xp = memory_of(name, outputs, inputs)
         check_same_dtype([out, *inputs], name)
         check_writable(outputs, name)
         if inputs[self._rank].size != out.size:
             raise ValueError(f"{name}: invalid tensor size: input {self._rank} has "
                              f"{inputs[self._rank].size} elements, the output {out.size}")
-        red = self._reduction(opts.reduce_op, out.dtype, name)
+        red = self._reduction(opts.reduce_op, out.dtype, name, xp)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
 
         def run(comm, work):
-            buf = np.empty(sum(a.size for a in inputs), red.wire_dtype)
-            chunks = _pack(red, inputs, buf)
-            reduce_scatter_ring(comm, HostBuffer(buf, red.reduce), chunks, seg)
+            steps = xp.steps(red)
+            buf = xp.empty(sum(a.size for a in inputs), red.wire_dtype)
+            chunks = _pack(steps, inputs, buf)
+            reduce_scatter_ring(comm, xp.buffer(buf, steps.reduce), chunks, seg)
             mine = _slice(buf, chunks[self._rank])
-            red.finish(mine)
-            red.store(mine, out)
+            steps.finish(mine)
+            steps.store(mine, out)
             return outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
     def reduce_scatter_tensor(self, output, input, opts: ReduceScatterOptions | None = None):
         """Rank r gets the reduction of the r-th of ``world_size`` equal slices of
@@ -175,6 +180,7 @@ class Reductions:
                              f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
         if not outputs:
             raise ValueError(f"{name}: requires non-empty tensor list")
+        xp = memory_of(name, outputs, inputs)
         for o, i in zip(outputs, inputs):
             if o.dtype != i.dtype:
                 raise TypeError(f"{name}: input and output tensors must have the same type "
@@ -185,45 +191,45 @@ class Reductions:
                     f"size: input has {i.size} elements, output {o.size} x {self._size} ranks")
         check_same_dtype(outputs, name)
         check_writable(outputs, name)
-        red = self._reduction(opts.reduce_op, outputs[0].dtype, name)
+        red = self._reduction(opts.reduce_op, outputs[0].dtype, name, xp)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
         share = sum(o.size for o in outputs)
         chunks = [(r * share, share) for r in range(self._size)]
 
         def run(comm, work):
+            steps = xp.steps(red)
             # Lay the buffer out share-major: [rank 0's share of every pair,
             # rank 1's share of every pair, ...], so one ring moves them all.
             if len(inputs) == 1:
-                buf = red.to_wire(inputs[0])  # already share-major: a single copy
+                buf = steps.to_wire(inputs[0])  # already share-major: a single copy
             else:
-                buf = np.empty(share * self._size, red.wire_dtype)
+                buf = xp.empty(share * self._size, red.wire_dtype)
                 col = 0
                 for o, i in zip(outputs, inputs):
-                    buf.reshape(self._size, share)[:, col:col + o.size] = \
-                        red.to_wire(i).reshape(self._size, o.size)
+                    xp.assign(buf.reshape(self._size, share)[:, col:col + o.size],
+                              steps.to_wire(i).reshape(self._size, o.size))
                     col += o.size
-            view = buf.reshape(self._size, share)
-            reduce_scatter_ring(comm, HostBuffer(buf, red.reduce), chunks, seg)
-            mine = view[self._rank]
-            red.finish(mine)
+            reduce_scatter_ring(comm, xp.buffer(buf, steps.reduce), chunks, seg)
+            mine = buf[self._rank * share:(self._rank + 1) * share]
+            steps.finish(mine)
             col = 0
             for o in outputs:
-                red.store(mine[col:col + o.size], o)
+                steps.store(mine[col:col + o.size], o)
                 col += o.size
             return [outs] if single else outs
 
-        return self._enqueue(name, run, self._timeout_for(opts))
+        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
 
 
 def _with_op(opts, op):
     return opts if op is None else dataclasses.replace(opts, reduce_op=op)
 
 
-def _pack(red: Reduction, arrays, buf) -> list[tuple[int, int]]:
+def _pack(steps, arrays, buf) -> list[tuple[int, int]]:
     """Copy ``arrays`` back to back into ``buf`` (in the wire dtype); their (start, count)."""
     offsets, start = [], 0
     for a in arrays:
-        red.to_wire(a, buf[start:start + a.size])
+        steps.to_wire(a, buf[start:start + a.size])
         offsets.append((start, a.size))
         start += a.size
     return offsets

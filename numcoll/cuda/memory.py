@@ -1,0 +1,254 @@
+"""Device memory for one collective: its stream, staging, temporaries, and
+the reduction steps on the GPU.
+
+:class:`DeviceArrays` is the device twin of
+:class:`numcoll.collectives.memory.HostArrays`: the collectives call the same
+few methods (``empty``, ``flat``, ``assign``, ``write``, ``pack``, ``buffer``,
+``steps``) and never branch on where the arrays live. One instance serves
+one call; everything it queues runs on its own stream, which is synchronised
+before the Work completes (:meth:`DeviceArrays.wrap`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda as _cuda
+
+from ..dtypes import is_half
+from ..kernels import cuda as cuda_kernels
+from ..ops import ReduceOp
+from .buffer import DeviceBuffer
+from .staging import POOL
+
+__all__ = ["DeviceArrays", "DeviceSteps"]
+
+_SIMULATED = _cuda.jit.__module__.startswith("numba.cuda.simulator")
+# Bound once (see buffer.py): host code never goes through the numba.cuda module.
+_device_array = _cuda.device_array
+_new_stream = _cuda.stream
+# Events only order streams (no timing); the simulator's take no arguments.
+_event = _cuda.event
+_new_event = _event if _SIMULATED else (lambda: _event(timing=False))
+_U16 = np.dtype(np.uint16)
+# The first elements of a filled array come from the host; the rest are
+# doubled on the device (log2 copies instead of a host array of full size).
+_FILL_SEED_COUNT = 1024
+
+
+def _bits(a):
+    """float16/bfloat16 device arrays as uint16 (same layout), others as they are."""
+    return a.view(_U16) if is_half(np.dtype(a.dtype)) else a
+
+
+class DeviceArrays:
+    """Where a device-array collective's memory comes from, and how it is copied.
+
+    Made at the call, on the caller's thread, with the call's ``arrays``: for
+    each stream those arrays are bound to (a Numba array's ``stream``:
+    ``arr.bind(s)``, ``cuda.to_device(x, stream=s)``, or the stream a foreign
+    array exported), an event is recorded there now, and the collective's
+    stream waits for it, so work queued on those streams before the call
+    comes first without the host waiting for it.
+    """
+
+    is_device = True
+
+    def __init__(self, arrays=(), pool=POOL):
+        self._pool = pool
+        self._stream = None
+        self._blocks: list[np.ndarray] = []
+        self._after = []
+        seen = set()
+        for a in arrays:
+            producer = getattr(a, "stream", 0)
+            if producer and id(producer) not in seen:
+                seen.add(id(producer))
+                event = _new_event()
+                event.record(producer)
+                self._after.append(event)
+
+    @property
+    def stream(self):
+        # Made on the thread that runs the collective, at first use.
+        if self._stream is None:
+            stream = _new_stream()
+            for event in self._after:
+                event.wait(stream)
+            self._stream = stream
+        return self._stream
+
+    # -- lifecycle -------------------------------------------------------------------
+    def wrap(self, run):
+        """``run(comm, work)`` that completes only once the device holds the
+        result: the stream is synchronised before the value is returned."""
+
+        def run_on_device(comm, work):
+            try:
+                value = run(comm, work)
+                if self._stream is not None:
+                    self._stream.synchronize()
+            except BaseException:
+                self._close(reuse_staging=False)
+                raise
+            self._close(reuse_staging=True)
+            return value
+
+        return run_on_device
+
+    def _close(self, reuse_staging: bool) -> None:
+        blocks, self._blocks = self._blocks, []
+        if not reuse_staging:
+            # After a failure a zero-copy send may still hold a block, or a copy may
+            # still be queued: let those blocks go with their last reference.
+            try:
+                if self._stream is not None:
+                    self._stream.synchronize()
+            except Exception:  # noqa: BLE001 - the collective's own error is raised
+                pass
+            return
+        for block in blocks:
+            self._pool.give(block)
+
+    # -- memory ----------------------------------------------------------------------
+    @staticmethod
+    def contiguous(a) -> bool:
+        return a.is_c_contiguous()
+
+    def empty(self, count: int, dtype):
+        return _device_array(count, dtype)
+
+    def flat(self, a, copy_in: bool):
+        """``a``'s memory as a flat array, or a flat copy (filled from ``a`` if
+        ``copy_in``) when ``a`` is not C-contiguous."""
+        if a.is_c_contiguous():
+            return a.reshape(a.size)
+        flat = self.empty(a.size, a.dtype)
+        if copy_in:
+            self.assign(flat.reshape(a.shape), a)
+        return flat
+
+    def assign(self, dst, src) -> None:
+        """``dst[...] = src`` for same-shape device arrays of any layout, on the stream."""
+        if dst.size == 0:
+            return
+        # 16-bit floats are copied as their bits: Numba cannot type ml_dtypes'
+        # bfloat16, and the simulator's copies lose it (to NumPy it is "V2").
+        dst, src = _bits(dst), _bits(src)
+        if dst.is_c_contiguous() and src.is_c_contiguous():
+            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
+        elif _SIMULATED:
+            dst[...] = src
+        else:
+            # Numba's strided assignment kernel.
+            dst.setitem((slice(None),) * dst.ndim, src, stream=self.stream)
+
+    def write(self, out, flat) -> None:
+        """Store the flat contiguous ``flat`` into ``out`` (any layout)."""
+        self.assign(out, flat.reshape(out.shape))
+
+    def pack(self, arrays, buf) -> None:
+        """Copy ``arrays`` back to back into the flat ``buf``."""
+        start = 0
+        for a in arrays:
+            self.assign(buf[start:start + a.size].reshape(a.shape), a)
+            start += a.size
+
+    def buffer(self, flat, reduce=None) -> DeviceBuffer:
+        return DeviceBuffer(flat, self.stream, self._staging, reduce)
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A pinned block from the pool, given back when the collective completes."""
+        block = self._pool.take(nbytes)
+        self._blocks.append(block)
+        return block
+
+    def steps(self, red) -> DeviceSteps:
+        return DeviceSteps(red, self)
+
+    def filled(self, count: int, value, dtype):
+        """A new device array of ``count`` copies of ``value``."""
+        out = self.empty(count, dtype)
+        seed = min(count, _FILL_SEED_COUNT)
+        if seed:
+            # From pageable memory: the call returns once the bytes are staged.
+            cuda_kernels.to_device_async(np.full(seed, value, dtype), out[:seed], self.stream)
+        done = seed
+        while done < count:
+            n = min(done, count - done)
+            self.assign(out[done:done + n], out[:n])
+            done += n
+        return out
+
+
+class DeviceSteps:
+    """The steps of a :class:`~numcoll.reduction.Reduction`, run on the device.
+
+    Same methods and semantics as the host ones (``reduce``, ``to_wire``,
+    ``load``, ``finish``, ``store``), queued on the collective's stream.
+    """
+
+    def __init__(self, red, xp: DeviceArrays):
+        self._red = red
+        self._xp = xp
+        self.wire_dtype = red.wire_dtype
+        self._kernel = cuda_kernels.compile_op(red.kernel_op, red.wire_dtype)  # memoised
+        self._factors = None
+
+    def reduce(self, acc, x) -> None:
+        """acc = op(acc, x), elementwise, in the wire dtype."""
+        self._kernel(acc, x, stream=self._xp.stream)
+
+    def to_wire(self, src, out=None):
+        """``src`` (any layout) as a flat wire-dtype device array (new unless ``out``)."""
+        xp, red = self._xp, self._red
+        if out is None:
+            out = xp.empty(src.size, red.wire_dtype)
+        if red.widen:
+            cuda_kernels.widen_into(xp.flat(src, copy_in=True), out, xp.stream)
+        else:
+            xp.assign(out.reshape(src.shape), src)
+        if red.factor is not None:
+            self._premultiply(out)
+        return out
+
+    def load(self, arrays):
+        """The flat work buffer holding the local reduction of ``arrays``, and
+        whether it *is* ``arrays[0]``'s memory."""
+        xp, first = self._xp, arrays[0]
+        if len(arrays) == 1 and not self._red.widen and xp.contiguous(first):
+            work = first.reshape(first.size)
+            if self._red.factor is not None:
+                self._premultiply(work)
+            return work, True
+        work = self.to_wire(first)
+        if len(arrays) > 1:
+            scratch = xp.empty(work.size, self.wire_dtype)
+            for a in arrays[1:]:
+                self.reduce(work, self.to_wire(a, scratch))
+        return work, False
+
+    def finish(self, work) -> None:
+        if self._red.divisor is not None and work.size:
+            cuda_kernels.scale_into(work, self._red.divisor, self._xp.stream)
+
+    def store(self, work, out) -> None:
+        """Write the flat work buffer (or a slice of it) into ``out`` (any layout)."""
+        xp, red = self._xp, self._red
+        if not red.widen:
+            xp.write(out, work)
+        elif xp.contiguous(out):
+            cuda_kernels.narrow_into(work, out.reshape(out.size), xp.stream)
+        else:
+            tmp = xp.empty(out.size, red.dtype)
+            cuda_kernels.narrow_into(work, tmp, xp.stream)
+            xp.write(out, tmp)
+
+    def _premultiply(self, work) -> None:
+        """work *= factor: a PRODUCT with an array of factors (exactly x * factor,
+        where dividing by 1/factor would round twice)."""
+        if not work.size:
+            return
+        if self._factors is None or self._factors.size < work.size:
+            self._factors = self._xp.filled(work.size, self._red.factor, self.wire_dtype)
+        product = cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
+        product(work, self._factors[:work.size], stream=self._xp.stream)

@@ -8,6 +8,7 @@ multi-segment paths with tiny arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 __all__ = ["Config", "current"]
@@ -74,6 +75,7 @@ def current(**overrides) -> Config:
     return cfg
 
 
+@functools.lru_cache(maxsize=256)
 def forced_algorithm(cfg: Config, collective: str) -> str | None:
     """The algorithm name forced for ``collective`` by ``cfg.algorithm``, if any."""
     for item in filter(None, (s.strip() for s in cfg.algorithm.split(","))):

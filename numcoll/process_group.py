@@ -95,6 +95,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         self._rank, self._size = rank, world_size
         self._cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
         self._timeout_s = opts.timeout.total_seconds()
+        self._reduction_plans: dict = {}  # (op, dtype, on device) -> Reduction
 
         # A generation counter keeps a group re-created on the same store from
         # reading the previous group's addresses.

@@ -19,7 +19,14 @@ class Reductions:
     """Mixin of :class:`~numcoll.ProcessGroup`: the reducing collectives."""
 
     def _reduction(self, op, dtype, name, xp) -> Reduction:
-        return Reduction(op, dtype, self._size, self._cfg.half_wire, name, device=xp.is_device)
+        # A plan per (op, dtype, memory) and group: building one (checks and a
+        # compiled-kernel lookup) is a sizeable part of a small call's cost.
+        key = (op, dtype, xp.is_device)
+        red = self._reduction_plans.get(key)
+        if red is None:
+            red = self._reduction_plans[key] = Reduction(op, dtype, self._size, self._cfg.half_wire, name,
+                                         device=xp.is_device)
+        return red
 
     def allreduce(self, arrays, opts: AllreduceOptions | None = None, *, op=None):
         """Reduce ``arrays`` across ranks; every rank gets the result in every array.

@@ -18,7 +18,7 @@ __all__ = ["Config", "current"]
 class Config:
     #: Large messages are cut into segments of this many bytes so that transfer
     #: and reduction overlap (pipelining) and no single ZeroMQ message is huge.
-    segment_nbytes: int = 1 << 20
+    segment_nbytes: int = 4 << 20
     #: allreduce: messages up to this many bytes use recursive doubling (latency
     #: bound, log2(P) steps); larger ones use the bandwidth-optimal ring.
     allreduce_small_nbytes: int = 64 << 10

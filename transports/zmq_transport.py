@@ -315,15 +315,30 @@ class ZmqTransport:
             if sock is None or peer in self._backlog:
                 return False
             if message is None:
-                return self._send_shm(peer, HEADER.pack(KIND_SHM, self.rank, tag, payload.nbytes),
-                                      payload)
-            try:
-                sock.send(message, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return False
-            return True
+                slot = self._shm.acquire(peer)
+                if slot is None:
+                    return False
+            else:
+                try:
+                    sock.send(message, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    return False
+                return True
         finally:
             self._push_lock.release()
+        # The copy into the slot runs without the lock, so the I/O thread can
+        # keep sending credits meanwhile. Order still holds: this thread posts
+        # nothing else until it returns, and other threads' messages have no
+        # order relative to ours.
+        self._shm.write(peer, slot, payload)
+        header = HEADER.pack(KIND_SHM, self.rank, tag, payload.nbytes) + SLOT.pack(slot)
+        with self._push_lock:
+            sock = self._push.get(peer)
+            if sock is None:  # the peer left meanwhile: let the queued path fail the request
+                self._shm.release(peer, slot)
+                return False
+            sock.send(header, zmq.NOBLOCK)
+        return True
 
     def _send_shm(self, peer: int, header: bytes, payload) -> bool:
         """Copy ``payload`` into a free slot towards ``peer`` and send its header;

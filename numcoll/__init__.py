@@ -63,7 +63,7 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
-from .rendezvous import rendezvous
+from .init_methods import register_rendezvous_handler, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
 from .tcpstore import TCPStore
 from .work import Work
@@ -77,7 +77,7 @@ __all__ = [
     "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions", "bfloat16",
     # stores and rendezvous
     "Store", "HashStore", "FileStore", "PrefixStore", "TCPStore", "StoreTimeoutError",
-    "rendezvous",
+    "rendezvous", "register_rendezvous_handler",
     # groups, work, futures, errors
     "ProcessGroup", "Work", "Future", "futures", "NumcollError", "CollectiveTimeoutError",
     "PeerError", "GroupPoisonedError", "RankFailedError",

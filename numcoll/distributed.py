@@ -28,7 +28,7 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
-from .rendezvous import rendezvous
+from .init_methods import rendezvous
 from .store import PrefixStore
 
 __all__ = [

@@ -20,7 +20,7 @@ def test_all_is_complete_and_importable():
     public = {n for n in dir(nc) if not n.startswith("_")}
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
-               "reduction", "rendezvous", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
+               "reduction", "init_methods", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
                "cuda"}
     assert public - set(nc.__all__) <= modules
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from numcoll import rendezvous as rdzv
+import numcoll.init_methods as rdzv
 from numcoll.errors import CollectiveTimeoutError, NumcollError
 from numcoll.store import (
     DEFAULT_STORE_TIMEOUT,

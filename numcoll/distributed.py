@@ -17,7 +17,6 @@ from datetime import timedelta
 
 from .ops import ReduceOp
 from .options import (
-    AllgatherOptions,
     AllreduceCoalescedOptions,
     AllreduceOptions,
     BarrierOptions,
@@ -29,7 +28,6 @@ from .options import (
 )
 from .process_group import ProcessGroup
 from .init_methods import rendezvous
-from .store import PrefixStore
 
 __all__ = [
     "GroupMember", "group", "init_process_group", "destroy_process_group", "is_initialized",

@@ -8,7 +8,6 @@ A small, thread-safe future in the style of ``torch.futures.Future``:
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable, Iterable
 
 __all__ = ["Future", "wait_all"]

@@ -11,7 +11,6 @@ TCPStore served by this process. Results come back through the store.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import time
 import traceback

@@ -2,7 +2,6 @@
 deadlines, failures, poisoning, shutdown, futures. Ranks are threads unless a
 test says otherwise."""
 
-import re
 import threading
 import time
 from datetime import timedelta

@@ -12,7 +12,6 @@ import threading
 import uuid
 
 from .base import (
-    RECV,
     SEND,
     PeerClosed,
     Rendezvous,
@@ -89,11 +88,7 @@ class InprocTransport:
         return req
 
     def irecv(self, peer: int, tag: int, buf=None) -> PendingRequest:
-        check_peer(RECV, self.rank, self.size, peer, tag)
-        view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view)
-        self._mailbox.post(req)
-        return req
+        return self._mailbox.receive(peer, tag, buf)
 
     def close(self) -> None:
         with self._close_lock:

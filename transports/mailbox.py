@@ -25,6 +25,8 @@ from .base import (
     TransportClosed,
     TransportError,
     TransportTimeout,
+    byte_view,
+    check_peer,
     describe,
 )
 
@@ -164,6 +166,14 @@ class Mailbox:
         self._counter = itertools.count()
 
     # --- receiving side -----------------------------------------------------
+
+    def receive(self, peer: int, tag: int, buf=None) -> PendingRequest:
+        """A transport's ``irecv``: check the arguments, then :meth:`post`."""
+        check_peer(RECV, self.rank, self.size, peer, tag)
+        view = None if buf is None else byte_view(buf, writable=True)
+        req = PendingRequest(RECV, self.rank, peer, tag, view)
+        self.post(req)
+        return req
 
     def post(self, req: PendingRequest) -> None:
         """Match ``req`` with the oldest queued message, or post it."""

@@ -37,7 +37,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .base import (
-    RECV,
     SEND,
     PeerClosed,
     Rendezvous,
@@ -269,11 +268,7 @@ class ZmqTransport:
         return req
 
     def irecv(self, peer: int, tag: int, buf=None) -> PendingRequest:
-        check_peer(RECV, self.rank, self.size, peer, tag)
-        view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view)
-        self._mailbox.post(req)
-        return req
+        return self._mailbox.receive(peer, tag, buf)
 
     def close(self) -> None:
         with self._ops_lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..arrays import _describe
 
 __all__ = ["check_root_rank", "check_root_tensor", "check_same_dtype", "originals",
-           "check_peer"]
+           "root_list", "check_pairs", "check_peer"]
 
 
 def check_root_rank(root: int, size: int, op: str) -> None:
@@ -38,3 +38,38 @@ def originals(arrays) -> list:
     """What the caller passed, as a list: the future's value hands back the
     caller's own objects (torch tensors stay torch tensors)."""
     return list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
+
+
+def root_list(lists, size: int, op: str, what: str) -> list:
+    """The root's one list of ``size`` arrays (gather's outputs, scatter's
+    inputs), checked with Gloo's wording."""
+    if not isinstance(lists, (list, tuple)) or len(lists) != 1:
+        raise ValueError(f"{op}: requires a single-element {what} list")
+    lst = lists[0]
+    if not isinstance(lst, (list, tuple)) or len(lst) != size:
+        got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+        raise ValueError(f"{op}: Incorrect {what} list size {got}. "
+                         f"{what.capitalize()} list size should be {size}")
+    return lst
+
+
+def check_pairs(outputs, inputs, size: int, op: str, gathered: str) -> None:
+    """(output, input) pairs of the ``*_tensor`` collectives: same dtype, and the
+    ``gathered`` side ("output" for allgather, "input" for reduce_scatter)
+    holds ``size`` times the other's elements."""
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{op}: requires input/output tensor lists to have the same "
+                         f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
+    if not outputs:
+        raise ValueError(f"{op}: requires non-empty tensor list")
+    for o, i in zip(outputs, inputs):
+        if o.dtype != i.dtype:
+            raise TypeError(f"{op}: input and output tensors must have the same type "
+                            f"({i.dtype} vs {o.dtype})")
+        big, small = (o, i) if gathered == "output" else (i, o)
+        if big.size != small.size * size:
+            other = "input" if gathered == "output" else "output"
+            raise ValueError(
+                f"{op}: input and output tensors must have the same size: the {gathered} "
+                f"must hold world size times the {other}'s elements ({big.size} vs "
+                f"{small.size} x {size} ranks)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from ..algorithms import allgather_ring, alltoall_pairwise, gather_direct, scatter_direct
 from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
 from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
-from .checks import check_root_rank, check_root_tensor, check_same_dtype, originals
+from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
+                     originals, root_list)
 from .choice import choose, segment_count
 from .memory import memory_of
 
@@ -160,20 +161,8 @@ class DataMovement:
         outs = originals(outputs)
         outputs = as_array_list(outputs, name)
         inputs = as_array_list(inputs, name)
-        if len(outputs) != len(inputs):
-            raise ValueError(f"{name}: requires input/output tensor lists to have the same "
-                             f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
-        if not inputs:
-            raise ValueError(f"{name}: requires non-empty input tensor list")
+        check_pairs(outputs, inputs, self._size, name, gathered="output")
         xp = memory_of(name, outputs, inputs)
-        for o, i in zip(outputs, inputs):
-            if o.dtype != i.dtype:
-                raise TypeError(f"{name}: input and output tensors must have the same type "
-                                f"({i.dtype} vs {o.dtype})")
-            if o.size != i.size * self._size:
-                raise ValueError(
-                    f"{name}: output tensor size must equal world size times input tensor "
-                    f"size: output has {o.size} elements, input {i.size} x {self._size} ranks")
         check_same_dtype(inputs, name)
         check_writable(outputs, name)
         per_rank = sum(a.size for a in inputs)
@@ -218,13 +207,7 @@ class DataMovement:
         is_root = self._rank == root
         outputs, value = [], []
         if is_root:
-            if not isinstance(output_lists, (list, tuple)) or len(output_lists) != 1:
-                raise ValueError(f"{name}: requires a single-element output list")
-            lst = output_lists[0]
-            if not isinstance(lst, (list, tuple)) or len(lst) != self._size:
-                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
-                raise ValueError(f"{name}: Incorrect output list size {got}. "
-                                 f"Output list size should be {self._size}")
+            lst = root_list(output_lists, self._size, name, "output")
             outputs = as_array_list(lst, name, allow_single=False)
             xp = memory_of(name, inputs, outputs)
             check_same_type_and_size(outputs, name, like=src)
@@ -267,13 +250,7 @@ class DataMovement:
         is_root = self._rank == root
         inputs = []
         if is_root:
-            if not isinstance(input_lists, (list, tuple)) or len(input_lists) != 1:
-                raise ValueError(f"{name}: requires a single-element input list")
-            lst = input_lists[0]
-            if not isinstance(lst, (list, tuple)) or len(lst) != self._size:
-                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
-                raise ValueError(f"{name}: Incorrect input list size {got}. "
-                                 f"Input list size should be {self._size}")
+            lst = root_list(input_lists, self._size, name, "input")
             inputs = as_array_list(lst, name, allow_single=False)
             xp = memory_of(name, outputs, inputs)
             check_same_type_and_size(inputs, name, like=out)

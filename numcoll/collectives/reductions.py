@@ -8,7 +8,8 @@ from ..algorithms import reduce_scatter_ring
 from ..arrays import as_array_list, check_same_type_and_size, check_writable
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from ..reduction import Reduction
-from .checks import check_root_rank, check_root_tensor, check_same_dtype, originals
+from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
+                     originals)
 from .choice import choose, segment_count
 from .memory import memory_of
 
@@ -182,20 +183,8 @@ class Reductions:
         outs = outputs if single else originals(outputs)
         outputs = as_array_list(outputs, name)
         inputs = as_array_list(inputs, name)
-        if len(outputs) != len(inputs):
-            raise ValueError(f"{name}: requires input/output tensor lists to have the same "
-                             f"length ({len(inputs)} inputs, {len(outputs)} outputs)")
-        if not outputs:
-            raise ValueError(f"{name}: requires non-empty tensor list")
+        check_pairs(outputs, inputs, self._size, name, gathered="input")
         xp = memory_of(name, outputs, inputs)
-        for o, i in zip(outputs, inputs):
-            if o.dtype != i.dtype:
-                raise TypeError(f"{name}: input and output tensors must have the same type "
-                                f"({i.dtype} vs {o.dtype})")
-            if i.size != o.size * self._size:
-                raise ValueError(
-                    f"{name}: input and output tensors must have the same size times world "
-                    f"size: input has {i.size} elements, output {o.size} x {self._size} ranks")
         check_same_dtype(outputs, name)
         check_writable(outputs, name)
         red = self._reduction(opts.reduce_op, outputs[0].dtype, name, xp)

@@ -62,7 +62,7 @@ def _collectives_tour() -> list[str]:
         for _ in range(reps):
             nc.all_reduce(a)
         timings.append((nbytes, (time.perf_counter() - t0) / reps))
-    return lines, timings
+    return lines, timings, nc.get_default_group().transport_kind
 
 
 def main(argv=None) -> None:
@@ -76,7 +76,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     results = nc.launch(_collectives_tour, ns.world_size, mode=ns.mode, transport=ns.transport,
                         timeout=120)
-    lines, timings = results[0]
+    lines, timings, transport = results[0]
+    print(f"  transport in use: {transport}")
     for line in lines:
         print("  " + line)
     print(f"  every rank agreed ({ns.world_size} ranks checked their results)")

@@ -541,3 +541,24 @@ def test_shared_memory_slabs_leave_no_files(make_group, kind):
     for t in ranks:
         t.close()
     assert set(glob.glob("/dev/shm/numcoll-*")) == before
+
+
+def test_no_room_for_shared_memory_falls_back_to_the_socket(make_group, kind, monkeypatch):
+    """A /dev/shm too small for a slab must not break anything: that direction
+    keeps using the socket (no SIGBUS later, no hang at the rendezvous)."""
+    import os as _os
+
+    calls = []
+
+    def no_room(fd, offset, length):
+        calls.append(length)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_os, "posix_fallocate", no_room)
+    a, b = make_group(2)
+    if kind == "ipc":
+        assert calls, "the ipc transport should have tried to reserve its slabs"
+    req = a.isend(1, 3, payload(5, nbytes=300 << 10))
+    got = b.irecv(0, 3).wait(deadline())
+    req.wait(deadline())
+    np.testing.assert_array_equal(np.frombuffer(got, np.uint8), payload(5, nbytes=300 << 10))

@@ -13,6 +13,10 @@ Each ordered pair (sender -> receiver) has one slab: a file in ``/dev/shm``
 that the sender creates and sizes, and the receiver maps and unlinks right
 away, so nothing is left behind even if a process crashes after the
 handshake (the sender also unlinks on close, in case the peer never came).
+The sender reserves the slab's memory up front (``posix_fallocate``): on a
+small ``/dev/shm`` that fails cleanly, the sender publishes ``none`` for that
+peer, and payloads to it simply keep travelling through the socket — instead
+of a SIGBUS when a sparse file's page could not be backed later.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .base import Rendezvous
 __all__ = ["SharedSlabs"]
 
 _SHM_DIR = "/dev/shm"
+_NONE = b"none"
 
 
 def _slab_dir() -> str:
@@ -61,19 +66,17 @@ class SharedSlabs:
                 if peer == rank:
                     continue
                 path = os.path.join(directory, f"numcoll-{token}-{rank}to{peer}")
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                self._paths.append(path)
-                try:
-                    os.ftruncate(fd, nbytes)
-                    self._out[peer] = mmap.mmap(fd, nbytes)
-                finally:
-                    os.close(fd)
-                self._free[peer] = deque(range(slots))
-                store.set(f"shm/{rank}/{peer}", path.encode())
+                if self._create(peer, path, nbytes):
+                    self._free[peer] = deque(range(slots))
+                    store.set(f"shm/{rank}/{peer}", path.encode())
+                else:
+                    store.set(f"shm/{rank}/{peer}", _NONE)
             for peer in range(size):
                 if peer == rank:
                     continue
                 path = store.get(f"shm/{peer}/{rank}").decode()
+                if path == _NONE.decode():
+                    continue  # that peer sends us everything through the socket
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     self._in[peer] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
@@ -83,6 +86,26 @@ class SharedSlabs:
         except BaseException:
             self.close()
             raise
+
+    def _create(self, peer: int, path: str, nbytes: int) -> bool:
+        """Create and reserve the slab towards ``peer``; False if there is no room."""
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._paths.append(path)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:  # no room (ENOSPC) or no fallocate here: use the socket
+                _unlink(path)
+                self._paths.remove(path)
+                return False
+            self._out[peer] = mmap.mmap(fd, nbytes)
+            return True
+        finally:
+            os.close(fd)
+
+    def has_slab(self, peer: int) -> bool:
+        """Whether payloads to ``peer`` can use shared memory at all."""
+        return peer in self._out
 
     # -- sender side -------------------------------------------------------------
     def acquire(self, peer: int) -> int | None:

@@ -245,7 +245,8 @@ class ZmqTransport:
         if reason is not None:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
             return req
-        if self._shm is not None and self._zero_copy_nbytes <= data.nbytes <= self._shm.slot_nbytes:
+        if (self._shm is not None and self._zero_copy_nbytes <= data.nbytes <= self._shm.slot_nbytes
+                and self._shm.has_slab(peer)):
             # Through a shared-memory slot: the request completes once the bytes
             # are copied in (here, or by the I/O thread when a slot frees up).
             if self._send_now(peer, None, data, tag):

@@ -85,7 +85,8 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
-        self.options = options if options is not None else _Options()
+        # A copy: set_timeout() must not change other groups made with the same options.
+        self.options = dataclasses.replace(options) if options is not None else _Options()
         opts = self.options
         if opts.threads < 1:
             raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")

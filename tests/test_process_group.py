@@ -243,3 +243,12 @@ def test_zeromq_transports_in_one_process(transport):
     finally:
         for pg in pgs:
             pg.shutdown()
+
+
+def test_set_timeout_does_not_leak_into_shared_options():
+    opts = nc.ProcessGroup.Options(transport="inproc", timeout=timedelta(seconds=50))
+    with nc.ProcessGroup(nc.HashStore(), 0, 1, opts) as a, \
+            nc.ProcessGroup(nc.HashStore(), 0, 1, opts) as b:
+        a.set_timeout(timedelta(seconds=23))
+        assert a.options.timeout == timedelta(seconds=23)
+        assert b.options.timeout == timedelta(seconds=50) == opts.timeout

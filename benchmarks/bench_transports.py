@@ -24,6 +24,7 @@ import time
 import numpy as np
 import pytest
 
+import numcoll as nc
 import transports
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,28 +45,9 @@ def _size_id(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-class _DictStore:
-    """The smallest rendezvous: ``set``, and a ``get`` that blocks until the key exists."""
-
-    def __init__(self):
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._cond:
-            self._data[key] = value
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._data, WAIT_S):
-                raise TimeoutError(f"store: no key {key!r} after {WAIT_S}s")
-            return self._data[key]
-
-
 def _connect(kind: str) -> list:
     """Both ranks of a two-rank group (they rendezvous concurrently: threads)."""
-    store, made, errors = _DictStore(), [None, None], []
+    store, made, errors = nc.HashStore(timeout=WAIT_S), [None, None], []
 
     def make(rank):
         try:

@@ -62,20 +62,11 @@ def as_device_array(obj, op: str):
     return dev
 
 
-class _HostInterface:
-    """Exposes a foreign ``__cuda_array_interface__`` to NumPy (simulator only)."""
-
-    def __init__(self, owner, desc):
-        self._owner = owner                          # keeps the memory alive
-        self.__array_interface__ = {
-            "data": tuple(desc["data"]), "shape": tuple(desc["shape"]),
-            "strides": desc.get("strides"), "typestr": desc["typestr"], "version": 3,
-        }
-
-
 def _simulated_foreign(obj, desc):
     """Under Numba's CUDA simulator "device" memory is host memory, so a foreign
     interface can only point at host memory: wrap it as a simulated device array."""
     from numba.cuda.cudadrv.devicearray import FakeCUDAArray
 
-    return FakeCUDAArray(np.asarray(_HostInterface(obj, desc)))
+    from .kernels.cuda_device import _SimulatedForeign
+
+    return FakeCUDAArray(np.asarray(_SimulatedForeign(obj, desc)))

@@ -26,6 +26,7 @@ from numba.extending import intrinsic, is_jitted
 
 from ..dtypes import bfloat16, dtype_name, is_half
 from ..ops import ReduceOp
+from .selection import pick_builtin
 
 # nogil: worker threads overlap reductions with transfers. cache: only the
 # first process on a machine compiles (see .cpu for the timings).
@@ -378,27 +379,7 @@ _custom_dispatchers: dict = {}  # (op, "plain" | "float16" | "bfloat16") -> disp
 
 def _builtin_dispatcher(op: ReduceOp, dtype: np.dtype):
     """The cached loop for a built-in ``op`` on ``dtype``; TypeError if it has none."""
-    name = "SUM" if op.name == "AVG" else op.name     # the caller divides by the count
-    kind = dtype.kind
-    if is_half(dtype):
-        dispatcher = _HALF_KERNELS.get((dtype, name))
-    elif kind == "b":
-        dispatcher = _BOOL_KERNELS[name]
-    elif kind == "c" and name not in ("SUM", "PRODUCT"):
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: complex numbers have no "
-            "order and no bits to combine; use SUM, AVG or PRODUCT"
-        )
-    elif kind == "f" and op.is_bitwise:
-        dispatcher = None
-    else:
-        dispatcher = _KERNELS[name]
-    if dispatcher is None:
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: "
-            "bitwise ops take integer and bool dtypes only"
-        )
-    return dispatcher
+    return pick_builtin(op, dtype, _KERNELS, _HALF_KERNELS, _BOOL_KERNELS)
 
 
 def _custom_dispatcher(op: ReduceOp, dtype: np.dtype):

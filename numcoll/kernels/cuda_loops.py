@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bfloat16, dtype_name, is_half
+from ..dtypes import bfloat16, is_half
 from ..ops import ReduceOp
+from .selection import pick_builtin
+
 # cuda: for the kernels and device functions, and swapped by the simulator while
 # they run; host code here calls numba.cuda only through _jit (see cuda_device).
 from .cuda_device import _SIMULATED, _jit, cuda
@@ -321,28 +323,8 @@ _SCALE_HALF = {np.dtype(np.float16): _f16_scale_kernel, bfloat16: _bf16_scale_ke
 
 
 def _builtin_kernel(op: ReduceOp, dtype: np.dtype):
-    """The kernel for a built-in ``op`` on ``dtype`` (same refusals as kernels/cpu_loops.py)."""
-    name = "SUM" if op.name == "AVG" else op.name     # the caller divides by the count
-    kind = dtype.kind
-    if is_half(dtype):
-        kernel = _HALF_KERNELS.get((dtype, name))
-    elif kind == "b":
-        kernel = _BOOL_KERNELS[name]
-    elif kind == "c" and name not in ("SUM", "PRODUCT"):
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: complex numbers have no "
-            "order and no bits to combine; use SUM, AVG or PRODUCT"
-        )
-    elif kind == "f" and op.is_bitwise:
-        kernel = None
-    else:
-        kernel = _KERNELS[name]
-    if kernel is None:
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: "
-            "bitwise ops take integer and bool dtypes only"
-        )
-    return kernel
+    """The kernel for a built-in ``op`` on ``dtype``; TypeError if it has none."""
+    return pick_builtin(op, dtype, _KERNELS, _HALF_KERNELS, _BOOL_KERNELS)
 
 
 def _custom_kernel(op: ReduceOp, dtype: np.dtype):

@@ -18,7 +18,6 @@ __all__ = [
     "as_array_list",
     "check_same_type_and_size",
     "check_writable",
-    "flat_view",
     "is_device_array",
 ]
 
@@ -103,11 +102,3 @@ def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
         elif getattr(a, "_numcoll_readonly", False):   # set by cuda_arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
                              "__cuda_array_interface__ says so)")
-
-
-def flat_view(arr: np.ndarray) -> np.ndarray | None:
-    """``arr`` as a flat C-contiguous view sharing memory, or None if it is not
-    contiguous (the caller then works on a copy and writes it back)."""
-    if arr.flags.c_contiguous:
-        return arr.reshape(-1)
-    return None

@@ -19,9 +19,11 @@ import pytest
 import transports
 from transports import (
     ANY_SOURCE,
+    MAX_STAMP_NBYTES,
     MAX_TAG,
     MessageSizeError,
     PeerClosed,
+    StampMismatch,
     Transport,
     TransportClosed,
     TransportTimeout,
@@ -353,6 +355,36 @@ def test_size_mismatch(group, nbytes):
     time.sleep(0.05)
     with pytest.raises(MessageSizeError):
         t1.irecv(0, 8, bytearray(nbytes + 1)).wait(deadline())
+
+
+@pytest.mark.parametrize("nbytes", [SMALL_NBYTES, MEDIUM_NBYTES, 2 << 20])
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_stamps_travel_and_a_mismatch_drops_the_payload(group, nbytes, posted_first):
+    t0, t1 = group
+    # matching stamps: delivered
+    buf = np.zeros(nbytes, np.uint8)
+    recv = t1.irecv(0, 3, buf, stamp=b"allreduce#1")
+    t0.isend(1, 3, payload(1, nbytes=nbytes), stamp=b"allreduce#1").wait(deadline())
+    recv.wait(deadline())
+    assert np.array_equal(buf, payload(1, nbytes=nbytes))
+    # another stamp: the receive fails naming both, and the bytes never land
+    buf[:] = 7
+    if posted_first:
+        recv = t1.irecv(0, 4, buf, stamp=b"mine")
+    t0.isend(1, 4, payload(2, nbytes=nbytes), stamp=b"theirs").wait(deadline())
+    if not posted_first:
+        time.sleep(0.05)
+        recv = t1.irecv(0, 4, buf, stamp=b"mine")
+    with pytest.raises(StampMismatch) as info:
+        recv.wait(deadline())
+    assert (info.value.peer, info.value.local_stamp, info.value.remote_stamp) == (0, b"mine", b"theirs")
+    assert np.all(buf == 7)
+    # an unstamped receive takes any stamp (point-to-point does not check)
+    got = t1.irecv(0, 5)
+    t0.isend(1, 5, b"xy", stamp=b"s").wait(deadline())
+    assert bytes(got.wait(deadline())) == b"xy"
+    with pytest.raises(ValueError, match="stamp"):
+        t0.isend(1, 5, b"xy", stamp=b"x" * (MAX_STAMP_NBYTES + 1))
 
 
 def test_deadline_then_late_send(group):

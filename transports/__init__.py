@@ -9,10 +9,12 @@ from __future__ import annotations
 from .base import (
     ANY_SOURCE,
     MAX_TAG,
+    MAX_STAMP_NBYTES,
     MessageSizeError,
     PeerClosed,
     Rendezvous,
     Request,
+    StampMismatch,
     Transport,
     TransportClosed,
     TransportError,
@@ -30,6 +32,8 @@ __all__ = [
     "PeerClosed",
     "TransportClosed",
     "MessageSizeError",
+    "StampMismatch",
+    "MAX_STAMP_NBYTES",
     "KINDS",
     "create",
 ]

@@ -22,11 +22,13 @@ from .base import (
     RECV,
     MessageSizeError,
     PeerClosed,
+    StampMismatch,
     TransportClosed,
     TransportError,
     TransportTimeout,
     byte_view,
     check_peer,
+    check_stamp,
     describe,
 )
 
@@ -43,15 +45,17 @@ class PendingRequest:
     (ZeroMQ's tracker event) fires when ZeroMQ releases the buffer.
     """
 
-    __slots__ = ("what", "rank", "peer", "tag", "buf", "source", "seq",
+    __slots__ = ("what", "rank", "peer", "tag", "buf", "stamp", "source", "seq",
                  "_finished", "_lock", "_after", "_result", "_error")
 
-    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None):
+    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None,
+                 stamp: bytes = b""):
         self.what = what
         self.rank = rank
         self.peer = peer
         self.tag = tag
         self.buf = buf
+        self.stamp = stamp
         self.source = None if peer == ANY_SOURCE else peer
         self.seq = 0
         # Completion is a lock held until the request finishes (as threading.Thread
@@ -158,8 +162,8 @@ class Mailbox:
         self._lock = threading.Lock()
         # (src or ANY_SOURCE, tag) -> posted receives, oldest first
         self._posted: dict[tuple[int, int], deque[PendingRequest]] = {}
-        # tag -> src -> (arrival number, payload), oldest first
-        self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview]]]] = {}
+        # tag -> src -> (arrival number, payload, stamp), oldest first
+        self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview, bytes]]]] = {}
         self._gone: dict[int, str] = {}  # peer -> why it left
         self._closed: str | None = None
         # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
@@ -167,11 +171,11 @@ class Mailbox:
 
     # --- receiving side -----------------------------------------------------
 
-    def receive(self, peer: int, tag: int, buf=None) -> PendingRequest:
+    def receive(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> PendingRequest:
         """A transport's ``irecv``: check the arguments, then :meth:`post`."""
         check_peer(RECV, self.rank, self.size, peer, tag)
         view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view)
+        req = PendingRequest(RECV, self.rank, peer, tag, view, check_stamp(stamp))
         self.post(req)
         return req
 
@@ -188,11 +192,13 @@ class Mailbox:
         if found is None:
             req.fail(exc)
             return
-        src, payload = found
+        src, payload, stamp = found
         # Outside the lock: the copy into the buffer may be large.
+        if not self._accepts(req, src, payload.nbytes, stamp):
+            return
         if req.buf is None:
             req.complete(payload, source=src)
-        elif self._fits(req, src, payload.nbytes):
+        else:
             req.buf[:] = payload
             req.complete(None, source=src)
 
@@ -202,7 +208,8 @@ class Mailbox:
 
     # --- delivering side ----------------------------------------------------
 
-    def deliver(self, src: int, tag: int, data: memoryview, *, private: bool = False) -> bool:
+    def deliver(self, src: int, tag: int, data: memoryview, *, private: bool = False,
+                stamp: bytes = b"") -> bool:
         """Deliver the bytes of ``data``; returns False, delivering nothing, if
         this mailbox is closed.
 
@@ -215,7 +222,7 @@ class Mailbox:
                 return False
             req = self._claim(src, tag)
             if req is None and private:
-                self._hold(src, tag, data)
+                self._hold(src, tag, data, stamp)
                 return True
         if req is None:
             data, private = memoryview(bytes(data)), True  # copied without the lock held
@@ -224,16 +231,19 @@ class Mailbox:
                     return False
                 req = self._claim(src, tag)  # a receive may have been posted meanwhile
                 if req is None:
-                    self._hold(src, tag, data)
+                    self._hold(src, tag, data, stamp)
                     return True
+        if not self._accepts(req, src, data.nbytes, stamp):
+            return True
         if req.buf is None:
             req.complete(data if private else memoryview(bytes(data)), source=src)
-        elif self._fits(req, src, data.nbytes):
+        else:
             req.buf[:] = data
             req.complete(None, source=src)
         return True
 
-    def arrive(self, src: int, tag: int, nbytes: int, read: PayloadReader) -> None:
+    def arrive(self, src: int, tag: int, nbytes: int, read: PayloadReader,
+               stamp: bytes = b"") -> None:
         """Deliver a message whose payload ``read`` fetches (see :data:`PayloadReader`).
 
         Called by a single I/O thread, in arrival order.
@@ -243,17 +253,17 @@ class Mailbox:
             if req is None:
                 # Read under the lock so a receive posted now cannot miss the message.
                 if self._closed is None:
-                    self._hold(src, tag, read(None))
+                    self._hold(src, tag, read(None), stamp)
                 else:
                     read(DISCARD)
                 return
-        if req.buf is None:
+        if not self._accepts(req, src, nbytes, stamp):
+            read(DISCARD)
+        elif req.buf is None:
             req.complete(read(None), source=src)
-        elif self._fits(req, src, nbytes):
+        else:
             read(req.buf)
             req.complete(None, source=src)
-        else:
-            read(DISCARD)
 
     def peer_gone(self, peer: int, reason: str) -> None:
         """``peer`` left: fail receives from it that no queued message satisfies
@@ -281,7 +291,7 @@ class Mailbox:
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
-    # --- internals (all but _fits: callers hold the lock) ----------------------
+    # --- internals (all but _accepts: callers hold the lock) ----------------------
 
     def _claim(self, src: int, tag: int) -> PendingRequest | None:
         specific = self._posted.get((src, tag))
@@ -297,11 +307,11 @@ class Mailbox:
             del self._posted[key]
         return req
 
-    def _hold(self, src: int, tag: int, payload: memoryview) -> None:
+    def _hold(self, src: int, tag: int, payload: memoryview, stamp: bytes) -> None:
         by_src = self._unexpected.setdefault(tag, {})
-        by_src.setdefault(src, deque()).append((next(self._counter), payload))
+        by_src.setdefault(src, deque()).append((next(self._counter), payload, stamp))
 
-    def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview] | None:
+    def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview, bytes] | None:
         by_src = self._unexpected.get(tag)
         if not by_src:
             return None
@@ -310,12 +320,12 @@ class Mailbox:
         queue = by_src.get(peer)
         if not queue:
             return None
-        _, payload = queue.popleft()
+        _, payload, stamp = queue.popleft()
         if not queue:
             del by_src[peer]
             if not by_src:
                 del self._unexpected[tag]
-        return peer, payload
+        return peer, payload, stamp
 
     def _refusal(self, req: PendingRequest) -> TransportError | None:
         if self._closed is not None:
@@ -329,9 +339,16 @@ class Mailbox:
             return PeerClosed(f"{req.describe()}: {reason}", req.peer)
         return None
 
-    def _fits(self, req: PendingRequest, src: int, nbytes: int) -> bool:
-        """Fail ``req`` (and return False) if the message does not fit its buffer."""
-        if req.buf.nbytes == nbytes:
+    def _accepts(self, req: PendingRequest, src: int, nbytes: int, stamp: bytes) -> bool:
+        """Fail ``req`` (and return False) if the message carries another stamp
+        than the receive expects, or does not fit its buffer. The caller then
+        drops the payload: a receive never sees bytes it cannot vouch for."""
+        if req.stamp and stamp != req.stamp:
+            req.fail(StampMismatch(
+                f"{describe(RECV, self.rank, src, req.tag)}: the message belongs to another "
+                "call than the receive", src, req.stamp, stamp))
+            return False
+        if req.buf is None or req.buf.nbytes == nbytes:
             return True
         req.fail(MessageSizeError(
             f"{describe(RECV, self.rank, src, req.tag)}: the message is {nbytes} bytes "

@@ -112,10 +112,8 @@ class Reduction:
 
 
 def _premul_factor(op: ReduceOp, dtype: np.dtype, wire_dtype: np.dtype, opname: str):
-    """PREMUL_SUM's factor as a scalar of the wire dtype."""
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise ValueError(f"{opname}: {op!r} needs a floating point or complex dtype, got "
-                         f"{dtype_name(dtype)} (scaling integers would have to round)")
+    """PREMUL_SUM's factor as a scalar of the wire dtype (``check_op_dtype``
+    has refused integer dtypes already)."""
     if isinstance(op.factor, complex) or np.iscomplexobj(op.factor):
         if dtype.kind != "c":
             raise TypeError(f"{opname}: {op!r} has a complex factor, which cannot scale "

@@ -43,7 +43,7 @@ from numbers import Real
 import numpy as np
 from numba import from_dtype, types
 
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half
+from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
 from ..ops import ReduceOp
 from .cpu_loops import (
     _NARROW,
@@ -371,11 +371,9 @@ def scale_into(acc: np.ndarray, divisor: Real) -> None:
     if divisor == 0:
         raise ValueError("scale_into: divisor must be non-zero")
     dtype = _check_dtype("scale_into", acc.dtype)
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise TypeError(
-            f"scale_into: cannot divide {dtype_name(dtype)} in place (an integer average "
-            "would have to round); AVG needs a floating point or complex dtype"
-        )
+    why = op_dtype_refusal("AVG", dtype)
+    if why is not None:
+        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
     if is_half(dtype):
         entry, view, scalar = _entry(_SCALE_HALF[dtype], (_U16, False), _F32), _U16, np.float32
     else:

@@ -46,7 +46,7 @@ from numbers import Real
 
 import numpy as np
 
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half
+from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
 from ..ops import ReduceOp
 from .cuda_device import (
     _DRIVER_ERRORS,
@@ -338,11 +338,9 @@ def scale_into(acc, divisor: Real, stream=0) -> None:
     if divisor == 0:
         raise ValueError("scale_into: divisor must be non-zero")
     dtype = _check_dtype("scale_into", dev.dtype)
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise TypeError(
-            f"scale_into: cannot divide {dtype_name(dtype)} in place (an integer average "
-            "would have to round); AVG needs a floating point or complex dtype"
-        )
+    why = op_dtype_refusal("AVG", dtype)
+    if why is not None:
+        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
     work = _flat("scale_into", "acc", dev)
     if is_half(dtype):
         _launch(_SCALE_HALF[dtype], work.size, stream, work.view(_U16), np.float32(divisor))

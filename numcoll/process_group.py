@@ -31,7 +31,7 @@ from .collectives.p2p import PointToPoint
 from .collectives.reductions import Reductions
 from .comm import Comm, abort_note
 from .diagnostics import flight_recorder
-from .errors import GroupPoisonedError, NumcollError, PeerError
+from .errors import GroupPoisonedError, NumcollError
 from .store import PrefixStore, Store
 from .work import Work
 

@@ -38,9 +38,10 @@ from .work import Work
 __all__ = ["ProcessGroup"]
 
 _SHUTDOWN = object()
-# How long shutdown() waits for queued work before failing it: every work has
-# its own deadline, but a group whose peers vanished should not take 30 min.
-_SHUTDOWN_DRAIN_S = 10.0
+# How long shutdown() lets queued work finish before failing it: every work has
+# its own deadline, but shutting down must not wait on a stalled or vanished
+# peer (torch's destroy_process_group does not wait at all).
+_SHUTDOWN_DRAIN_S = 2.0
 # How long an aborting rank waits for its reason to reach the store before it
 # closes its transport (peers that see the close then read the reason). The
 # write goes on in the background: a dead store must not slow the abort.
@@ -353,7 +354,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         for _ in self._workers:
             self._queue.put(_SHUTDOWN)
         for w in self._workers:
-            w.join(timeout=max(5.0, _SHUTDOWN_DRAIN_S))
+            w.join(timeout=5.0)
 
     def __enter__(self) -> ProcessGroup:
         return self

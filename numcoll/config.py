@@ -42,6 +42,10 @@ class Config:
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
     peer_grace_s: float = 0.25
+    #: Sparse allreduce: when every rank's entries together would take more than
+    #: this many times the bytes of the dense array (plus a one-byte row mask),
+    #: the ranks allreduce the dense array instead of gathering the entries.
+    sparse_dense_ratio: float = 1.0
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}

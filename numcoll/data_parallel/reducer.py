@@ -270,8 +270,16 @@ class Reducer:
         except BaseException:
             self._reset_step()
             raise
-        if unmarked and not self._find_unused:
-            self._reset_step()
+        order = self._ready_order + [i for i in range(self._n - 1, -1, -1)
+                                     if not self._marked[i]]
+        failed = bool(unmarked) and not self._find_unused
+        if not failed:
+            self._store_results(values, saved, used_counts, end_of_backward)
+        self._reset_step()
+        if self._rebuild_pending:
+            # Even on a failing rank: every rank must run the same collectives.
+            self._rebuild(order)
+        if failed:
             raise RuntimeError(
                 f"Reducer.finalize: gradient(s) at index {unmarked} were not marked ready "
                 "in this step. Mark every gradient with mark_ready(i) before finalize(), or "
@@ -279,7 +287,10 @@ class Reducer:
                 "do not get gradients in some steps. This rank's buckets were still "
                 "reduced (with zeros for those gradients) so that no rank waits forever; "
                 "this step's gradients are not valid.")
-        untouched = set() if used_counts is None else set(np.flatnonzero(used_counts == 0).tolist())
+
+    def _store_results(self, values, saved, used_counts, end_of_backward) -> None:
+        untouched = set() if used_counts is None else \
+            set(np.flatnonzero(used_counts == 0).tolist())
         for b, value in enumerate(values):
             bucket = self._buckets[b]
             if value is not bucket.buffer:
@@ -290,11 +301,6 @@ class Reducer:
             if i in untouched:
                 np.copyto(self.grads[i], a)
         self._record_stats(end_of_backward)
-        order = self._ready_order + [i for i in range(self._n - 1, -1, -1)
-                                     if not self._marked[i]]
-        self._reset_step()
-        if self._rebuild_pending:
-            self._rebuild(order)
 
     def _rebuild(self, order: list[int]) -> None:
         """Rebuild the buckets in rank 0's ready order (broadcast, so all ranks agree)."""

@@ -3,7 +3,7 @@
 A plan is built once for a list of arrays (a gradient bucket, a group of
 ``broadcast_coalesced``) and then packs and unpacks them with one Numba call
 each (:mod:`numcoll.kernels.pack`), however many arrays there are. Building a
-plan costs about 1.5 us per array (reading each array's address); packing
+plan costs about 0.5 us per array (checks, and reading each array's address); packing
 costs only the memory traffic, so a plan pays for itself the second time it
 is used -- and the Reducer uses its plans every step.
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from ..dtypes import dtype_name, is_half
 from ..kernels.cpu import scale_into
-from ..kernels.pack import _pack_kernel, _pack_scaled_kernel, _unpack_kernel
+from ..kernels.pack import _address, _pack_kernel, _pack_scaled_kernel, _unpack_kernel
 
 __all__ = ["PackPlan"]
 
@@ -57,7 +57,7 @@ class PackPlan:
         self.offsets = np.zeros(len(arrays), np.int64)
         np.cumsum(self.counts[:-1], out=self.offsets[1:])
         self.count = int(self.counts.sum())
-        self._addrs = np.fromiter((a.ctypes.data for a in arrays), np.int64,
+        self._addrs = np.fromiter(map(_address, arrays), np.int64,
                                   len(arrays))
         self._nbytes = self.counts * dtype.itemsize
         self._byte_offsets = self.offsets * dtype.itemsize

@@ -81,3 +81,10 @@ def _pack_scaled_kernel(buf, addrs, counts, offsets, factor):
         addr, start = addrs[i], offsets[i]
         for j in range(counts[i]):
             buf[start + j] = _load(addr, j, buf) * factor
+
+
+@njit(nogil=True, cache=True)
+def _address(a):
+    """``a``'s data address: 0.2 us from Python, against 1 us for ``a.ctypes.data``
+    (one specialisation per array type, compiled once and cached on disk)."""
+    return a.ctypes.data

@@ -57,8 +57,9 @@ class PackPlan:
         self.offsets = np.zeros(len(arrays), np.int64)
         np.cumsum(self.counts[:-1], out=self.offsets[1:])
         self.count = int(self.counts.sum())
-        self._addrs = np.fromiter(map(_address, arrays), np.int64,
-                                  len(arrays))
+        # Numba has no float16/bfloat16 arrays: read their addresses through uint16 views.
+        typed = (a.view(np.uint16) for a in arrays) if is_half(dtype) else arrays
+        self._addrs = np.fromiter(map(_address, typed), np.int64, len(arrays))
         self._nbytes = self.counts * dtype.itemsize
         self._byte_offsets = self.offsets * dtype.itemsize
 

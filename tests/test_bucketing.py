@@ -125,3 +125,37 @@ def test_broadcast_coalesced_non_contiguous_and_checks():
             nc.broadcast_coalesced([other], src=5)
 
     nc.launch(body, 2, mode="thread")
+
+
+_DEVICE_SCRIPT = """
+import numpy as np
+from numba import cuda
+import numcoll as nc
+
+def body():
+    rank = nc.get_rank()
+    host = [np.arange(n, dtype=dt) * (rank + 1) for n, dt in
+            ((3, np.float32), (5, np.int64), (2, np.float32), (4, np.float16))]
+    dev = [cuda.to_device(h) for h in host]
+    nc.broadcast_coalesced(dev, src=1, buffer_size=8)
+    return [d.copy_to_host().tolist() for d in dev]
+
+res = nc.launch(body, 2, mode="thread")
+assert res[0] == res[1], res
+print(res[0])
+"""
+
+
+def test_broadcast_coalesced_device_arrays_under_the_simulator():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _DEVICE_SCRIPT], capture_output=True,
+                         text=True, timeout=200, cwd=root,
+                         env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": root,
+                              "NUMCOLL_CUDA_THREADS": "4", "NUMCOLL_CUDA_BLOCKS": "2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str([[0.0, 2.0, 4.0], [0, 2, 4, 6, 8], [0.0, 2.0],
+                                      [0.0, 2.0, 4.0, 6.0]])

@@ -23,8 +23,9 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     """Copy rank ``src``'s ``arrays`` into every rank's ``arrays`` (same dtypes and shapes
     on every rank), packing same-dtype arrays into buffers of about ``buffer_size`` bytes.
 
-    ``src`` is a global rank, as in torch. Non-contiguous arrays go through
-    contiguous copies.
+    ``src`` is a global rank, as in torch. Non-contiguous host arrays go through
+    contiguous copies. CUDA arrays (all of them, contiguous) are packed by one
+    kernel launch per buffer.
     """
     from .. import distributed as dist
 
@@ -41,18 +42,23 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     arrays = as_array_list(arrays, name, allow_single=False)
     if not arrays:
         return None
-    if any(not isinstance(a, np.ndarray) for a in arrays):
-        raise TypeError(f"{name}: takes host (NumPy) arrays; broadcast device arrays one by "
-                        "one with broadcast()")
+    on_device = [not isinstance(a, np.ndarray) for a in arrays]
+    if any(on_device) and not all(on_device):
+        raise TypeError(f"{name}: cannot mix host (NumPy) and device (CUDA) arrays in one call")
     is_root = pg.rank() == root
     if not is_root:
         check_writable(arrays, name)
     groups, _ = compute_bucket_assignment_by_size(arrays, [buffer_size])
+    if all(on_device):
+        from ..kernels.cuda_pack import DevicePackPlan as Plan  # lazy: loads numba.cuda
+    else:
+        Plan = PackPlan
     pending = []
     for indices in groups:
         targets = [arrays[i] for i in indices]
-        staged = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in targets]
-        plan = PackPlan(staged, name)
+        staged = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in targets] \
+            if Plan is PackPlan else targets     # device arrays must be contiguous
+        plan = Plan(staged, name)
         buf = plan.pack() if is_root else plan.empty()
         pending.append((pg.broadcast([buf], root=root), plan, buf, targets, staged))
     for work, plan, buf, targets, staged in pending:

@@ -10,7 +10,8 @@ identical on every rank and equal to single-process full-batch training::
     python -m numcoll.examples.data_parallel --world-size 4 --steps 20
 
 prints the largest difference from single-process training and how much of the
-communication overlapped the backward pass.
+communication overlapped the backward pass. On a small machine set
+``OPENBLAS_NUM_THREADS=1``: ranks times BLAS threads would oversubscribe the cores.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
 import time
 from datetime import timedelta
 
@@ -136,7 +135,6 @@ class Reducer:
         self._hook = None
         self._hook_state = None
         self._sync = True
-        self._lock = threading.Lock()
         self.grads: list[np.ndarray] = list(arrays)
         self._build(buckets)
         self._reset_step()
@@ -146,16 +144,15 @@ class Reducer:
     def _build(self, bucket_indices) -> None:
         old = list(self.grads)
         self._buckets: list[_Bucket] = []
-        self._where = np.empty(self._n, np.int64)
-        for b, indices in enumerate(bucket_indices):
+        for indices in bucket_indices:
             dtype = self._caller_arrays[indices[0]].dtype
             count = sum(self._caller_arrays[i].size for i in indices)
             buffer = np.zeros(count, dtype)
-            views = PackPlan([self._caller_arrays[i] for i in indices], "Reducer").views(buffer)
-            plan = None if self._as_view else PackPlan([self._caller_arrays[i] for i in indices],
-                                                       "Reducer")
-            self._buckets.append(_Bucket(list(indices), buffer, plan, views))
-            self._where[indices] = b
+            plan = PackPlan([self._caller_arrays[i] for i in indices], "Reducer")
+            views = plan.views(buffer)
+            # With bucket views nothing is packed: the caller writes into the buffer.
+            self._buckets.append(_Bucket(list(indices), buffer, None if self._as_view else plan,
+                                         views))
             if self._as_view:
                 for i, v in zip(indices, views):
                     np.copyto(v, old[i])     # keep what the caller had written

@@ -45,6 +45,14 @@ from .distributed import (
     scatter,
     send,
 )
+from .data_parallel import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    GradBucket,
+    Reducer,
+    broadcast_coalesced,
+    compute_bucket_assignment_by_size,
+    hooks,
+)
 from .dtypes import bfloat16
 from . import flight_recorder
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
@@ -65,6 +73,7 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
+from .sparse import SparseCOO
 from .init_methods import register_rendezvous_handler, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
 from .tcpstore import TCPStore
@@ -92,6 +101,9 @@ __all__ = [
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv",
+    # data parallelism and sparse arrays
+    "DEFAULT_FIRST_BUCKET_BYTES", "compute_bucket_assignment_by_size", "broadcast_coalesced",
+    "Reducer", "GradBucket", "hooks", "SparseCOO",
     # running ranks
     "launch",
     "__version__",

@@ -21,7 +21,7 @@ def test_all_is_complete_and_importable():
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
                "reduction", "init_methods", "store", "tcpstore", "work", "demo", "bench",
-               "cuda", "call", "diagnostics"}
+               "cuda", "call", "diagnostics", "data_parallel", "sparse", "examples"}
     assert public - set(nc.__all__) <= modules
 
 

@@ -1,5 +1,5 @@
 """Which compiled loop reduces a built-in op on a dtype — one rule for the CPU
-loops (cpu_loops.py) and the CUDA kernels (cuda_loops.py), which differ only
+loops (cpu_loops.py) and the CUDA kernels (numcoll/cuda/loops.py), which differ only
 in their tables. Plain Python: nothing here is compiled or cached by Numba."""
 
 from __future__ import annotations

@@ -42,6 +42,12 @@ class Config:
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
     peer_grace_s: float = 0.25
+    #: Rendezvous: how often a rank waiting for the store or for other ranks
+    #: logs who is missing (seconds).
+    rendezvous_log_s: float = 10.0
+    #: Rendezvous: how long a store that accepted the connection may take to
+    #: answer a first request before the port is declared not a numcoll store.
+    store_probe_s: float = 5.0
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}

@@ -134,6 +134,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
     def size(self) -> int:
         return self._size
 
+    def sequence_number(self) -> int:
+        """The number the next collective will take; equal on every rank."""
+        with self._lock:
+            return int(repr(self._seq)[len("count("):-1])  # peek without consuming
+
     def set_timeout(self, timeout: timedelta) -> None:
         """Set the default deadline of later collectives."""
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):

@@ -15,6 +15,7 @@ Group bookkeeping (``new_group``, rank translation) is in
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 
 from .groups import (
@@ -147,6 +148,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     world = _world()
     if world.pg is not None:
         raise ValueError("trying to initialize the default process group twice!")
+    if isinstance(backend, str) and "://" in backend and init_method is None:
+        # numcoll before 0.1 took the init method first: keep such calls working.
+        warnings.warn("init_process_group(url) is deprecated: pass init_method=url (the "
+                      "first parameter is the backend, as in torch)", DeprecationWarning,
+                      stacklevel=2)
+        backend, init_method = None, backend
     if backend is not None and (not isinstance(backend, str)
                                 or backend.lower() not in _BACKENDS):
         raise ValueError(f"init_process_group: unsupported backend {backend!r} "

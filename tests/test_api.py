@@ -21,7 +21,7 @@ def test_all_is_complete_and_importable():
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
                "reduction", "init_methods", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
-               "cuda"}
+               "cuda", "groups", "objects", "logs", "launcher_env", "run"}
     assert public - set(nc.__all__) <= modules
 
 
@@ -158,11 +158,11 @@ def test_init_process_group_env_and_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "0")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    nc.init_process_group("env://")
+    nc.init_process_group(init_method="env://")
     try:
         assert nc.get_rank() == 0 and nc.get_world_size() == 1
-        with pytest.raises(RuntimeError, match="twice"):
-            nc.init_process_group("env://")
+        with pytest.raises(ValueError, match="twice"):
+            nc.init_process_group(init_method="env://")
     finally:
         nc.destroy_process_group()
     assert not nc.is_initialized()

@@ -223,6 +223,7 @@ def join(store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     started = time.monotonic()
     deadline = started + timeout.total_seconds()
+    status = f"rank {rank} joined; the others not yet seen"
     while True:
         remaining = deadline - time.monotonic()
         try:
@@ -231,8 +232,12 @@ def join(store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
             _log.info("rendezvous: all %d ranks joined %s (rank %d, %.1f s)", world_size,
                       where, rank, time.monotonic() - started)
             return
+        except StoreConnectionError as exc:
+            # The store's host gave up (or died) first: say where the rendezvous stood.
+            raise StoreConnectionError(f"rendezvous: lost {where} while waiting for the "
+                                       f"other ranks; last seen: {status} ({exc})") from None
         except StoreTimeoutError:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r, k in enumerate(keys) if _missing(store, k, where, status)]
             if not missing:
                 continue
             status = (f"{world_size - len(missing)} of {world_size} ranks joined; waiting for "
@@ -243,6 +248,15 @@ def join(store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
                     f"{rank}): {status}", keys, timeout) from None
             _log.warning("rendezvous at %s (rank %d, %.0f s): %s", where, rank,
                          time.monotonic() - started, status)
+
+
+def _missing(store: Store, key: str, where: str, status: str) -> bool:
+    try:
+        return not store.check([key])
+    except StoreConnectionError as exc:
+        # The store's host gave up (or died) first: say where the rendezvous stood.
+        raise StoreConnectionError(f"rendezvous: lost {where} while waiting for the other "
+                                   f"ranks; last seen: {status} ({exc})") from None
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -79,14 +79,17 @@ class ReduceOp:
 
     @property
     def is_premul(self) -> bool:
+        """Whether this is a scaled sum (``premul_sum``)."""
         return self.name == "PREMUL_SUM"
 
     @property
     def is_custom(self) -> bool:
+        """Whether this is a user-defined operator."""
         return self.fn is not None
 
     @property
     def is_bitwise(self) -> bool:
+        """Whether this is BAND, BOR or BXOR."""
         return self.name in ("BAND", "BOR", "BXOR")
 
     def __eq__(self, other):

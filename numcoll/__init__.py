@@ -24,6 +24,7 @@ from .distributed import (
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_reduce_coalesced,
     all_to_all,
@@ -38,6 +39,7 @@ from .distributed import (
     get_global_rank,
     get_group_rank,
     get_node_local_rank,
+    get_pg_count,
     get_process_group_ranks,
     get_rank,
     get_world_size,
@@ -45,6 +47,7 @@ from .distributed import (
     init_process_group,
     irecv,
     is_available,
+    is_backend_available,
     is_gloo_available,
     is_initialized,
     is_mpi_available,
@@ -58,10 +61,12 @@ from .distributed import (
     recv,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
     send,
     split_group,
+    supports_complex,
 )
 from .dtypes import bfloat16
 from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
@@ -108,7 +113,8 @@ __all__ = [
     # module-level API
     "init_process_group", "destroy_process_group", "is_initialized", "is_available",
     "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_torchelastic_launched",
-    "Backend", "get_backend", "get_rank", "get_world_size", "get_node_local_rank",
+    "Backend", "is_backend_available", "supports_complex", "get_pg_count",
+    "get_backend", "get_rank", "get_world_size", "get_node_local_rank",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
     "get_default_group", "group", "GroupMember", "get_group_rank", "get_global_rank",
     "get_process_group_ranks", "P2POp", "batch_isend_irecv",
@@ -117,7 +123,8 @@ __all__ = [
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-    "monitored_barrier", "send", "recv", "isend", "irecv",
+    "monitored_barrier", "send", "recv", "isend", "irecv", "all_gather_single",
+    "reduce_scatter_single",
     # running ranks
     "launch",
     "__version__",

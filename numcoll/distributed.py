@@ -57,7 +57,8 @@ from .process_group import ProcessGroup
 __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
     "is_initialized", "is_available", "is_gloo_available", "is_nccl_available",
-    "is_mpi_available", "is_torchelastic_launched", "get_backend", "get_rank",
+    "is_mpi_available", "is_torchelastic_launched", "is_backend_available", "supports_complex",
+    "get_pg_count", "all_gather_single", "reduce_scatter_single", "get_backend", "get_rank",
     "get_world_size", "get_node_local_rank", "new_group", "new_subgroups",
     "new_subgroups_by_enumeration", "split_group", "get_default_group", "get_group_rank",
     "get_global_rank", "get_process_group_ranks", "P2POp", "batch_isend_irecv",
@@ -104,6 +105,24 @@ def is_nccl_available() -> bool:
 def is_mpi_available() -> bool:
     """False: numcoll has no MPI backend (it does run under mpirun)."""
     return False
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` can be used here: "gloo" and "numcoll" can."""
+    return isinstance(backend, str) and backend.lower() in _BACKENDS
+
+
+def supports_complex(reduceOp: ReduceOp) -> bool:  # noqa: N803 - torch's name
+    """Whether ``reduceOp`` takes complex arrays (MIN/MAX and bitwise ops do not;
+    unlike gloo, numcoll's PRODUCT does)."""
+    return reduceOp not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+                            ReduceOp.BXOR)
+
+
+def get_pg_count() -> int:
+    """How many process groups this process made (the default group included)."""
+    world = _world()
+    return (world.pg is not None) + world.group_count + sum(world.local_counts.values())
 
 
 def is_torchelastic_launched() -> bool:
@@ -401,6 +420,11 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     return _finish(pg.scatter([tensor], inputs, ScatterOptions(root_rank=root)), async_op)
 
 
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    """torch's newer name of :func:`all_gather_into_tensor`."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``input_list[r]`` over ranks into rank r's ``output``."""
     pg = _resolve(group, "reduce_scatter")
@@ -420,6 +444,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
         return None
     return _finish(pg.reduce_scatter_tensor(output, input, ReduceScatterOptions(reduce_op=op)),
                    async_op)
+
+
+def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch's newer name of :func:`reduce_scatter_tensor`."""
+    return reduce_scatter_tensor(output, input, op, group, async_op)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):

@@ -300,10 +300,24 @@ def _env_handler(url: str, timeout: datetime.timedelta = DEFAULT_STORE_TIMEOUT,
     rank, world_size = _rank_and_world_size(query, "env")
     host, port = launchers.master_address(found)
     # Under torchrun (and numcoll run) the launcher hosts the store, and every
-    # rank is a client of it.
+    # rank is a client of it; torchrun's speaks torch's protocol.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if agent_store and os.environ.get("NUMCOLL_AGENT_STORE") != "1":
+        return _torch_agent_store(host, port, rank, world_size, timeout)
     return _tcp_store(host, port, rank, world_size, timeout, "env",
                       is_master=rank == 0 and not agent_store)
+
+
+def _torch_agent_store(host: str, port: int, rank: int, world_size: int,
+                       timeout: datetime.timedelta) -> RendezvousResult:
+    def connect():
+        from .torch_store import TorchAgentStore
+
+        store = TorchAgentStore(host, port, timeout)
+        join(store, rank, world_size, timeout, where=f"torchrun's TCPStore at {host}:{port}")
+        yield store, rank, world_size
+
+    return connect()
 
 
 def _file_handler(url: str, timeout: datetime.timedelta = DEFAULT_STORE_TIMEOUT,

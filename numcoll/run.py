@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     store, addr, port = _serve_store(ns)
     env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port),
                GROUP_WORLD_SIZE=str(ns.nnodes), ROLE_NAME="default",
-               TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+               TORCHELASTIC_USE_AGENT_STORE="True", NUMCOLL_AGENT_STORE="1",
+               TORCHELASTIC_RESTART_COUNT="0",
                TORCHELASTIC_MAX_RESTARTS="0",
                TORCHELASTIC_RUN_ID=os.environ.get("TORCHELASTIC_RUN_ID",
                                                   f"numcoll-{secrets.token_hex(4)}"),

@@ -130,3 +130,22 @@ def test_premul_sum_as_torch_spells_it():
         return x.tolist()
 
     assert nc.launch(body, 2, mode="thread", timeout=60) == [[1.5] * 3] * 2
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_ranks_use_its_agent_store(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np\nimport numcoll as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "x = np.array([dist.get_rank() + 1.0])\ndist.all_reduce(x)\n"
+        "print('sum', int(x[0]), type(dist.get_default_group()._store).__name__)\n"
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(_free_port()), str(script)], env=env,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("sum 3") == 2, out.stdout

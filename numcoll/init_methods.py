@@ -151,9 +151,9 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int,
         store = _connect_store(host, port, is_master, timeout)
         try:
             # With port 0 nobody else knows the port until this store is
-            # returned, so the master cannot wait for the workers here.
-            if port != 0:
-                join(store, rank, world_size, timeout, where=f"TCPStore at {host}:{port}")
+            # returned, so the master only announces itself here.
+            join(store, rank, world_size, timeout, where=f"TCPStore at {host}:{port}",
+                 wait=port != 0)
         except BaseException:
             store.close()
             raise
@@ -202,8 +202,8 @@ def _connect_store(host: str, port: int, is_master: bool,
 
 
 def join(store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
-         where: str = "the store") -> None:
-    """Announce ``rank`` in ``store`` and wait until all ``world_size`` ranks have.
+         where: str = "the store", wait: bool = True) -> None:
+    """Announce ``rank`` in ``store`` and (``wait``) wait until all ``world_size`` ranks have.
 
     While waiting, logs at intervals (``NUMCOLL_RENDEZVOUS_LOG_S``, default
     10 s) how many ranks joined and which are missing; the timeout error says
@@ -220,6 +220,8 @@ def join(store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
     generation = (store.add(f"{_JOIN_PREFIX}/arrivals", 1) - 1) // world_size
     prefix = f"{_JOIN_PREFIX}/{generation}"
     store.set(f"{prefix}/{rank}", b"1")
+    if not wait:
+        return
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     started = time.monotonic()
     deadline = started + timeout.total_seconds()

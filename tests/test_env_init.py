@@ -165,6 +165,7 @@ def test_a_port_that_is_not_a_store_fails_fast(clean_env, reply):
             c.close()
 
 
+@pytest.mark.slow
 def test_logging_level_from_the_environment(tmp_path):
     import subprocess
     import sys

@@ -11,8 +11,9 @@
 Every rank gets torchrun's environment: ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node), ``ROLE_RANK``,
 ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``
-and ``TORCHELASTIC_USE_AGENT_STORE=True``: as under torchrun, the launcher of
-node 0 serves the TCPStore and every rank is a client of it, so
+and ``TORCHELASTIC_USE_AGENT_STORE=True`` (with ``NUMCOLL_AGENT_STORE=1``: the
+store is numcoll's, not torch's): as under torchrun, the launcher of node 0
+serves the TCPStore and every rank is a client of it, so
 ``init_process_group("gloo")`` — or numcoll's — needs no arguments.
 
 Each line a rank prints is prefixed ``[rank3]: `` (stdout to stdout, stderr
@@ -78,12 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    if "--" in argv:          # `numcoll run -n 2 -- script.py --flag`
-        i = argv.index("--")
-        ns = parser.parse_args(argv[:i] + [argv[i + 1] if i + 1 < len(argv) else ""])
-        ns.args = argv[i + 2:]
-    else:
-        ns = parser.parse_args(argv)
+    ns = parser.parse_args(argv)      # also `numcoll run -n 2 -- script.py --flag`
+    if "--" in argv and ns.target in argv and argv.index(ns.target) < argv.index("--"):
+        # A `--` after the script is the script's own: pass everything on verbatim.
+        ns.args = argv[argv.index(ns.target) + 1:]
     if not ns.target:
         parser.error("a script to run is required")
     if ns.nproc < 1 or ns.nnodes < 1:
@@ -212,7 +211,12 @@ def _serve_store(ns: argparse.Namespace):
     if ns.node_rank != 0:
         return None, addr, ns.master_port or 29500
     port = ns.master_port if ns.master_port is not None else (0 if ns.nnodes == 1 else 29500)
-    store = TCPStore(addr, port, None, is_master=True, timeout=timedelta(days=1))
+    try:
+        store = TCPStore(addr, port, None, is_master=True, timeout=timedelta(days=1))
+    except OSError as exc:
+        raise SystemExit(f"numcoll run: cannot serve the store at {addr}:{port}: {exc} "
+                         "(is the port in use, or --master-addr not an address of this "
+                         "host?)") from None
     return store, addr, store.port
 
 

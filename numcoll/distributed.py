@@ -25,6 +25,7 @@ from .groups import (
     _check_timeout,
     _drop_thread_world,  # noqa: F401 - used by launch
     _group_rank,
+    _process_world,
     _resolve,
     _use_thread_world,  # noqa: F401 - used by launch
     _world,
@@ -218,7 +219,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     world.local_counts = {}
     world.store = store
     world.backend = "numcoll" if backend and backend.lower() == "numcoll" else "gloo"
-    set_rank(rank)
+    if world is _process_world:      # thread-ranks share the process's log lines
+        set_rank(rank)
     _log.info("default group ready: rank %d of %d, transport %s, address %s", rank,
               world_size, pg.transport_kind, opts.host)
 
@@ -237,6 +239,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if world.owned_store is not None:
         world.owned_store.close()
     world.pg, world.owned_store, world.groups = None, None, {}
+    if world is _process_world:
+        set_rank(None)
 
 
 def is_initialized() -> bool:

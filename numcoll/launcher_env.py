@@ -128,7 +128,8 @@ def master_address(found: LaunchEnvironment | None, environ=None) -> tuple[str, 
         except ValueError:
             raise ValueError(f"env:// rendezvous: MASTER_PORT must be an integer, got "
                              f"{raw_port!r}") from None
-    elif found is not None and found.source == "slurm" and environ.get("SLURM_JOB_ID", "").isdigit():
+    elif (found is not None and found.source == "slurm"
+          and environ.get("SLURM_JOB_ID", "").isdigit()):
         port = _SLURM_PORT_BASE + int(environ["SLURM_JOB_ID"]) % 10000
     elif found is not None and found.source != "torchrun":
         port = DEFAULT_MASTER_PORT

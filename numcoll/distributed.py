@@ -181,8 +181,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if init_method is not None and store is not None:
         raise ValueError("Cannot specify both init_method and store.")
     _check_timeout(timeout, "init_process_group")
-    _check_rank_arg(rank, "rank")
-    _check_rank_arg(world_size, "world_size")
+    rank = _check_rank_arg(rank, "rank")
+    world_size = _check_rank_arg(world_size, "world_size")
     if device_id is not None:
         raise ValueError("init_process_group: device_id is not supported (numcoll's groups "
                          "take host and CUDA arrays alike, without binding a device)")
@@ -307,9 +307,7 @@ def _tensor_list(param, name: str) -> list:
 
 
 def _tag(tag) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise TypeError(f"tag must be an int, got {tag!r} ({type(tag).__name__})")
-    return tag
+    return _check_rank_arg(tag, "tag")
 
 
 # -- collectives ---------------------------------------------------------------------

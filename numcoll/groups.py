@@ -9,6 +9,7 @@ with the global ranks it spans, in group-rank order.
 
 from __future__ import annotations
 
+import operator
 import threading
 import warnings
 from datetime import timedelta
@@ -118,9 +119,14 @@ def _ranks_of(pg: ProcessGroup) -> list[int]:
 
 
 def _check_rank_arg(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
-    return value
+    """``value`` as an int: ints and NumPy integers pass; bools, floats, strings
+    and None are a TypeError (a rank of ``True`` or ``1.0`` is a mistake)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
 
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
@@ -132,7 +138,7 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
         If ``group`` was not made by ``new_group`` (``... is not registered``)
         or ``global_rank`` is not in it.
     """
-    _check_rank_arg(global_rank, "global_rank")
+    global_rank = _check_rank_arg(global_rank, "global_rank")
     if group is GroupMember.WORLD:
         return global_rank
     ranks = _ranks_of(group)
@@ -143,7 +149,7 @@ def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
 
 def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
     """Translate ``group``'s rank ``group_rank`` into a global rank."""
-    _check_rank_arg(group_rank, "group_rank")
+    group_rank = _check_rank_arg(group_rank, "group_rank")
     if group is GroupMember.WORLD:
         return group_rank
     ranks = _ranks_of(group)
@@ -159,7 +165,7 @@ def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
 
 def _group_rank(pg: ProcessGroup, global_rank, what: str) -> int:
     """``src``/``dst`` of a module function (a global rank) as a rank of ``pg``."""
-    _check_rank_arg(global_rank, what)
+    global_rank = _check_rank_arg(global_rank, what)
     ranks = _world().groups.get(pg)
     if ranks is None:
         return global_rank
@@ -180,9 +186,7 @@ def _check_timeout(timeout, what: str) -> None:
 
 
 def _check_ranks(ranks, size: int, what: str) -> list[int]:
-    ranks = list(ranks)
-    for r in ranks:
-        _check_rank_arg(r, f"{what}: rank")
+    ranks = [_check_rank_arg(r, f"{what}: rank") for r in ranks]
     if len(set(ranks)) != len(ranks) or any(not 0 <= r < size for r in ranks):
         raise ValueError(f"{what}: invalid ranks {ranks} for world size {size}")
     return ranks
@@ -280,7 +284,7 @@ def new_subgroups(group_size: int | None = None, group=None, timeout=None, backe
             raise ValueError("Default group size only takes effect under a launcher that sets "
                              "LOCAL_WORLD_SIZE; please pass in 'group_size' correctly.")
         group_size = int(local)
-    _check_rank_arg(group_size, "group_size")
+    group_size = _check_rank_arg(group_size, "group_size")
     if group_size <= 0:
         raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
     ranks = get_process_group_ranks(group)

@@ -172,3 +172,17 @@ def test_init_process_group_checks_keep_torchs_words(tmp_path):
         assert nc.get_backend() == "numcoll"
     finally:
         nc.destroy_process_group()
+
+
+def test_numpy_integer_ranks_and_tags_are_ints():
+    def body():
+        r = nc.get_rank()
+        x = np.array([float(r)])
+        nc.broadcast(x, src=np.int64(1))
+        if r == 0:
+            nc.send(np.ones(1), dst=np.int32(1), tag=np.int64(3))
+        else:
+            assert nc.recv(np.zeros(1), src=np.int64(0), tag=np.int16(3)) == 0
+        return x[0]
+
+    assert _run(body, 2) == [1.0, 1.0]

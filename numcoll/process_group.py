@@ -148,9 +148,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
 
     # -- identity and settings -------------------------------------------------------
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     def size(self) -> int:
+        """The number of ranks in the group."""
         return self._size
 
     def set_timeout(self, timeout: timedelta) -> None:

@@ -152,6 +152,7 @@ class SparseCOO:
         return cls(indices, np.asarray(coo.data), coo.shape)
 
     def copy(self) -> SparseCOO:
+        """A copy with its own indices and values."""
         return SparseCOO(self.indices.copy(), self.values.copy(), self.shape,
                          is_coalesced=self._coalesced)
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -256,3 +257,55 @@ def test_wrong_counts_blocks_in_the_wrong_place(monkeypatch):
 
 
 # -- benchmark suites --------------------------------------------------------------------
+def _pytest(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _table_line(stdout: str, name: str, source: str = "") -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(name + " ") and source in ln]
+    assert len(lines) == 1, (name, source, lines)
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_benchmark_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
+    """--quick runs every suite in seconds (timing on), and the tables show
+    each case's bandwidth computed from its own median, in a run and in a
+    --benchmark-compare against a saved run."""
+    storage = f"--benchmark-storage=file://{tmp_path / 'storage'}"
+    started = time.monotonic()
+    out = _pytest("benchmarks", "--quick", f"--benchmark-json={tmp_path / 'run.json'}",
+                  "--benchmark-columns=median", "--benchmark-autosave", storage, timeout=190)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    # well under 30 s on an idle 2-core machine; the bound leaves room for a busy one
+    assert elapsed < 60, f"quick benchmarks took {elapsed:.0f} s"
+    doc = json.loads((tmp_path / "run.json").read_text())
+    runs = doc["benchmarks"]
+    collectives = [b for b in runs if b["name"].startswith("test_collective")]
+    assert {b["params"]["transport"] for b in collectives} == {"inproc", "ipc"}
+    assert {b["params"]["world_size"] for b in collectives} == {2}
+    assert {b["params"]["nbytes"] for b in collectives} == {8, 1 << 20}
+    assert all(b["options"]["max_time"] == 0.02 for b in runs)
+    for b in collectives:
+        info, median = b["extra_info"], b["stats"]["median"]
+        assert info["busbw_gbps"] == pytest.approx(info["nbytes"] * info["bus_factor"]
+                                                   / median / 1e9)
+        busbw = info["nbytes"] * info["bus_factor"] / median / 1e9
+        _table_line(out.stdout, f"{b['name']} busbw {busbw:.3g} GB/s")
+    kernel = next(b for b in runs if b["name"].startswith("test_reduce_into")
+                  and b["extra_info"]["nbytes"] == 1 << 20)
+    _table_line(out.stdout, f"{kernel['name']} "
+                f"{(1 << 20) / kernel['stats']['median'] / 1e9:.3g} GB/s")
+
+    again = _pytest("benchmarks/bench_kernels.py", "--quick", "-k", kernel["param"],
+                    "--benchmark-compare", "--benchmark-columns=median", storage,
+                    f"--benchmark-json={tmp_path / 'again.json'}", timeout=120)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
+    now = json.loads((tmp_path / "again.json").read_text())["benchmarks"][0]
+    saved = f"{kernel['name']} {(1 << 20) / kernel['stats']['median'] / 1e9:.3g} GB/s"
+    current = f"{now['name']} {(1 << 20) / now['stats']['median'] / 1e9:.3g} GB/s"
+    _table_line(again.stdout, saved, "(0001_")
+    _table_line(again.stdout, current, "(NOW)")

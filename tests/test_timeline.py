@@ -1,0 +1,160 @@
+"""numcoll.bench.timeline on flight-recorder dumps shaped as DESIGN.md's contract
+(made here, so every number is known): merging dumps, the analysis (straggler,
+busy and idle time, gaps), and the Gantt chart's bars and labels."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from numcoll.bench import timeline  # noqa: E402
+
+MS = 1_000_000  # ns
+T0 = 1_700_000_000_000_000_000  # a wall-clock time.time_ns()
+
+
+def entry(rank, seq, *, created, started=None, completed=None, name="all_reduce",
+          algorithm="ring", nbytes=4 << 20, state=None, pg_id=0, record_id=None):
+    """One entry as nc.flight_recorder.dump() has it (times in ms after T0)."""
+    if state is None:
+        state = "completed" if completed is not None else (
+            "started" if started is not None else "scheduled")
+    return {
+        "record_id": seq if record_id is None else record_id, "pg_id": pg_id,
+        "collective_seq_id": seq, "profiling_name": f"numcoll:{name}",
+        "input_sizes": [[nbytes // 4]], "input_dtypes": ["float32"],
+        "output_sizes": [[nbytes // 4]], "output_dtypes": ["float32"], "state": state,
+        "time_created_ns": T0 + int(created * MS),
+        "time_started_ns": None if started is None else T0 + int(started * MS),
+        "time_completed_ns": None if completed is None else T0 + int(completed * MS),
+        "timeout_ms": 1_800_000, "algorithm": algorithm, "waiting_for": None,
+        "rank": rank, "nbytes": nbytes,
+    }
+
+
+def dump(entries):
+    return {"version": "2.4", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                  "ranks": "[0, 1, 2]"}},
+            "pg_status": {}, "entries": entries}
+
+
+def run_with_a_straggler():
+    """3 ranks, 3 allreduces; rank 2 calls each one 5 ms after the others, and
+    rank 0 has a 2 MiB broadcast in flight beside the second allreduce."""
+    entries = []
+    for seq, at in ((1, 0.0), (2, 20.0), (3, 40.0)):
+        for rank in range(3):
+            late = 5.0 if rank == 2 else 0.0
+            entries.append(entry(rank, seq, created=at + late, started=at + late + 0.5,
+                                 completed=at + 10.0))
+    entries.append(entry(0, 4, created=21.0, started=21.0, completed=26.0, name="broadcast",
+                         algorithm="chain", nbytes=2 << 20))
+    return entries
+
+
+def test_entries_of_merges_thread_and_process_dumps():
+    entries = run_with_a_straggler()
+    assert timeline.entries_of(dump(entries)) == entries  # threads: one dump, every rank
+    # processes: one dump per rank; an entry without "rank" takes its dump's index
+    per_rank = [dump([{k: v for k, v in e.items() if k != "rank"}
+                      for e in entries if e["rank"] == r]) for r in range(3)]
+    merged = timeline.entries_of(per_rank)
+    assert sorted((e["rank"], e["collective_seq_id"]) for e in merged) == \
+        sorted((e["rank"], e["collective_seq_id"]) for e in entries)
+
+
+def test_spans_are_relative_and_bytes_come_from_sizes_when_missing():
+    e = entry(1, 1, created=3.0, started=4.0, completed=6.5, nbytes=1024)
+    del e["nbytes"]
+    other = entry(0, 1, created=1.0)
+    rows = timeline.spans([e, other])
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert rows[0] == pytest.approx({**rows[0], "queued": 0.0})
+    assert rows[0]["started"] is None and rows[0]["state"] == "scheduled"
+    assert (rows[1]["queued"], rows[1]["started"], rows[1]["completed"]) == \
+        pytest.approx((2e-3, 3e-3, 5.5e-3))
+    assert rows[1]["nbytes"] == 1024 and rows[1]["name"] == "all_reduce"
+
+
+def test_analyze_finds_the_straggler_busy_time_and_gaps():
+    result = timeline.analyze(run_with_a_straggler())
+    assert result["span"] == pytest.approx(0.050)
+    assert result["straggler"] == 2
+    colls = result["collectives"]
+    assert [c["seq"] for c in colls] == [1, 2, 3]  # the broadcast ran on one rank only
+    assert all(c["last_rank"] == 2 for c in colls)
+    assert [c["arrival_spread"] for c in colls] == pytest.approx([5e-3] * 3)
+    assert [c["duration"] for c in colls] == pytest.approx([9.5e-3] * 3)
+    r0, r2 = result["ranks"][0], result["ranks"][2]
+    assert (r0["count"], r2["count"], r0["last_count"], r2["last_count"]) == (4, 3, 0, 3)
+    # rank 0 runs 20.5-30 and 21-26 at once: busy is their union, not the sum
+    assert r0["busy"] == pytest.approx(3 * 9.5e-3)
+    assert r2["busy"] == pytest.approx(3 * 4.5e-3)
+    assert r0["idle"] == pytest.approx(0.050 - r0["busy"])
+    assert r0["largest_gap"] == pytest.approx(10e-3)   # 30 -> 40 ms
+    assert r2["largest_gap"] == pytest.approx(15e-3)   # 30 -> 45 ms
+    text = timeline.describe(result)
+    assert "Straggler: rank 2, the last to call 3 of 3 collectives" in text
+    assert "rank 2 came 5.00 ms after the first" in text
+
+
+def test_analyze_has_no_straggler_when_ranks_arrive_in_turn():
+    entries = [entry(seq % 2, seq, created=seq * 10.0, started=seq * 10.0 + 1,
+                     completed=seq * 10.0 + 2) for seq in (1, 2)]
+    entries += [entry(1 - seq % 2, seq, created=seq * 10.0 - 1, started=seq * 10.0 + 1,
+                      completed=seq * 10.0 + 2) for seq in (1, 2)]
+    result = timeline.analyze(entries)
+    assert [c["last_rank"] for c in result["collectives"]] == [1, 0]
+    assert result["ranks"][0]["last_count"] == result["ranks"][1]["last_count"] == 1
+
+
+def _bars(ax):
+    """(x0, width, y0, height, alpha, edge is red) of every bar drawn, in ms."""
+    out = []
+    for coll in ax.collections:
+        for path in coll.get_paths():
+            (x0, y0), (x1, y1) = path.get_extents().get_points()
+            edge = coll.get_edgecolor()
+            red = len(edge) > 0 and tuple(edge[0][:3]) == (1.0, 0.0, 0.0)
+            out.append((x0, x1 - x0, y0, y1 - y0, coll.get_alpha(), red))
+    return out
+
+
+def test_plot_timeline_draws_queued_and_running_bars_per_rank():
+    entries = run_with_a_straggler()
+    entries.append(entry(1, 5, created=42.0, started=43.0, completed=44.0, name="all_gather",
+                         algorithm="ring", state="failed", nbytes=64))
+    entries.append(entry(2, 6, created=47.0, name="barrier", algorithm=None, nbytes=0))
+    fig, ax = plt.subplots()
+    timeline.plot_timeline(entries, ax=ax, title="run")
+    bars = _bars(ax)
+    queued = [b for b in bars if b[4] == 0.25]
+    running = [b for b in bars if b[4] != 0.25]
+    assert len(queued) == len(entries)                # every call was queued
+    assert len(running) == len(entries) - 1          # the barrier never started
+    # rank 2's first allreduce: queued 5 -> 5.5 ms, running 5.5 -> 10 ms, in lane 2
+    assert any(b[:2] == pytest.approx((5.5, 4.5)) and 1.5 < b[2] < 2.5 for b in running)
+    assert any(b[:2] == pytest.approx((5.0, 0.5)) for b in queued)
+    # the broadcast overlaps rank 0's second allreduce: they are stacked, not drawn on top
+    r0 = sorted((b for b in running if b[2] < 0.5 and 20 <= b[0] <= 22),
+                key=lambda b: b[0])
+    assert len(r0) == 2 and r0[0][2] != r0[1][2] and r0[0][3] < 0.5
+    assert sum(b[5] for b in running) == 1            # the failed one is edged red
+    labels = [t.get_text() for t in ax.texts]
+    assert labels.count("ring 4 MiB") == 9 and "chain 2 MiB" in labels
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"all_reduce", "broadcast", "all_gather", "barrier", "failed"} <= set(legend)
+    assert ax.get_title() == "run"
+    plt.close(fig)
+
+
+def test_plot_timeline_without_entries_says_so():
+    fig, ax = plt.subplots()
+    timeline.plot_timeline([], ax=ax)
+    assert "no flight-recorder entries" in ax.get_title()
+    plt.close(fig)

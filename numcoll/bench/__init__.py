@@ -14,7 +14,8 @@ From Python (a notebook, a script)::
 bar shows in a notebook or on a terminal). Or launch the rank function
 yourself: ``nc.launch(bench.numcoll_rank, 2, args=(plan,))`` then
 ``bench.summarize(plan, [r["times"] for r in results])``.
-``bench.timeline`` draws the flight recorder's records as a per-rank Gantt chart.
+``bench.timeline`` draws the flight recorder's records as a per-rank Gantt chart;
+``bench.findings`` turns rows into sentences (crossovers, stragglers, noise).
 """
 
 from .check import count_wrong, expected, fill

@@ -21,7 +21,7 @@ def test_all_is_complete_and_importable():
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
                "reduction", "init_methods", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
-               "cuda"}
+               "cuda", "call", "diagnostics"}
     assert public - set(nc.__all__) <= modules
 
 

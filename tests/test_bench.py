@@ -113,7 +113,7 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--min-bytes", "1M", "--max-bytes", "8"], "max size (8 B) is smaller than min size"),
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
-    (["--op", "allgather", "--algorithm", "ring"], "allgather has a single algorithm"),
+    (["--op", "allgather", "--algorithm", "tree"], "unknown allgather algorithm 'tree'; choose one of ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),
 ], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "placement"])

@@ -19,12 +19,15 @@ import pytest
 import transports
 from transports import (
     ANY_SOURCE,
+    MAX_STAMP_NBYTES,
     MAX_TAG,
     MessageSizeError,
     PeerClosed,
+    StampMismatch,
     Transport,
     TransportClosed,
     TransportTimeout,
+    TransportOptions,
     create,
 )
 
@@ -92,7 +95,7 @@ def connect(kind: str, size: int, **kwargs) -> list[Transport]:
 
     def make(rank):
         try:
-            made[rank] = create(kind, rank, size, store, **kwargs)
+            made[rank] = create(kind, rank, size, store, TransportOptions(**kwargs))
         except BaseException as exc:  # re-raised below, on the test thread
             errors.append(exc)
 
@@ -155,6 +158,54 @@ def payload(*values: int, nbytes: int = 64) -> np.ndarray:
 def test_create_rejects_unknown_kind():
     with pytest.raises(ValueError, match="inproc, tcp, ipc"):
         create("udp", 0, 1, DictStore())
+
+
+def test_registry_makes_a_new_kind_one_call(no_leaked_threads):
+    import numcoll as nc
+
+    made = []
+
+    def counting(rank, size, store, options):
+        made.append(rank)
+        return transports.create("inproc", rank, size, store, options)
+
+    transports.register("counting-inproc", counting)
+    try:
+        assert "counting-inproc" in transports.KINDS
+        with pytest.raises(ValueError, match="already registered"):
+            transports.register("counting-inproc", counting)
+        # by kind, and by factory, through the ProcessGroup
+        for transport in ("counting-inproc", counting):
+            store = nc.HashStore()
+            pgs = [None, None]
+
+            def make(r):
+                pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(transport=transport))
+
+            threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT_S)
+            x = [np.ones(3), np.full(3, 2.0)]
+            works = [pg.allreduce(a) for pg, a in zip(pgs, x)]
+            for w in works:
+                w.wait()
+            assert np.array_equal(x[0], np.full(3, 3.0))
+            for pg in pgs:
+                pg.shutdown()
+        assert made.count(0) == 2 and made.count(1) == 2
+    finally:
+        transports._REGISTRY.pop("counting-inproc")
+        transports.KINDS = tuple(transports._REGISTRY)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        nc.ProcessGroup(nc.HashStore(), 0, 1, nc.ProcessGroup.Options(transport="counting-inproc"))
+
+
+def test_choose_kind_policy():
+    assert transports.choose_kind("h:1", ["h:1", "h:1"]) == "inproc"
+    assert transports.choose_kind("h:1", ["h:1", "h:2"]) == "ipc"
+    assert transports.choose_kind("h:1", ["h:1", "g:2"]) == "tcp"
 
 
 def test_exports():
@@ -353,6 +404,36 @@ def test_size_mismatch(group, nbytes):
     time.sleep(0.05)
     with pytest.raises(MessageSizeError):
         t1.irecv(0, 8, bytearray(nbytes + 1)).wait(deadline())
+
+
+@pytest.mark.parametrize("nbytes", [SMALL_NBYTES, MEDIUM_NBYTES, 2 << 20])
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_stamps_travel_and_a_mismatch_drops_the_payload(group, nbytes, posted_first):
+    t0, t1 = group
+    # matching stamps: delivered
+    buf = np.zeros(nbytes, np.uint8)
+    recv = t1.irecv(0, 3, buf, stamp=b"allreduce#1")
+    t0.isend(1, 3, payload(1, nbytes=nbytes), stamp=b"allreduce#1").wait(deadline())
+    recv.wait(deadline())
+    assert np.array_equal(buf, payload(1, nbytes=nbytes))
+    # another stamp: the receive fails naming both, and the bytes never land
+    buf[:] = 7
+    if posted_first:
+        recv = t1.irecv(0, 4, buf, stamp=b"mine")
+    t0.isend(1, 4, payload(2, nbytes=nbytes), stamp=b"theirs").wait(deadline())
+    if not posted_first:
+        time.sleep(0.05)
+        recv = t1.irecv(0, 4, buf, stamp=b"mine")
+    with pytest.raises(StampMismatch) as info:
+        recv.wait(deadline())
+    assert (info.value.peer, info.value.local_stamp, info.value.remote_stamp) == (0, b"mine", b"theirs")
+    assert np.all(buf == 7)
+    # an unstamped receive takes any stamp (point-to-point does not check)
+    got = t1.irecv(0, 5)
+    t0.isend(1, 5, b"xy", stamp=b"s").wait(deadline())
+    assert bytes(got.wait(deadline())) == b"xy"
+    with pytest.raises(ValueError, match="stamp"):
+        t0.isend(1, 5, b"xy", stamp=b"x" * (MAX_STAMP_NBYTES + 1))
 
 
 def test_deadline_then_late_send(group):

@@ -25,12 +25,20 @@ __all__ = [
     "PeerClosed",
     "TransportClosed",
     "MessageSizeError",
+    "StampMismatch",
+    "MAX_STAMP_NBYTES",
+    "CALL_SHIFT",
 ]
 
 #: Pass as ``peer`` to :meth:`Transport.irecv` to match a message from any rank.
 ANY_SOURCE = -1
 #: Tags are unsigned 64-bit integers.
 MAX_TAG = (1 << 64) - 1
+#: A message's stamp (see :meth:`Transport.isend`) is at most this many bytes.
+MAX_STAMP_NBYTES = 255
+#: Tags whose high bits (``tag >> CALL_SHIFT``) agree belong to one call: a
+#: receive posted with ``whole_call=True`` checks the stamps of all of them.
+CALL_SHIFT = 32
 
 
 class TransportError(Exception):
@@ -62,6 +70,18 @@ class TransportClosed(TransportError):
 
 class MessageSizeError(TransportError):
     """An incoming message does not fit the buffer posted to receive it."""
+
+
+class StampMismatch(TransportError):
+    """A message matched a receive by (peer, tag) but carried another stamp:
+    the two ranks are not running the same call. ``local_stamp`` is the
+    receive's, ``remote_stamp`` the message's; the payload was dropped."""
+
+    def __init__(self, message: str, peer: int | None, local_stamp: bytes,
+                 remote_stamp: bytes):
+        super().__init__(message, peer)
+        self.local_stamp = local_stamp
+        self.remote_stamp = remote_stamp
 
 
 class Request(Protocol):
@@ -97,21 +117,30 @@ class Transport(Protocol):
     rank: int
     size: int
 
-    def isend(self, peer: int, tag: int, buf) -> Request:
+    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.
 
         The caller must not modify ``buf`` until the request's ``wait`` returns.
         Large buffers are sent without copying. ``peer`` may be this rank.
+        ``stamp`` (at most :data:`MAX_STAMP_NBYTES` bytes) travels with the
+        message for the receiver to check (see :meth:`irecv`).
         """
         ...
 
-    def irecv(self, peer: int, tag: int, buf=None) -> Request:
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> Request:
         """Post a receive of the message ``(peer, tag)``.
 
         ``buf``: a writable C-contiguous buffer whose size must equal the
         message's (``MessageSizeError`` otherwise); the bytes land directly in
         it. ``None``: the message is returned by ``wait``. ``peer`` may be
-        :data:`ANY_SOURCE`.
+        :data:`ANY_SOURCE`. A non-empty ``stamp`` must equal the matched
+        message's stamp, else the receive fails with :class:`StampMismatch`
+        and the payload is dropped, never written into ``buf``. With
+        ``whole_call``, any stamped message from ``peer`` whose tag belongs to
+        the same call (see :data:`CALL_SHIFT`) but carries another stamp fails
+        the receive too: a peer running another call may use other tags
+        altogether, and must still be caught rather than waited for.
         """
         ...
 
@@ -153,6 +182,13 @@ def check_peer(what: str, rank: int, size: int, peer, tag) -> None:
         raise ValueError(f"{what} on rank {rank}: invalid peer rank {peer!r} (group size {size})")
     if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
         raise ValueError(f"{what} on rank {rank}: invalid tag {tag!r} (must be in [0, 2**64))")
+
+
+def check_stamp(stamp) -> bytes:
+    """``stamp`` as bytes; ``ValueError`` if it is not bytes or is too long."""
+    if not isinstance(stamp, (bytes, bytearray)) or len(stamp) > MAX_STAMP_NBYTES:
+        raise ValueError(f"stamp must be at most {MAX_STAMP_NBYTES} bytes, got {stamp!r:.80}")
+    return bytes(stamp)
 
 
 def byte_view(buf, *, writable: bool = False) -> memoryview:

@@ -19,6 +19,7 @@ from .base import (
     TransportError,
     byte_view,
     check_peer,
+    check_stamp,
 )
 from .mailbox import Mailbox, PendingRequest
 
@@ -75,20 +76,22 @@ class InprocTransport:
         self._closed = False
         self._close_lock = threading.Lock()
 
-    def isend(self, peer: int, tag: int, buf) -> PendingRequest:
+    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> PendingRequest:
         check_peer(SEND, self.rank, self.size, peer, tag)
         data = byte_view(buf)
+        stamp = check_stamp(stamp)
         req = PendingRequest(SEND, self.rank, peer, tag)
         if self._closed:
             req.fail(TransportClosed(f"{req.describe()}: this transport is closed", peer))
-        elif self._fabric.mailboxes[peer].deliver(self.rank, tag, data):
+        elif self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
             req.complete(None, source=peer)
         else:
             req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
         return req
 
-    def irecv(self, peer: int, tag: int, buf=None) -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf)
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> PendingRequest:
+        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
 
     def close(self) -> None:
         with self._close_lock:

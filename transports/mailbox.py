@@ -19,14 +19,17 @@ from typing import Callable
 
 from .base import (
     ANY_SOURCE,
+    CALL_SHIFT,
     RECV,
     MessageSizeError,
     PeerClosed,
+    StampMismatch,
     TransportClosed,
     TransportError,
     TransportTimeout,
     byte_view,
     check_peer,
+    check_stamp,
     describe,
 )
 
@@ -43,15 +46,18 @@ class PendingRequest:
     (ZeroMQ's tracker event) fires when ZeroMQ releases the buffer.
     """
 
-    __slots__ = ("what", "rank", "peer", "tag", "buf", "source", "seq",
+    __slots__ = ("what", "rank", "peer", "tag", "buf", "stamp", "whole_call", "source", "seq",
                  "_finished", "_lock", "_after", "_result", "_error")
 
-    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None):
+    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None,
+                 stamp: bytes = b"", whole_call: bool = False):
         self.what = what
         self.rank = rank
         self.peer = peer
         self.tag = tag
         self.buf = buf
+        self.stamp = stamp
+        self.whole_call = whole_call and bool(stamp) and peer != ANY_SOURCE
         self.source = None if peer == ANY_SOURCE else peer
         self.seq = 0
         # Completion is a lock held until the request finishes (as threading.Thread
@@ -158,8 +164,12 @@ class Mailbox:
         self._lock = threading.Lock()
         # (src or ANY_SOURCE, tag) -> posted receives, oldest first
         self._posted: dict[tuple[int, int], deque[PendingRequest]] = {}
-        # tag -> src -> (arrival number, payload), oldest first
-        self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview]]]] = {}
+        # tag -> src -> (arrival number, payload, stamp), oldest first
+        self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview, bytes]]]] = {}
+        # (src, call) -> posted whole-call receives / stamps of held messages
+        # (see CALL_SHIFT): a message of another call from the same peer fails them.
+        self._calls_posted: dict[tuple[int, int], list[PendingRequest]] = {}
+        self._calls_held: dict[tuple[int, int], dict[bytes, int]] = {}
         self._gone: dict[int, str] = {}  # peer -> why it left
         self._closed: str | None = None
         # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
@@ -167,11 +177,12 @@ class Mailbox:
 
     # --- receiving side -----------------------------------------------------
 
-    def receive(self, peer: int, tag: int, buf=None) -> PendingRequest:
+    def receive(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+                whole_call: bool = False) -> PendingRequest:
         """A transport's ``irecv``: check the arguments, then :meth:`post`."""
         check_peer(RECV, self.rank, self.size, peer, tag)
         view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view)
+        req = PendingRequest(RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
         self.post(req)
         return req
 
@@ -180,19 +191,24 @@ class Mailbox:
         with self._lock:
             found = self._take_unexpected(req.peer, req.tag)
             if found is None:
-                exc = self._refusal(req)
+                exc = self._refusal(req) or self._held_conflict(req)
                 if exc is None:
                     req.seq = next(self._counter)
                     self._posted.setdefault((req.peer, req.tag), deque()).append(req)
+                    if req.whole_call:
+                        self._calls_posted.setdefault(
+                            (req.peer, req.tag >> CALL_SHIFT), []).append(req)
                     return
         if found is None:
             req.fail(exc)
             return
-        src, payload = found
+        src, payload, stamp = found
         # Outside the lock: the copy into the buffer may be large.
+        if not self._accepts(req, src, payload.nbytes, stamp):
+            return
         if req.buf is None:
             req.complete(payload, source=src)
-        elif self._fits(req, src, payload.nbytes):
+        else:
             req.buf[:] = payload
             req.complete(None, source=src)
 
@@ -202,7 +218,8 @@ class Mailbox:
 
     # --- delivering side ----------------------------------------------------
 
-    def deliver(self, src: int, tag: int, data: memoryview, *, private: bool = False) -> bool:
+    def deliver(self, src: int, tag: int, data: memoryview, *, private: bool = False,
+                stamp: bytes = b"") -> bool:
         """Deliver the bytes of ``data``; returns False, delivering nothing, if
         this mailbox is closed.
 
@@ -214,8 +231,13 @@ class Mailbox:
             if self._closed is not None:
                 return False
             req = self._claim(src, tag)
+            if req is None:
+                victims = self._posted_conflicts(src, tag, stamp)
+                if victims:
+                    self._fail_conflicts(victims, src, stamp)
+                    return True  # the payload belongs to another call: dropped
             if req is None and private:
-                self._hold(src, tag, data)
+                self._hold(src, tag, data, stamp)
                 return True
         if req is None:
             data, private = memoryview(bytes(data)), True  # copied without the lock held
@@ -224,16 +246,19 @@ class Mailbox:
                     return False
                 req = self._claim(src, tag)  # a receive may have been posted meanwhile
                 if req is None:
-                    self._hold(src, tag, data)
+                    self._hold(src, tag, data, stamp)
                     return True
+        if not self._accepts(req, src, data.nbytes, stamp):
+            return True
         if req.buf is None:
             req.complete(data if private else memoryview(bytes(data)), source=src)
-        elif self._fits(req, src, data.nbytes):
+        else:
             req.buf[:] = data
             req.complete(None, source=src)
         return True
 
-    def arrive(self, src: int, tag: int, nbytes: int, read: PayloadReader) -> None:
+    def arrive(self, src: int, tag: int, nbytes: int, read: PayloadReader,
+               stamp: bytes = b"") -> None:
         """Deliver a message whose payload ``read`` fetches (see :data:`PayloadReader`).
 
         Called by a single I/O thread, in arrival order.
@@ -241,19 +266,24 @@ class Mailbox:
         with self._lock:
             req = self._claim(src, tag)
             if req is None:
+                victims = self._posted_conflicts(src, tag, stamp)
+                if victims:
+                    read(DISCARD)  # the payload belongs to another call
+                    self._fail_conflicts(victims, src, stamp)
+                    return
                 # Read under the lock so a receive posted now cannot miss the message.
                 if self._closed is None:
-                    self._hold(src, tag, read(None))
+                    self._hold(src, tag, read(None), stamp)
                 else:
                     read(DISCARD)
                 return
-        if req.buf is None:
+        if not self._accepts(req, src, nbytes, stamp):
+            read(DISCARD)
+        elif req.buf is None:
             req.complete(read(None), source=src)
-        elif self._fits(req, src, nbytes):
+        else:
             read(req.buf)
             req.complete(None, source=src)
-        else:
-            read(DISCARD)
 
     def peer_gone(self, peer: int, reason: str) -> None:
         """``peer`` left: fail receives from it that no queued message satisfies
@@ -266,6 +296,8 @@ class Mailbox:
             victims = []
             for key in [k for k in self._posted if k[0] == peer or (all_gone and k[0] == ANY_SOURCE)]:
                 victims.extend(self._posted.pop(key))
+            for req in victims:
+                self._forget_whole_call(req)
         for req in victims:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
 
@@ -278,10 +310,12 @@ class Mailbox:
             victims = [req for queue in self._posted.values() for req in queue]
             self._posted.clear()
             self._unexpected.clear()
+            self._calls_posted.clear()
+            self._calls_held.clear()
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
-    # --- internals (all but _fits: callers hold the lock) ----------------------
+    # --- internals (all but _accepts: callers hold the lock) ----------------------
 
     def _claim(self, src: int, tag: int) -> PendingRequest | None:
         specific = self._posted.get((src, tag))
@@ -295,13 +329,59 @@ class Mailbox:
         req = queue.popleft()
         if not queue:
             del self._posted[key]
+        if req.whole_call:
+            self._forget_whole_call(req)
         return req
 
-    def _hold(self, src: int, tag: int, payload: memoryview) -> None:
-        by_src = self._unexpected.setdefault(tag, {})
-        by_src.setdefault(src, deque()).append((next(self._counter), payload))
+    def _forget_whole_call(self, req: PendingRequest) -> None:
+        key = (req.peer, req.tag >> CALL_SHIFT)
+        reqs = self._calls_posted.get(key)
+        if reqs is not None:
+            reqs.remove(req)
+            if not reqs:
+                del self._calls_posted[key]
 
-    def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview] | None:
+    def _posted_conflicts(self, src: int, tag: int, stamp: bytes) -> list[PendingRequest]:
+        """Unpost and return the whole-call receives from ``src`` that a
+        message (``tag``, ``stamp``) of the same call contradicts."""
+        reqs = self._calls_posted.get((src, tag >> CALL_SHIFT))
+        if not reqs or not stamp or all(r.stamp == stamp for r in reqs):
+            return []
+        victims = list(reqs)
+        for req in victims:
+            queue = self._posted[(req.peer, req.tag)]
+            queue.remove(req)
+            if not queue:
+                del self._posted[(req.peer, req.tag)]
+        del self._calls_posted[(src, tag >> CALL_SHIFT)]
+        return victims
+
+    def _fail_conflicts(self, victims, src: int, stamp: bytes) -> None:
+        for req in victims:
+            req.fail(StampMismatch(
+                f"{req.describe()}: rank {src} sent a message of another call "
+                "at the same sequence number", src, req.stamp, stamp))
+
+    def _held_conflict(self, req: PendingRequest) -> StampMismatch | None:
+        """A held message of ``req``'s call from its peer with another stamp, if any."""
+        if not req.whole_call:
+            return None
+        stamps = self._calls_held.get((req.peer, req.tag >> CALL_SHIFT))
+        for stamp in stamps or ():
+            if stamp and stamp != req.stamp:
+                return StampMismatch(
+                    f"{req.describe()}: rank {req.peer} sent a message of another call "
+                    "at the same sequence number", req.peer, req.stamp, stamp)
+        return None
+
+    def _hold(self, src: int, tag: int, payload: memoryview, stamp: bytes) -> None:
+        by_src = self._unexpected.setdefault(tag, {})
+        by_src.setdefault(src, deque()).append((next(self._counter), payload, stamp))
+        if stamp:
+            stamps = self._calls_held.setdefault((src, tag >> CALL_SHIFT), {})
+            stamps[stamp] = stamps.get(stamp, 0) + 1
+
+    def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview, bytes] | None:
         by_src = self._unexpected.get(tag)
         if not by_src:
             return None
@@ -310,12 +390,20 @@ class Mailbox:
         queue = by_src.get(peer)
         if not queue:
             return None
-        _, payload = queue.popleft()
+        _, payload, stamp = queue.popleft()
         if not queue:
             del by_src[peer]
             if not by_src:
                 del self._unexpected[tag]
-        return peer, payload
+        if stamp:
+            key = (peer, tag >> CALL_SHIFT)
+            stamps = self._calls_held[key]
+            stamps[stamp] -= 1
+            if not stamps[stamp]:
+                del stamps[stamp]
+                if not stamps:
+                    del self._calls_held[key]
+        return peer, payload, stamp
 
     def _refusal(self, req: PendingRequest) -> TransportError | None:
         if self._closed is not None:
@@ -329,9 +417,16 @@ class Mailbox:
             return PeerClosed(f"{req.describe()}: {reason}", req.peer)
         return None
 
-    def _fits(self, req: PendingRequest, src: int, nbytes: int) -> bool:
-        """Fail ``req`` (and return False) if the message does not fit its buffer."""
-        if req.buf.nbytes == nbytes:
+    def _accepts(self, req: PendingRequest, src: int, nbytes: int, stamp: bytes) -> bool:
+        """Fail ``req`` (and return False) if the message carries another stamp
+        than the receive expects, or does not fit its buffer. The caller then
+        drops the payload: a receive never sees bytes it cannot vouch for."""
+        if req.stamp and stamp != req.stamp:
+            req.fail(StampMismatch(
+                f"{describe(RECV, self.rank, src, req.tag)}: the message belongs to another "
+                "call than the receive", src, req.stamp, stamp))
+            return False
+        if req.buf is None or req.buf.nbytes == nbytes:
             return True
         req.fail(MessageSizeError(
             f"{describe(RECV, self.rank, src, req.tag)}: the message is {nbytes} bytes "

@@ -9,7 +9,7 @@ Sockets
     I/O thread fills, reading each payload straight into the posted buffer.
 Wire format
     A message starts with a :data:`HEADER` (kind, source rank, tag, payload
-    bytes). Payloads below ``zero_copy_nbytes`` follow the header in the same
+    bytes, stamp length) and the stamp's bytes. Payloads below ``zero_copy_nbytes`` follow the header in the same
     frame (``INLINE``: one send and one receive per message); larger ones are a
     second frame (``DATA``), sent without a copy and received straight into the
     posted buffer. ``BYE`` is a header alone.
@@ -44,6 +44,7 @@ from .base import (
     TransportError,
     byte_view,
     check_peer,
+    check_stamp,
 )
 from .mailbox import DISCARD, Mailbox, PendingRequest
 from .shm import SharedSlabs
@@ -52,8 +53,8 @@ __all__ = ["ZmqTransport", "SCHEMES"]
 
 SCHEMES = ("tcp", "ipc")
 
-#: kind, source rank, tag, payload bytes.
-HEADER = struct.Struct("<BiQQ")
+#: kind, source rank, tag, payload bytes, stamp bytes (the stamp follows).
+HEADER = struct.Struct("<BiQQB")
 KIND_INLINE = 0
 KIND_DATA = 1
 KIND_BYE = 2
@@ -231,12 +232,13 @@ class ZmqTransport:
 
     # --- the Transport interface (called from any thread) ------------------------
 
-    def isend(self, peer: int, tag: int, buf) -> PendingRequest:
+    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> PendingRequest:
         check_peer(SEND, self.rank, self.size, peer, tag)
         data = byte_view(buf)
+        stamp = check_stamp(stamp)
         req = PendingRequest(SEND, self.rank, peer, tag)
         if peer == self.rank:
-            if self._mailbox.deliver(peer, tag, data):
+            if self._mailbox.deliver(peer, tag, data, stamp=stamp):
                 req.complete(None, source=peer)
             else:
                 req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
@@ -249,18 +251,18 @@ class ZmqTransport:
                 and self._shm.has_slab(peer)):
             # Through a shared-memory slot: the request completes once the bytes
             # are copied in (here, or by the I/O thread when a slot frees up).
-            if self._send_now(peer, None, data, tag):
+            header = self._header(KIND_SHM, tag, data.nbytes, stamp)
+            if self._send_now(peer, header, data):
                 req.complete(None, source=peer)
                 return req
-            posted = self._post((peer, HEADER.pack(KIND_SHM, self.rank, tag, data.nbytes), data,
-                                 req))
+            posted = self._post((peer, header, data, req))
         elif data.nbytes >= self._zero_copy_nbytes:
             # ZeroMQ reads the caller's buffer; the I/O thread completes the request
             # with ZeroMQ's tracker, which fires when the buffer is released.
-            header = HEADER.pack(KIND_DATA, self.rank, tag, data.nbytes)
+            header = self._header(KIND_DATA, tag, data.nbytes, stamp)
             posted = self._post((peer, header, data, req))
         else:
-            message = HEADER.pack(KIND_INLINE, self.rank, tag, data.nbytes) + data
+            message = self._header(KIND_INLINE, tag, data.nbytes, stamp) + data
             posted = self._send_now(peer, message) or self._post((peer, message, None, None))
             if posted:  # the copy frees the caller's buffer now
                 req.complete(None, source=peer)
@@ -268,8 +270,12 @@ class ZmqTransport:
             req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
         return req
 
-    def irecv(self, peer: int, tag: int, buf=None) -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf)
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> PendingRequest:
+        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
+
+    def _header(self, kind: int, tag: int, nbytes: int, stamp: bytes = b"") -> bytes:
+        return HEADER.pack(kind, self.rank, tag, nbytes, len(stamp)) + stamp
 
     def close(self) -> None:
         with self._ops_lock:
@@ -295,10 +301,11 @@ class ZmqTransport:
     def __repr__(self) -> str:
         return f"<ZmqTransport {self.endpoint} rank {self.rank}/{self.size}>"
 
-    def _send_now(self, peer: int, message: bytes | None, payload=None, tag: int = 0) -> bool:
+    def _send_now(self, peer: int, message: bytes, payload=None) -> bool:
         """Send on the calling thread, sparing the hand-off to the I/O thread
         (a large part of a small message's latency): a small ``message``, or
-        (``message`` None) ``payload`` through a free shared-memory slot. Only
+        (with ``payload``) ``message`` as the header of ``payload`` sent through
+        a free shared-memory slot. Only
         when nothing is queued ahead of it, so per-peer order holds; False
         means "queue it instead", never an error."""
         if not self._push_lock.acquire(blocking=False):
@@ -310,7 +317,7 @@ class ZmqTransport:
             sock = self._push.get(peer)
             if sock is None or peer in self._backlog:
                 return False
-            if message is None:
+            if payload is not None:
                 slot = self._shm.acquire(peer)
                 if slot is None:
                     return False
@@ -327,7 +334,7 @@ class ZmqTransport:
         # nothing else until it returns, and other threads' messages have no
         # order relative to ours.
         self._shm.write(peer, slot, payload)
-        header = HEADER.pack(KIND_SHM, self.rank, tag, payload.nbytes) + SLOT.pack(slot)
+        header = message + SLOT.pack(slot)
         with self._push_lock:
             sock = self._push.get(peer)
             if sock is None:  # the peer left meanwhile: let the queued path fail the request
@@ -479,17 +486,20 @@ class ZmqTransport:
                 first = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, src, tag, nbytes = HEADER.unpack_from(first)
+            kind, src, tag, nbytes, stamp_nbytes = HEADER.unpack_from(first)
+            body = HEADER.size + stamp_nbytes
+            stamp = first[HEADER.size:body]
             if src in self._suspects:  # still draining what it sent: extend its grace
                 self._suspects[src] = time.monotonic() + self._grace_s
             if kind == KIND_INLINE:  # the frame is our own copy: the mailbox may keep it
-                self._mailbox.deliver(src, tag, memoryview(first)[HEADER.size:], private=True)
+                self._mailbox.deliver(src, tag, memoryview(first)[body:], private=True,
+                                      stamp=stamp)
             elif kind == KIND_DATA:
-                self._mailbox.arrive(src, tag, nbytes, self._read_payload)
+                self._mailbox.arrive(src, tag, nbytes, self._read_payload, stamp)
             elif kind == KIND_SHM:
-                slot = SLOT.unpack_from(first, HEADER.size)[0]
+                slot = SLOT.unpack_from(first, body)[0]
                 self._mailbox.arrive(src, tag, nbytes, lambda into, s=slot, n=nbytes, p=src:
-                                     self._read_slot(p, s, n, into))
+                                     self._read_slot(p, s, n, into), stamp)
                 self._credit(src, slot)
             elif kind == KIND_CREDIT:
                 self._shm.release(src, nbytes)
@@ -516,7 +526,7 @@ class ZmqTransport:
             sock = self._push.get(peer)
             if sock is not None:
                 try:
-                    sock.send(HEADER.pack(KIND_CREDIT, self.rank, 0, slot), zmq.NOBLOCK)
+                    sock.send(self._header(KIND_CREDIT, 0, slot), zmq.NOBLOCK)
                 except zmq.ZMQError:  # gone: it will not need the slot again
                     pass
 
@@ -598,7 +608,7 @@ class ZmqTransport:
 
     def _say_bye(self, peer: int) -> None:
         try:
-            self._push[peer].send(HEADER.pack(KIND_BYE, self.rank, 0, 0), zmq.NOBLOCK)
+            self._push[peer].send(self._header(KIND_BYE, 0, 0), zmq.NOBLOCK)
         except zmq.ZMQError:  # it will see the disconnect instead
             pass
 

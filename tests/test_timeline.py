@@ -37,9 +37,9 @@ def entry(rank, seq, *, created, started=None, completed=None, name="all_reduce"
 
 
 def dump(entries):
-    return {"version": "2.4", "pg_config": {"0": {"name": "0", "desc": "default_pg",
-                                                  "ranks": "[0, 1, 2]"}},
-            "pg_status": {}, "entries": entries}
+    config = {str(e["pg_id"]): {"name": "default/0", "desc": "group of 3", "ranks": [0, 1, 2]}
+              for e in entries}
+    return {"version": "1.0", "pg_config": config, "pg_status": {}, "entries": entries}
 
 
 def run_with_a_straggler():
@@ -58,7 +58,11 @@ def run_with_a_straggler():
 
 def test_entries_of_merges_thread_and_process_dumps():
     entries = run_with_a_straggler()
-    assert timeline.entries_of(dump(entries)) == entries  # threads: one dump, every rank
+    merged = timeline.entries_of(dump(entries))  # threads: one dump, every rank
+    assert [{k: v for k, v in e.items() if k != "pg_name"} for e in merged] == entries
+    assert {e["pg_name"] for e in merged} == {"default/0"}
+    assert timeline.entries_of(dump(entries), since_ns=T0 + 40 * MS) == \
+        [e for e in merged if e["time_created_ns"] >= T0 + 40 * MS] != []
     # processes: one dump per rank; an entry without "rank" takes its dump's index
     per_rank = [dump([{k: v for k, v in e.items() if k != "rank"}
                       for e in entries if e["rank"] == r]) for r in range(3)]
@@ -100,6 +104,17 @@ def test_analyze_finds_the_straggler_busy_time_and_gaps():
     text = timeline.describe(result)
     assert "Straggler: rank 2, the last to call 3 of 3 collectives" in text
     assert "rank 2 came 5.00 ms after the first" in text
+
+
+def test_threads_register_one_group_under_several_pg_ids():
+    """Ranks that are threads of one process share a recorder, and each has
+    its own pg_id for the same group: collectives still match across ranks."""
+    entries = [{**e, "pg_id": e["rank"]} for e in run_with_a_straggler()]
+    result = timeline.analyze(timeline.entries_of(dump(entries)))
+    assert [c["seq"] for c in result["collectives"]] == [1, 2, 3]
+    assert result["straggler"] == 2
+    # without the group names, pg_ids alone cannot tell that they are one group
+    assert timeline.analyze(entries)["collectives"] == []
 
 
 def test_analyze_has_no_straggler_when_ranks_arrive_in_turn():
@@ -158,3 +173,73 @@ def test_plot_timeline_without_entries_says_so():
     timeline.plot_timeline([], ax=ax)
     assert "no flight-recorder entries" in ax.get_title()
     plt.close(fig)
+
+
+# -- the real flight recorder ------------------------------------------------------------
+def _straggling_work(late_rank: int, delay_s: float) -> dict:
+    """Three allreduces (two in flight at once), a broadcast and a barrier;
+    ``late_rank`` sleeps before each call. Returns this rank's records."""
+    import time
+
+    import numpy as np
+
+    import numcoll as nc
+
+    rank = nc.get_rank()
+    data = np.ones(1 << 16, np.float32)
+    for _ in range(3):
+        if rank == late_rank:
+            time.sleep(delay_s)
+        works = [nc.all_reduce(data, async_op=True), nc.all_reduce(data, async_op=True)]
+        nc.broadcast(data[:256], src=0)
+        for w in works:
+            w.wait()
+    nc.barrier()
+    return nc.flight_recorder.dump(rank)
+
+
+def _check_recorded_run(dumps, late_rank: int, delay_s: float, since_ns: int) -> None:
+    entries = timeline.entries_of(dumps, since_ns=since_ns)
+    names = sorted({e["profiling_name"] for e in entries})
+    assert names == ["numcoll:allreduce", "numcoll:barrier", "numcoll:broadcast"], names
+    result = timeline.analyze(entries)
+    colls = result["collectives"]
+    # 3 x (2 allreduces + broadcast) + barrier, each matched across both ranks
+    assert len(colls) == 10
+    # what the late rank slept before (not the first: the ranks' start-up differs more)
+    firsts = [c for c in colls if c["seq"] in (4, 7)]
+    assert all(c["last_rank"] == late_rank for c in firsts), colls
+    assert all(c["arrival_spread"] >= 0.8 * delay_s for c in firsts), colls
+    assert result["straggler"] == late_rank
+    assert all(c["duration"] is not None and c["duration"] > 0 for c in colls)
+    fig, ax = plt.subplots()
+    timeline.plot_timeline(entries, ax=ax)
+    assert len(ax.collections) == 2 * len(entries)  # a queued and a running bar each
+    plt.close(fig)
+
+
+@pytest.mark.timeout(60)
+def test_timeline_of_ranks_as_threads():
+    import time
+
+    import numcoll as nc
+
+    since = time.time_ns()
+    dumps = nc.launch(_straggling_work, 2, args=(1, 0.03), mode="thread")
+    # threads share one recorder: each rank's dump holds only its own entries
+    assert [{e["rank"] for e in d["entries"] if e["time_created_ns"] >= since}
+            for d in dumps] == [{0}, {1}]
+    _check_recorded_run(dumps, 1, 0.03, since)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_timeline_of_ranks_as_processes():
+    import time
+
+    import numcoll as nc
+
+    since = time.time_ns()
+    dumps = nc.launch(_straggling_work, 2, args=(0, 0.03), mode="process")
+    assert [{e["rank"] for e in d["entries"]} for d in dumps] == [{0}, {1}]
+    _check_recorded_run(dumps, 0, 0.03, since)

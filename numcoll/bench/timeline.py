@@ -33,21 +33,35 @@ import numpy as np
 __all__ = ["entries_of", "spans", "analyze", "describe", "plot_timeline"]
 
 
-def entries_of(dumps) -> list[dict]:
+def entries_of(dumps, since_ns: int | None = None) -> list[dict]:
     """Entries of one dump, of a list of dumps (one per rank, in rank order: an
-    entry without ``rank`` takes its dump's index), or a list of entries."""
+    entry without ``rank`` takes its dump's index), or a list of entries.
+
+    Each entry gets ``pg_name``, its group's name from the dump's
+    ``pg_config``: ranks that are threads of one process register the same
+    group under different ``pg_id``, so collectives are matched across ranks
+    by (group name, ``collective_seq_id``). ``since_ns``: keep only entries
+    created from then on (a recorder outlives a launch; a notebook's kernel
+    keeps the records of every earlier run).
+    """
     if isinstance(dumps, dict):
-        return [dict(e) for e in dumps.get("entries", [])]
+        dumps = [dumps]
     dumps = list(dumps)
+    out = []
     if dumps and all(isinstance(d, dict) and "entries" in d for d in dumps):
-        out = []
         for index, dump in enumerate(dumps):
+            config = dump.get("pg_config") or {}
             for e in dump["entries"]:
                 e = dict(e)
-                e.setdefault("rank", index)
+                if len(dumps) > 1:
+                    e.setdefault("rank", index)
+                e.setdefault("pg_name", (config.get(str(e.get("pg_id"))) or {}).get("name"))
                 out.append(e)
-        return out
-    return [dict(e) for e in dumps]
+    else:
+        out = [dict(e) for e in dumps]
+    if since_ns is not None:
+        out = [e for e in out if (e.get("time_created_ns") or 0) >= since_ns]
+    return out
 
 
 def _nbytes(entry: dict) -> int:
@@ -69,9 +83,10 @@ def _name(entry: dict) -> str:
 
 def spans(entries: Iterable[dict]) -> list[dict]:
     """One dict per entry with times in seconds from the earliest stamp:
-    ``rank, pg_id, seq, name, algorithm, nbytes, state, queued, started,
-    completed`` (``started``/``completed`` None while not reached), sorted by
-    rank then queue time."""
+    ``rank, pg_id, group, seq, name, algorithm, nbytes, state, queued, started,
+    completed`` (``group``: the group's name where known, else its pg_id;
+    ``started``/``completed`` None while not reached), sorted by rank then
+    queue time."""
     entries = [e for e in entries if e.get("time_created_ns") is not None]
     if not entries:
         return []
@@ -83,6 +98,7 @@ def spans(entries: Iterable[dict]) -> list[dict]:
     out = [{
         "rank": int(e.get("rank", 0)),
         "pg_id": e.get("pg_id"),
+        "group": e.get("pg_name") if e.get("pg_name") is not None else e.get("pg_id"),
         "seq": e.get("collective_seq_id"),
         "name": _name(e),
         "algorithm": e.get("algorithm"),
@@ -109,7 +125,7 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 def analyze(entries: Iterable[dict]) -> dict:
     """What the chart shows, as numbers (seconds).
 
-    ``collectives``: per (pg_id, seq) seen on more than one rank: ``name``,
+    ``collectives``: per (group, seq) seen on more than one rank: ``name``,
     ``arrival_spread`` (last rank's queue time minus the first's), ``last_rank``
     (the rank that called it last), ``duration`` (first start to last finish).
     ``ranks``: per rank ``count``, ``busy`` (time with a collective running),
@@ -127,10 +143,10 @@ def analyze(entries: Iterable[dict]) -> dict:
         by_rank[r["rank"]].append(r)
     groups = defaultdict(list)
     for r in rows:
-        if r["seq"] is not None:
-            groups[(r["pg_id"], r["seq"])].append(r)
+        if r["seq"] is not None:  # point-to-point operations have none
+            groups[(r["group"], r["seq"])].append(r)
     collectives, last_count, lateness = [], defaultdict(int), defaultdict(float)
-    for (pg_id, seq), members in sorted(groups.items(), key=lambda kv: min(
+    for (group, seq), members in sorted(groups.items(), key=lambda kv: min(
             m["queued"] for m in kv[1])):
         if len({m["rank"] for m in members}) < 2:
             continue
@@ -142,7 +158,7 @@ def analyze(entries: Iterable[dict]) -> dict:
         last_count[last["rank"]] += 1
         lateness[last["rank"]] += spread
         collectives.append({
-            "pg_id": pg_id, "seq": seq, "name": last["name"], "algorithm": last["algorithm"],
+            "group": group, "seq": seq, "name": last["name"], "algorithm": last["algorithm"],
             "nbytes": last["nbytes"], "arrival_spread": spread, "last_rank": last["rank"],
             "duration": (max(ends) - min(starts)) if starts and len(ends) == len(members)
             else None,

@@ -150,3 +150,20 @@ def test_performance_notebook(kernel_name, tmp_path, monkeypatch):
         gloo = findings.faster_sentence("numcoll's allreduce ring", ring, "gloo allreduce",
                                         saved["torch_results"]["gloo allreduce"], world_size)
         assert gloo in conclusions
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_timeline_notebook(kernel_name, tmp_path, monkeypatch):
+    nb = execute(ROOT / "notebooks" / "timeline.ipynb", kernel_name, tmp_path, monkeypatch)
+    assert text_of(nb.cells[1]).strip() == "flight recorder on: True"
+    threads = text_of(cell_with(nb, 'run("thread")'))
+    processes = text_of(cell_with(nb, 'run("process")'))
+    for text in (threads, processes):
+        # 4 ranks x (3 steps x 3 allreduces + the closing barrier)
+        assert text.startswith("40 records on 4 rank(s)"), text
+    # rank 2 sleeps twice as long before each bucket: the records must say so
+    assert "Straggler: rank 2," in threads, threads
+    assert_png(tmp_path / "timeline.png")
+    findings = text_of(cell_with(nb, "findings = ["))
+    assert len(findings.splitlines()) == 3, findings

@@ -101,8 +101,12 @@ def test_analyze_finds_the_straggler_busy_time_and_gaps():
     assert r0["idle"] == pytest.approx(0.050 - r0["busy"])
     assert r0["largest_gap"] == pytest.approx(10e-3)   # 30 -> 40 ms
     assert r2["largest_gap"] == pytest.approx(15e-3)   # 30 -> 45 ms
+    assert (r0["max_in_flight"], r2["max_in_flight"]) == (2, 1)
     text = timeline.describe(result)
     assert "Straggler: rank 2, the last to call 3 of 3 collectives" in text
+    assert "waited 15.0 ms in all for it" in text
+    assert "rank 0: 4 collectives, busy 28.5 ms (57% of the run)" in text
+    assert "up to 2 in flight at once" in text
     assert "rank 2 came 5.00 ms after the first" in text
 
 

@@ -130,8 +130,9 @@ def analyze(entries: Iterable[dict]) -> dict:
     (the rank that called it last), ``duration`` (first start to last finish).
     ``ranks``: per rank ``count``, ``busy`` (time with a collective running),
     ``idle`` (the rest of the run's span), ``largest_gap`` (the longest stretch
-    with nothing queued or running) and ``last_count`` (how many collectives it
-    was the last to call). ``straggler``: the rank with the most ``last_count``
+    with nothing queued or running), ``last_count`` (how many collectives it
+    was the last to call) and ``max_in_flight`` (the most collectives queued or
+    running at once: overlap). ``straggler``: the rank with the most ``last_count``
     (ties: the larger total lateness), None with fewer than two ranks.
     """
     rows = spans(entries)
@@ -176,7 +177,8 @@ def analyze(entries: Iterable[dict]) -> dict:
         gap = max(gap, end - reach)
         busy = _union_length(running)
         ranks[rank] = {"count": len(members), "busy": busy, "idle": end - busy,
-                       "largest_gap": gap, "last_count": last_count.get(rank, 0)}
+                       "largest_gap": gap, "last_count": last_count.get(rank, 0),
+                       "max_in_flight": max(_slots(members, end)) + 1}
     straggler = None
     if len(ranks) > 1 and last_count:
         straggler = max(last_count, key=lambda r: (last_count[r], lateness[r]))
@@ -193,7 +195,8 @@ def describe(analysis: dict) -> str:
     for rank, r in ranks.items():
         lines.append(f"rank {rank}: {r['count']} collectives, busy {r['busy'] * 1e3:.1f} ms "
                      f"({100 * r['busy'] / analysis['span']:.0f}% of the run), largest idle gap "
-                     f"{r['largest_gap'] * 1e3:.1f} ms, last to arrive {r['last_count']} times.")
+                     f"{r['largest_gap'] * 1e3:.1f} ms, up to {r['max_in_flight']} in flight "
+                     f"at once, last to arrive {r['last_count']} times.")
     if colls:
         worst = max(colls, key=lambda c: c["arrival_spread"])
         lines.append(f"Largest arrival spread: {worst['name']} #{worst['seq']} "
@@ -201,8 +204,10 @@ def describe(analysis: dict) -> str:
                      f"{worst['arrival_spread'] * 1e3:.2f} ms after the first.")
     if analysis["straggler"] is not None:
         s = analysis["straggler"]
+        waited = sum(c["arrival_spread"] for c in colls if c["last_rank"] == s)
         lines.append(f"Straggler: rank {s}, the last to call {ranks[s]['last_count']} of "
-                     f"{len(colls)} collectives; the other ranks waited for it.")
+                     f"{len(colls)} collectives; the first rank to call them waited "
+                     f"{waited * 1e3:.1f} ms in all for it.")
     return "\n".join(lines)
 
 
@@ -232,7 +237,7 @@ def _slots(members: list[dict], end: float) -> list[int]:
 
 
 def plot_timeline(entries: Iterable[dict], ax=None, *, title: str | None = None,
-                  label_min_fraction: float = 0.06):
+                  label_min_fraction: float = 0.1):
     """Draw ``entries`` as a Gantt chart, one lane per rank (rank 0 on top).
 
     Each collective is a pale bar from queued to started (waiting for a

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import threading
@@ -113,7 +112,8 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--min-bytes", "1M", "--max-bytes", "8"], "max size (8 B) is smaller than min size"),
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
-    (["--op", "allgather", "--algorithm", "tree"], "unknown allgather algorithm 'tree'; choose one of ring"),
+    (["--op", "allgather", "--algorithm", "tree"],
+     "unknown allgather algorithm 'tree'; choose one of ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),
 ], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "placement"])

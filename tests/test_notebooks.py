@@ -167,3 +167,21 @@ def test_timeline_notebook(kernel_name, tmp_path, monkeypatch):
     assert_png(tmp_path / "timeline.png")
     findings = text_of(cell_with(nb, "findings = ["))
     assert len(findings.splitlines()) == 3, findings
+
+
+def test_the_extras_install_what_notebooks_and_benchmarks_use():
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+
+    def names(extra):
+        return {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower() for req in extras[extra]}
+
+    assert {"jupyter", "nbconvert", "nbclient", "nbformat", "ipykernel", "matplotlib",
+            "tqdm"} <= names("notebook")
+    assert {"pytest-benchmark", "tqdm"} <= names("bench")
+    # what this suite runs: the notebooks, the progress bar, the benchmark suites
+    assert {"nbclient", "nbformat", "ipykernel", "matplotlib", "tqdm",
+            "pytest-benchmark"} <= names("test")

@@ -163,8 +163,14 @@ def test_plot_timeline_draws_queued_and_running_bars_per_rank():
                 key=lambda b: b[0])
     assert len(r0) == 2 and r0[0][2] != r0[1][2] and r0[0][3] < 0.5
     assert sum(b[5] for b in running) == 1            # the failed one is edged red
+    # labels on bars of at least 10% of the span (50 ms): rank 2's 4.5 ms ones go without
     labels = [t.get_text() for t in ax.texts]
+    assert labels.count("ring 4 MiB") == 6
+    fig2, ax2 = plt.subplots()
+    timeline.plot_timeline(entries, ax=ax2, label_min_fraction=0.05)
+    labels = [t.get_text() for t in ax2.texts]
     assert labels.count("ring 4 MiB") == 9 and "chain 2 MiB" in labels
+    plt.close(fig2)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert {"all_reduce", "broadcast", "all_gather", "barrier", "failed"} <= set(legend)

@@ -50,7 +50,8 @@ from .sweep import (
 )
 
 __all__ = [
-    "main", "OPS", "PLACEMENTS", "fill", "expected", "count_wrong", "run_plans", "Case", "Plan", "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
+    "main", "OPS", "PLACEMENTS", "fill", "expected", "count_wrong", "run_plans", "Case", "Plan",
+    "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
     "sizes_between", "make_plan", "summarize", "compare_rows", "format_table", "metadata",
     "write_json", "rank_buffers", "numcoll_issue", "numcoll_rank", "torch_rank", "run_plan",
     "torch_available", "torch_version", "TorchUnavailableError", "DEFAULT_TIMEOUT_S",

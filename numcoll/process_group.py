@@ -286,7 +286,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         return poisoned
 
     def _dump_flight_recorder(self) -> None:
-        directory = os.environ.get("NUMCOLL_FR_DUMP_DIR")
+        directory = _config.get("fr_dump_dir")
         if directory and self._recorder is not None:
             try:
                 self._recorder.dump_to_dir(directory, self._global_rank)

@@ -61,6 +61,7 @@ def check_rows(rows: list[dict], *, op: str, sizes: list[int], counts: list[int]
 
 
 # -- numcoll-bench -----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_cli_thread_mode_json_to_stdout():
     out = bench("--op", "allreduce", "--world-size", "2", "--mode", "thread",
@@ -117,12 +118,14 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),
 ], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "placement"])
+@pytest.mark.slow
 def test_cli_rejects_bad_arguments(args, message):
     out = bench(*args)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_compare_torch_without_torch_says_so():
     # sys.modules["torch"] = None makes torch unimportable for this process.
@@ -134,6 +137,7 @@ def test_cli_compare_torch_without_torch_says_so():
     assert "--compare torch needs PyTorch" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_draws_a_bar_on_a_terminal():
     """On a terminal (a pseudo-terminal here) the progress is a tqdm bar that

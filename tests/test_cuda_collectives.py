@@ -47,7 +47,7 @@ new_stream = _numba_cuda.stream
 del _numba_cuda
 
 import numcoll as nc  # noqa: E402
-from numcoll.cuda import staging  # noqa: E402
+from numcoll.cuda import pinned_pool as staging  # noqa: E402
 from numcoll.cuda.buffer import _Ranges  # noqa: E402
 from reference import OPS, assert_reduced, make_input, reduce_reference, valid  # noqa: E402
 

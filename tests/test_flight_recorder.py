@@ -78,6 +78,7 @@ def test_buffer_keeps_the_last_n(fresh_recorder):
     assert [e["collective_seq_id"] for e in nc.flight_recorder.dump()["entries"]] == [3, 4, 5]
 
 
+@pytest.mark.slow
 def test_a_timeout_dumps_each_rank_and_the_analyser_names_the_missing_rank(
         fresh_recorder, tmp_path, monkeypatch):
     monkeypatch.setenv("NUMCOLL_FR_DUMP_DIR", str(tmp_path))

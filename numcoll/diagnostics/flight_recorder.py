@@ -25,10 +25,11 @@ import os
 import threading
 import time
 
+from .. import config
+
 __all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record"]
 
 VERSION = "1.0"
-_DEFAULT_BUFFER_SIZE = 2000
 
 
 class Record:
@@ -166,11 +167,7 @@ def recorder() -> FlightRecorder | None:
     if _recorder is None:
         with _recorder_lock:
             if _recorder is None:
-                raw = os.environ.get("NUMCOLL_FR_BUFFER_SIZE", str(_DEFAULT_BUFFER_SIZE))
-                try:
-                    size = int(raw)
-                except ValueError:
-                    raise ValueError(f"NUMCOLL_FR_BUFFER_SIZE={raw!r} is not an integer") from None
+                size = config.get("fr_buffer_size")
                 _recorder = FlightRecorder(size) if size > 0 else _OFF
     return None if _recorder is _OFF else _recorder
 

@@ -92,7 +92,7 @@ def _run_cases(plan: Plan, rank: int, make_step, barrier: Callable[[], object],
         wrong = None
         if plan.check:
             prepare_check(plan, case, rank, inp, out)
-            barrier()  # no rank may still be timing on the buffers' old contents
+            barrier()  # the check starts once every rank has finished timing
             step()
             wrong = count_wrong(plan, case, rank, inp, out)
         all_wrong.append(wrong)

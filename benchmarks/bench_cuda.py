@@ -95,7 +95,7 @@ def test_device_reduce_sum_float32(benchmark, nbytes, impl):
     run()                                   # compile and warm up outside the timing
     benchmark.group = f"device SUM float32 {_size_id(nbytes)}"
     benchmark.extra_info.update(nbytes=nbytes, count=count, dtype="float32", op="SUM",
-                                impl=impl)
+                                impl=impl, round_nbytes=nbytes)
     benchmark(run)
     if benchmark.stats is not None:         # None under --benchmark-disable
         median = benchmark.stats.stats.median

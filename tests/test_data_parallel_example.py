@@ -59,7 +59,7 @@ def test_weights_match_with_ranks_as_processes():
 def test_data_parallel_notebook_executes(tmp_path_factory):
     import nbformat
     from nbclient import NotebookClient
-    from test_bench import _kernel_name       # the suite's way of finding a kernel
+    from test_notebooks import _kernel_name   # the suite's way of finding a kernel
 
     path = ROOT / "notebooks" / "data_parallel.ipynb"
     nb = nbformat.read(path, as_version=4)

@@ -40,6 +40,14 @@ class HostArrays:
         return np.ascontiguousarray(a).reshape(-1) if copy_in else np.empty(a.size, a.dtype)
 
     @staticmethod
+    def overlaps(a: np.ndarray, b: np.ndarray) -> bool:
+        return bool(np.may_share_memory(a, b))
+
+    @staticmethod
+    def copy(a: np.ndarray) -> np.ndarray:
+        return a.copy()
+
+    @staticmethod
     def assign(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
 

@@ -343,8 +343,14 @@ class DataMovement:
         seg = self._segment(inp.dtype.itemsize)
         algorithm, call = self._alltoall_call(name, opts, [inp], [out], send_chunks, recv_chunks)
 
+        # The same memory as input and output: send from a copy, or blocks
+        # received early would overwrite blocks not sent yet.
+        aliased = xp.overlaps(out, inp)
+
         def run(comm, work):
             send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
+            if aliased:
+                send = xp.copy(send)
             algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
             s, n = send_chunks[self._rank]
             r, m = recv_chunks[self._rank]

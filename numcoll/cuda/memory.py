@@ -21,7 +21,7 @@ from .pinned_pool import POOL
 
 __all__ = ["DeviceArrays", "DeviceSteps"]
 
-from .device import _SIMULATED
+from .device import _SIMULATED, _device_pointer
 # Bound once (see buffer.py): host code never goes through the numba.cuda module.
 _device_array = _cuda.device_array
 _new_stream = _cuda.stream
@@ -125,6 +125,20 @@ class DeviceArrays:
         if copy_in:
             self.assign(flat.reshape(a.shape), a)
         return flat
+
+    @staticmethod
+    def overlaps(a, b) -> bool:
+        """Whether two device arrays' memory ranges (from first to last byte) meet."""
+        if not a.size or not b.size:
+            return False
+        lo_a, lo_b = _device_pointer(a), _device_pointer(b)
+        return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+    def copy(self, a):
+        """A contiguous device copy of the contiguous ``a``, on the stream."""
+        out = self.empty(a.size, a.dtype)
+        self.assign(out, a)
+        return out
 
     def assign(self, dst, src) -> None:
         """``dst[...] = src`` for same-shape device arrays of any layout, on the stream."""

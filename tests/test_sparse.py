@@ -257,7 +257,7 @@ def test_empty_inputs(monkeypatch, ratio):
         none = nc.SparseCOO(np.zeros((1, 0), np.int64), np.zeros((0, 2), np.float32), (5, 2))
         nc.all_reduce(none)
         only1 = nc.SparseCOO([[1]] if rank == 1 else np.zeros((1, 0), np.int64),
-                             np.ones((rank == 1, 2), np.float32), (5, 2))
+                             np.ones((int(rank == 1), 2), np.float32), (5, 2))
         nc.all_reduce(only1)
         return none.nnz, only1.indices.tolist(), only1.values.tolist()
 

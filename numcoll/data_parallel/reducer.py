@@ -186,7 +186,7 @@ class Reducer:
                             f"{type(index).__name__}")
         index = int(index)
         if not 0 <= index < self._n:
-            raise IndexError(f"Reducer.mark_ready: index {index} out of range for "
+            raise ValueError(f"Reducer.mark_ready: invalid index {index}: out of range for "
                              f"{self._n} gradients")
         if self._marked[index]:
             raise RuntimeError(

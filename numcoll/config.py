@@ -43,8 +43,8 @@ class Config:
     #: that was sent before the crash still arrive.
     peer_grace_s: float = 0.25
     #: Sparse allreduce: when every rank's entries together would take more than
-    #: this many times the bytes of the dense array (plus a one-byte row mask),
-    #: the ranks allreduce the dense array instead of gathering the entries.
+    #: this many times the bytes of the dense array (plus a mask of one element
+    #: per row), the ranks allreduce the dense array instead of gathering them.
     sparse_dense_ratio: float = 1.0
 
 

@@ -40,11 +40,13 @@ _MB = 1 << 20
 class GradBucket:
     """What a comm hook gets: one bucket's flat buffer and the gradients in it."""
 
-    __slots__ = ("_index", "_buffer", "_gradients", "_is_last")
+    __slots__ = ("_index", "_buffer", "_gradients", "_is_last", "_group")
 
-    def __init__(self, index: int, buffer: np.ndarray, gradients: list, is_last: bool):
+    def __init__(self, index: int, buffer: np.ndarray, gradients: list, is_last: bool,
+                 group=None):
         self._index, self._buffer = index, buffer
         self._gradients, self._is_last = gradients, is_last
+        self._group = group          # the Reducer's group: built-in hooks default to it
 
     def index(self) -> int:
         """The bucket's index (its launch position in the step)."""
@@ -228,7 +230,7 @@ class Reducer:
             fut = self._pg.allreduce([bucket.buffer]).get_future()
         else:
             grad_bucket = GradBucket(b, bucket.buffer, bucket.views,
-                                     b == len(self._buckets) - 1)
+                                     b == len(self._buckets) - 1, self._pg)
             fut = self._hook(self._hook_state, grad_bucket)
             if not isinstance(fut, Future):
                 raise RuntimeError("callback must return a numcoll.Future object, but got "

@@ -96,6 +96,9 @@ class Reducer:
     find_unused_parameters : if True, gradients left unmarked at ``finalize`` are
         allowed: unmarked on every rank, they are left untouched; unmarked on some
         ranks, they count as zero there.
+
+    ``mark_ready`` and ``finalize`` are called from one thread (the one running the
+    backward pass); the bucket allreduces run on the group's worker threads.
     """
 
     def __init__(self, grads, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,

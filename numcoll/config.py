@@ -58,8 +58,8 @@ class Config:
     #: ("" = nowhere).
     fr_dump_dir: str = ""
     #: Sparse allreduce: when every rank's entries together would take more than
-    #: this many times the bytes of the dense array (plus a one-byte row mask),
-    #: the ranks allreduce the dense array instead of gathering the entries.
+    #: this many times the bytes of the dense array (plus a mask of one element
+    #: per row), the ranks allreduce the dense array instead of gathering them.
     sparse_dense_ratio: float = 1.0
     #: Rendezvous: how often a rank waiting for the store or for other ranks
     #: logs who is missing (seconds).

@@ -151,10 +151,18 @@ class SparseCOO:
         indices = np.vstack([coo.row, coo.col]).astype(np.int64)
         return cls(indices, np.asarray(coo.data), coo.shape)
 
+    @classmethod
+    def _trusted(cls, indices, values, shape, is_coalesced: bool) -> SparseCOO:
+        """A SparseCOO from arrays the library built itself (no checks)."""
+        sp = object.__new__(cls)
+        sp.indices, sp.values, sp.shape, sp._coalesced = indices, values, tuple(shape), \
+            is_coalesced
+        return sp
+
     def copy(self) -> SparseCOO:
         """A copy with its own indices and values."""
-        return SparseCOO(self.indices.copy(), self.values.copy(), self.shape,
-                         is_coalesced=self._coalesced)
+        return SparseCOO._trusted(self.indices.copy(), self.values.copy(), self.shape,
+                                  self._coalesced)
 
     def _assign(self, other: SparseCOO) -> None:
         """Take ``other``'s entries (the collectives update their inputs in place)."""
@@ -173,6 +181,9 @@ def coalesce_entries(indices: np.ndarray, values: np.ndarray, sparse_shape: Sequ
     if nnz == 0:
         return indices.astype(np.int64).reshape(len(sparse_shape), 0), values
     keys = np.ravel_multi_index(tuple(indices), tuple(sparse_shape))
+    if nnz == 1 or bool(np.all(keys[1:] > keys[:-1])):
+        # Already sorted and unique (e.g. from_dense, or a gradient's rows): no kernel.
+        return indices.astype(np.int64, copy=False), values
     rows = np.ascontiguousarray(values).reshape(nnz, -1)
     work_dtype = np.float32 if is_half(values.dtype) else (
         np.uint8 if values.dtype == np.bool_ else values.dtype)

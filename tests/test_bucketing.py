@@ -92,7 +92,7 @@ def _target():
     return chunks
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_broadcast_coalesced(world_size):
     def body():
         rank = nc.get_rank()

@@ -254,7 +254,7 @@ def test_double_mark_and_unmarked_errors_name_the_index():
         with pytest.raises(RuntimeError, match=r"Expected to mark a variable ready only once\."
                                                r" Parameter at index 2 "):
             r.mark_ready(2)
-        with pytest.raises(IndexError, match="index 3 out of range for 3 gradients"):
+        with pytest.raises(ValueError, match="invalid index 3: out of range for 3 gradients"):
             r.mark_ready(3)
         r.mark_ready(1)
         if rank == 0:
@@ -414,3 +414,25 @@ def test_grad_bucket_api():
         return r.grads[1].tolist()
 
     assert nc.launch(body, 2, mode="thread") == [[4.0, 5.0, 6.0]] * 2
+
+
+def test_reducer_on_a_subgroup_and_hooks_default_to_its_group():
+    def body():
+        rank = nc.get_rank()
+        sub = nc.new_group([1, 2])
+        if rank == 0:
+            return None
+        results = []
+        for hook in (None, nc.hooks.allreduce_hook, nc.hooks.fp16_compress_hook):
+            r = nc.Reducer([np.zeros(4, np.float32)], group=sub)
+            if hook is not None:
+                r.register_comm_hook(None, hook)      # None: the Reducer's group
+            r.grads[0][...] = rank
+            r.mark_ready(0)
+            r.finalize()
+            results.append(r.grads[0].tolist())
+        return results
+
+    res = nc.launch(body, 3, mode="thread")
+    assert res[0] is None
+    assert res[1] == res[2] == [[1.5] * 4] * 3

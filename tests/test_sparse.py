@@ -246,3 +246,19 @@ def test_device_sparse_through_host_staging():
                              os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == str([([[0, 1, 2]], [2.0, 2.0, 2.0])] * 2)
+
+
+@pytest.mark.parametrize("ratio", ["1.0", "0"])
+def test_empty_inputs(monkeypatch, ratio):
+    monkeypatch.setenv("NUMCOLL_SPARSE_DENSE_RATIO", ratio)
+
+    def body():
+        rank = nc.get_rank()
+        none = nc.SparseCOO(np.zeros((1, 0), np.int64), np.zeros((0, 2), np.float32), (5, 2))
+        nc.all_reduce(none)
+        only1 = nc.SparseCOO([[1]] if rank == 1 else np.zeros((1, 0), np.int64),
+                             np.ones((int(rank == 1), 2), np.float32), (5, 2))
+        nc.all_reduce(only1)
+        return none.nnz, only1.indices.tolist(), only1.values.tolist()
+
+    assert nc.launch(body, 3, mode="thread") == [(0, [[1]], [[1.0, 1.0]])] * 3

@@ -9,8 +9,8 @@ duplicates in rank order, so every rank computes the bitwise same sum.
 Better than Gloo: when the gathered entries would outweigh the dense array
 (``gathered bytes > Config.sparse_dense_ratio * dense bytes``, decided from the
 exchanged counts, so every rank decides alike), the ranks allreduce the dense
-array instead, plus a one-byte-per-row mask saying which rows any rank had, so
-the result has the same indices as the sparse path would give. Cost: counts,
+array instead, with a mask saying which rows any rank had appended to it (one
+collective), so the result has the same indices as the sparse path would give. Cost: counts,
 then P-1 ring steps moving the G gathered bytes once (sparse) or 2S(P-1)/P
 bytes (dense, S = dense bytes + mask).
 """
@@ -24,6 +24,7 @@ from ..buffers import HostBuffer
 from ..call import Call
 from ..dtypes import dtype_name, is_half
 from ..kernels.cpu import compile_op
+from ..kernels.sparse import _gather_rows_kernel, _scatter_rows_kernel
 from ..ops import ReduceOp
 from ..sparse import SparseCOO, coalesce_entries
 from .choice import choose, segment_count
@@ -90,8 +91,11 @@ def allreduce_sparse(pg, arrays, opts):
     dtype = first.dtype
 
     def run(comm, work):
-        indices = np.concatenate([_host(a.indices) for a in inputs], axis=1)
-        values = np.concatenate([_host(a.values) for a in inputs], axis=0)
+        if len(inputs) == 1:
+            indices, values = _host(first.indices), _host(first.values)
+        else:
+            indices = np.concatenate([_host(a.indices) for a in inputs], axis=1)
+            values = np.concatenate([_host(a.values) for a in inputs], axis=0)
         indices, values = coalesce_entries(indices, values, sparse_shape)
         counts = np.zeros(size, np.int64)
         counts[comm.rank] = indices.shape[1]
@@ -99,14 +103,15 @@ def allreduce_sparse(pg, arrays, opts):
         row_nbytes = values[0:1].nbytes if values.shape[0] else \
             int(np.prod(shape[sparse_dims:], dtype=np.int64)) * dtype.itemsize
         entry_nbytes = 8 * sparse_dims + row_nbytes
-        dense_nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize + \
-            int(np.prod(sparse_shape, dtype=np.int64))
+        # what the dense path moves: values and the row mask, in its wire dtype
+        dense_nbytes = (int(np.prod(shape, dtype=np.int64)) +
+                        int(np.prod(sparse_shape, dtype=np.int64))) * _dense_wire(dtype).itemsize
         if int(counts.sum()) * entry_nbytes > cfg.sparse_dense_ratio * dense_nbytes:
             result = _dense_sum(comm, cfg, indices, values, shape, sparse_dims)
         else:
             result = _gathered_sum(comm, cfg, indices, values, counts, entry_nbytes, shape)
-        for a in inputs:
-            a._assign(_like(a, result))
+        for i, a in enumerate(inputs):
+            a._assign(result if i == 0 and not a.on_device else _like(a, result))
         return outs
 
     dense_count = int(np.prod(shape, dtype=np.int64))
@@ -138,30 +143,43 @@ def _gathered_sum(comm, cfg, indices, values, counts, entry_nbytes, shape) -> Sp
     out_indices, out_values = coalesce_entries(np.concatenate(all_indices, axis=1),
                                                np.concatenate(all_values, axis=0),
                                                shape[:sparse_dims])
-    return SparseCOO(out_indices, out_values, shape, is_coalesced=True)
+    return SparseCOO._trusted(out_indices, out_values, shape, True)
 
 
 def _dense_sum(comm, cfg, indices, values, shape, sparse_dims) -> SparseCOO:
-    """Allreduce the dense sum and a row mask; the rows any rank had form the result."""
+    """Allreduce the dense sum with a row mask appended (one collective); the rows
+    any rank had form the result."""
     dtype = values.dtype
-    wire = np.dtype(np.float32) if is_half(dtype) else (
-        np.dtype(np.uint8) if dtype == np.bool_ else dtype)
-    dense = np.zeros(shape, wire)
-    dense[tuple(indices)] = values
-    mask = np.zeros(shape[:sparse_dims], np.uint8)
-    mask[tuple(indices)] = 1
+    wire = _dense_wire(dtype)
+    rows = int(np.prod(shape[:sparse_dims], dtype=np.int64))
+    row_count = int(np.prod(shape[sparse_dims:], dtype=np.int64))
+    # [dense values | mask]: the mask is 1 where this rank has a row; summed (or or-ed
+    # for bool) it is the number of ranks that had it, exact in any dtype for P ranks.
+    flat = np.zeros(rows * (row_count + 1), wire)
+    dense = flat[:rows * row_count].reshape(rows, row_count)
+    mask = flat[rows * row_count:]
+    keys = np.ravel_multi_index(tuple(indices), tuple(shape[:sparse_dims])).astype(np.int64)
+    rows_in = np.ascontiguousarray(values).reshape(len(keys), row_count)
+    _scatter_rows_kernel(dense, mask, keys, rows_in.astype(wire, copy=False))
     op = ReduceOp.BOR if dtype == np.bool_ else ReduceOp.SUM
-    for phase, (arr, red) in enumerate(((dense, op), (mask, ReduceOp.BOR)), 2):
-        flat = arr.reshape(-1)
-        algorithm = choose(cfg, "allreduce", None, flat.nbytes, comm.size)
-        algorithm.run(_Phase(comm, phase), HostBuffer(flat, compile_op(red, flat.dtype)),
-                      segment_count(cfg, flat.itemsize))
-    out_indices = np.array(np.nonzero(mask), dtype=np.int64).reshape(sparse_dims, -1)
-    out_values = dense[tuple(out_indices)]
+    algorithm = choose(cfg, "allreduce", None, flat.nbytes, comm.size)
+    algorithm.run(_Phase(comm, 2), HostBuffer(flat, compile_op(op, wire)),
+                  segment_count(cfg, wire.itemsize))
+    out_keys = np.flatnonzero(mask)
+    out_indices = np.array(np.unravel_index(out_keys, tuple(shape[:sparse_dims])),
+                           dtype=np.int64).reshape(sparse_dims, -1)
+    out_values = _gather_rows_kernel(dense, out_keys).reshape((-1,) + tuple(shape[sparse_dims:]))
     if dtype == np.bool_:
         out_values = out_values != 0
-    return SparseCOO(out_indices, out_values.astype(dtype, copy=False), shape,
-                     is_coalesced=True)
+    return SparseCOO._trusted(out_indices, out_values.astype(dtype, copy=False), shape, True)
+
+
+def _dense_wire(dtype: np.dtype) -> np.dtype:
+    """The dtype the dense path reduces in: float32 for 16-bit floats (rounded once
+    at the end), uint8 for bool (or-ed), the values' own otherwise."""
+    if is_half(dtype):
+        return np.dtype(np.float32)
+    return np.dtype(np.uint8) if dtype == np.bool_ else dtype
 
 
 def _like(a: SparseCOO, result: SparseCOO) -> SparseCOO:
@@ -169,8 +187,8 @@ def _like(a: SparseCOO, result: SparseCOO) -> SparseCOO:
     if a.on_device:
         from numba import cuda  # lazy: only device inputs load numba.cuda
 
-        return SparseCOO(cuda.to_device(result.indices), cuda.to_device(result.values),
-                         result.shape, is_coalesced=True)
+        return SparseCOO._trusted(cuda.to_device(result.indices),
+                                  cuda.to_device(result.values), result.shape, True)
     return result.copy()
 
 

@@ -2,8 +2,9 @@
 
 A hook is ``hook(state, bucket: GradBucket) -> Future`` whose value is the
 bucket's reduced flat array. It sees the bucket before any averaging and does
-its own division. ``state`` is the process group to use (None: the default
-group), as for torch's default hooks.
+its own division. ``state`` is the process group to use, as for torch's default
+hooks; None means the Reducer's group (torch: the default group, which is the
+Reducer's unless it was given another).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from ..kernels.cpu import narrow_into, scale_into, widen_into
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
 
 
-def _group(state):
+def _group(state, bucket):
     if state is not None:
         return state
+    if bucket._group is not None:
+        return bucket._group
     from ..distributed import get_default_group
 
     return get_default_group()
@@ -28,14 +31,14 @@ def _group(state):
 def allreduce_hook(state, bucket) -> Future:
     """Divide by the world size, then allreduce the bucket (what the Reducer does
     without a hook)."""
-    pg = _group(state)
+    pg = _group(state, bucket)
     buffer = bucket.buffer()
     scale_into(buffer, pg.size())
     return pg.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
 
 
 def _compress_hook(state, bucket, half: np.dtype) -> Future:
-    pg = _group(state)
+    pg = _group(state, bucket)
     buffer = bucket.buffer()
     compressed = np.empty(buffer.size, half)
     if buffer.dtype == np.float32:

@@ -40,11 +40,13 @@ _MB = 1 << 20
 class GradBucket:
     """What a comm hook gets: one bucket's flat buffer and the gradients in it."""
 
-    __slots__ = ("_index", "_buffer", "_gradients", "_is_last")
+    __slots__ = ("_index", "_buffer", "_gradients", "_is_last", "_group")
 
-    def __init__(self, index: int, buffer: np.ndarray, gradients: list, is_last: bool):
+    def __init__(self, index: int, buffer: np.ndarray, gradients: list, is_last: bool,
+                 group=None):
         self._index, self._buffer = index, buffer
         self._gradients, self._is_last = gradients, is_last
+        self._group = group          # the Reducer's group: built-in hooks default to it
 
     def index(self) -> int:
         """The bucket's index (its launch position in the step)."""
@@ -94,6 +96,9 @@ class Reducer:
     find_unused_parameters : if True, gradients left unmarked at ``finalize`` are
         allowed: unmarked on every rank, they are left untouched; unmarked on some
         ranks, they count as zero there.
+
+    ``mark_ready`` and ``finalize`` are called from one thread (the one running the
+    backward pass); the bucket allreduces run on the group's worker threads.
     """
 
     def __init__(self, grads, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
@@ -186,7 +191,7 @@ class Reducer:
                             f"{type(index).__name__}")
         index = int(index)
         if not 0 <= index < self._n:
-            raise IndexError(f"Reducer.mark_ready: index {index} out of range for "
+            raise ValueError(f"Reducer.mark_ready: invalid index {index}: out of range for "
                              f"{self._n} gradients")
         if self._marked[index]:
             raise RuntimeError(
@@ -228,7 +233,7 @@ class Reducer:
             fut = self._pg.allreduce([bucket.buffer]).get_future()
         else:
             grad_bucket = GradBucket(b, bucket.buffer, bucket.views,
-                                     b == len(self._buckets) - 1)
+                                     b == len(self._buckets) - 1, self._pg)
             fut = self._hook(self._hook_state, grad_bucket)
             if not isinstance(fut, Future):
                 raise RuntimeError("callback must return a numcoll.Future object, but got "

@@ -36,3 +36,23 @@ def _coalesce_kernel(keys, values):
         for c in range(values.shape[1]):
             out_values[j, c] += values[src, c]
     return out_keys, out_values
+
+
+@njit(**_JIT)
+def _scatter_rows_kernel(dense, mask, keys, rows):
+    """``dense[keys[i]] = rows[i]`` and ``mask[keys[i]] = 1`` (2-D ``dense`` and ``rows``)."""
+    for i in range(keys.size):
+        k = keys[i]
+        for c in range(rows.shape[1]):
+            dense[k, c] = rows[i, c]
+        mask[k] = 1
+
+
+@njit(**_JIT)
+def _gather_rows_kernel(dense, keys):
+    """The rows ``dense[keys]`` as a new 2-D array."""
+    out = np.empty((keys.size, dense.shape[1]), dense.dtype)
+    for i in range(keys.size):
+        for c in range(dense.shape[1]):
+            out[i, c] = dense[keys[i], c]
+    return out

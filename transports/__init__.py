@@ -6,6 +6,8 @@ This package never imports :mod:`numcoll`, and it is the only one that imports z
 
 from __future__ import annotations
 
+import os
+
 from .base import (
     ANY_SOURCE,
     MAX_TAG,
@@ -45,7 +47,8 @@ KINDS = ("inproc", "tcp", "ipc")
 def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "127.0.0.1",
            timeout_s: float = 300.0, peer_grace_s: float = 0.25,
            zero_copy_nbytes: int = 65536, shm_slot_nbytes: int = 1 << 20,
-           shm_slots: int = 8) -> Transport:
+           shm_slots: int = 8, token: str | bytes | None = None, curve: bool | None = None,
+           max_unexpected_nbytes: int | None = None) -> Transport:
     """Connect this rank to the other ranks of a group.
 
     Every rank of the group calls this (concurrently) with the same ``kind``
@@ -74,6 +77,16 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
         ``ipc`` only: payloads from ``zero_copy_nbytes`` up to ``shm_slot_nbytes``
         travel through ``shm_slots`` shared-memory slots per peer (one copy on
         each side instead of a socket's); ``shm_slots=0`` turns this off.
+    token : str or bytes, optional
+        ZeroMQ transports: a shared secret every connection must prove
+        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.auth`.
+    curve : bool, optional
+        ZeroMQ transports: encrypt every connection with CURVE, admitting only
+        the group's keys (``None``: ``NUMCOLL_CURVE=1``).
+    max_unexpected_nbytes : int, optional
+        ZeroMQ transports: bytes a peer may have waiting for receives not
+        posted yet before it is cut off (``None``: ``NUMCOLL_MAX_UNEXPECTED_NBYTES``,
+        else 512 MiB).
 
     Returns
     -------
@@ -89,9 +102,16 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
 
         return InprocTransport(rank, size, store, timeout_s=timeout_s)
     if kind in ("tcp", "ipc"):
-        from .zmq_transport import ZmqTransport  # zmq is imported only when used
+        from . import auth  # zmq is imported only when used
+        from .zmq_transport import MAX_UNEXPECTED_NBYTES, ZmqTransport
 
+        token, curve = auth.from_env(token, curve)
+        if max_unexpected_nbytes is None:
+            raw = os.environ.get("NUMCOLL_MAX_UNEXPECTED_NBYTES")
+            max_unexpected_nbytes = MAX_UNEXPECTED_NBYTES if raw is None else int(raw, 0)
         return ZmqTransport(kind, rank, size, store, host=host, timeout_s=timeout_s,
                             peer_grace_s=peer_grace_s, zero_copy_nbytes=zero_copy_nbytes,
-                            shm_slot_nbytes=shm_slot_nbytes, shm_slots=shm_slots)
+                            shm_slot_nbytes=shm_slot_nbytes, shm_slots=shm_slots,
+                            token=token, curve=curve,
+                            max_unexpected_nbytes=max_unexpected_nbytes)
     raise ValueError(f"unknown transport {kind!r}; valid kinds are {', '.join(KINDS)}")

@@ -91,7 +91,7 @@ class DropLog:
                 suppressed, self._suppressed = self._suppressed, 0
                 self._window_end, self._logged = now + self._interval_s, 0
                 if suppressed:
-                    log.warning("%s: %d more dropped in the last %.0fs", self._who,
+                    log.warning("%s: %d more dropped in the last %gs", self._who,
                                 suppressed, self._interval_s)
             if self._logged >= self._burst:
                 self._suppressed += 1
@@ -121,13 +121,13 @@ class Security:
     def mechanism(self) -> bytes:
         return b"CURVE" if self.curve else b"PLAIN" if self.token else b"NULL"
 
-    def serve(self, sock: zmq.Socket, scheme: str) -> "_Door | None":
+    def serve(self, sock: zmq.Socket, scheme: str, refused: DropLog) -> "_Door | None":
         """Configure the listening ``sock`` (before bind); the returned door
         must be closed with the socket. None if nothing is checked."""
         check_uid = scheme == "ipc" and sys.platform.startswith("linux")
         if not (self.curve or self.token or check_uid):
             return None
-        door = _Door(self, os.getuid() if check_uid else None)
+        door = _Door(self, os.getuid() if check_uid else None, refused)
         sock.setsockopt(zmq.ZAP_DOMAIN, door.domain.encode())
         if self.curve:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
@@ -153,12 +153,12 @@ class _Door:
 
     _ids = itertools.count()
 
-    def __init__(self, security: Security, uid: int | None):
+    def __init__(self, security: Security, uid: int | None, refused: DropLog):
         self.domain = f"numcoll-{os.getpid()}-{next(self._ids)}"
         self.security = security
         self.uid = uid
         self.curve_keys: set[bytes] = set()  # z85 public keys of the group
-        self.refused = DropLog(f"numcoll transport {self.domain}: refused connection")
+        self.refused = refused
         _Handler.register(self)
 
     def allow_keys(self, z85_keys) -> None:
@@ -204,7 +204,7 @@ class _Handler:
                 sock = ctx.socket(zmq.REP)
                 sock.setsockopt(zmq.LINGER, 0)
                 try:
-                    sock.bind(ZAP_ENDPOINT)
+                    _bind_soon(sock, ZAP_ENDPOINT)
                 except zmq.ZMQError as exc:
                     sock.close()
                     del cls._doors[door.domain]
@@ -246,6 +246,10 @@ class _Handler:
         except Exception:  # noqa: BLE001 - an unanswered ZAP request only refuses that peer
             log.exception("numcoll ZAP handler failed")
         finally:
+            try:  # at once, so that a handler started next can bind the endpoint
+                sock.unbind(ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass
             sock.close(linger=0)
 
     @classmethod
@@ -267,3 +271,17 @@ class _Handler:
             if door is not None:
                 door.refused.drop(why)
             sock.send_multipart([ZAP_VERSION, request_id, b"400", why.encode()[:200], b"", b""])
+
+
+def _bind_soon(sock: zmq.Socket, endpoint: str, within_s: float = 1.0) -> None:
+    """Bind, retrying briefly: a handler that just stopped may still hold the
+    endpoint while ZeroMQ finishes closing its socket."""
+    give_up = time.monotonic() + within_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > give_up:
+                raise
+            time.sleep(0.01)

@@ -94,7 +94,11 @@ JOIN_TIMEOUT_S = 5.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
 #: Bind addresses that peers cannot connect to: publish this host's address instead.
 WILDCARD_HOSTS = ("*", "0.0.0.0", "")
-MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+#: A peer refusing our handshake: the ranks do not share a token or CURVE setting.
+REFUSED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | REFUSED_EVENTS
+#: Refusals by libzmq on the listening socket (ZAP refusals are logged by the handler).
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 #: Default cap on bytes held per peer for receives not posted yet.
 MAX_UNEXPECTED_NBYTES = 512 << 20
@@ -182,8 +186,11 @@ class ZmqTransport:
         self._peer_nonces: dict[int, int] = {}
         self._security = auth.Security(token, curve)
         self._door: auth._Door | None = None
-        #: Frames dropped as malformed or forged (logged, rate-limited).
+        #: Frames dropped as malformed or forged, and connections refused at
+        #: the handshake (logged, rate-limited).
         self.dropped = auth.DropLog(f"numcoll transport rank {rank}: dropped frame")
+        self.refused = auth.DropLog(f"numcoll transport rank {rank}: refused connection")
+        self._pull_monitor: zmq.Socket | None = None
         self._shm: SharedSlabs | None = None
         # (peer, first frame, second frame | None, zero-copy send | None), or None to stop
         self._ops: deque = deque()
@@ -211,15 +218,17 @@ class ZmqTransport:
             self._pull = ctx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.RCVHWM, 0)
             self._pull.setsockopt(zmq.LINGER, 0)
-            self._door = self._security.serve(self._pull, scheme)
+            self._door = self._security.serve(self._pull, scheme, self.refused)
+            keys = self._exchange_keys(store)
+            # Handshakes libzmq itself rejects (a bad greeting, a mechanism other
+            # than ours) never reach the ZAP handler: hear of them here.
+            self._pull_monitor = self._pull.get_monitor_socket(HANDSHAKE_EVENTS)
             self.endpoint = self._bind(host)
             store.set(f"addr/{rank}", self._card())
-            cards = {peer: self._read_card(peer, store.get(f"addr/{peer}"))
-                     for peer in range(size) if peer != rank}
-            if self._door is not None and curve:
-                self._door.allow_keys(key for _, key in cards.values())
-            for peer, (endpoint, key) in cards.items():
-                self._connect(ctx, peer, endpoint, key)
+            for peer in range(size):
+                if peer != rank:
+                    endpoint = self._read_card(peer, store.get(f"addr/{peer}"))
+                    self._connect(ctx, peer, endpoint, keys.get(peer, b""))
             if scheme == "ipc" and size > 1 and shm_slots > 0 and shm_slot_nbytes >= zero_copy_nbytes:
                 self._shm = SharedSlabs(rank, size, store, shm_slot_nbytes, shm_slots)
         except BaseException:
@@ -237,22 +246,33 @@ class ZmqTransport:
 
     # --- setup ----------------------------------------------------------------
 
-    def _card(self) -> bytes:
-        """What peers need to reach and trust this rank: endpoint, nonce, CURVE key."""
-        key = self._security.public_key.decode() if self._security.curve else "-"
-        return f"{self.endpoint} {self._nonce:016x} {key}".encode()
+    def _exchange_keys(self, store: Rendezvous) -> dict[int, bytes]:
+        """With CURVE, every rank's public key, known to the door before anyone
+        can connect (a key learnt later would refuse a legitimate peer)."""
+        if not self._security.curve:
+            return {}
+        store.set(f"curve/{self.rank}", self._security.public_key)
+        keys = {peer: store.get(f"curve/{peer}") for peer in range(self.size) if peer != self.rank}
+        if self._door is not None:
+            self._door.allow_keys(keys.values())
+        return keys
 
-    def _read_card(self, peer: int, card: bytes) -> tuple[str, bytes]:
+    def _card(self) -> bytes:
+        """What peers need to reach this rank and believe its frames: endpoint, nonce."""
+        mode = "curve" if self._security.curve else "-"
+        return f"{self.endpoint} {self._nonce:016x} {mode}".encode()
+
+    def _read_card(self, peer: int, card: bytes) -> str:
         try:
-            endpoint, nonce, key = card.decode().split(" ")
+            endpoint, nonce, mode = card.decode().split(" ")
             self._peer_nonces[peer] = int(nonce, 16)
         except ValueError:
             raise TransportError(f"rank {self.rank}: rank {peer} published a malformed "
                                  f"address {card[:80]!r} (another numcoll version?)", peer) from None
-        if self._security.curve and key == "-":
-            raise TransportError(f"rank {self.rank} uses CURVE but rank {peer} does not "
+        if (mode == "curve") != self._security.curve:
+            raise TransportError(f"rank {self.rank} and rank {peer} disagree on CURVE "
                                  "(set NUMCOLL_CURVE alike on every rank)", peer)
-        return endpoint, key.encode()
+        return endpoint
 
     def _bind(self, host: str) -> str:
         if self.scheme == "ipc" and ABSTRACT_IPC:
@@ -438,6 +458,7 @@ class ZmqTransport:
         poller.register(self._wakeup.fd, zmq.POLLIN)
         for mon in self._monitors.values():
             poller.register(mon, zmq.POLLIN)
+        poller.register(self._pull_monitor, zmq.POLLIN)
         error = None
         try:
             running = True
@@ -446,6 +467,8 @@ class ZmqTransport:
                 for sock, _ in ready:
                     if sock is self._pull:
                         self._read_inbound()
+                    elif sock is self._pull_monitor:
+                        self._read_refusals()
                     elif sock == self._wakeup.fd:
                         self._wakeup.clear()
                     else:
@@ -642,12 +665,26 @@ class ZmqTransport:
                 except zmq.ZMQError:  # gone: it will not need the slot again
                     pass
 
+    def _read_refusals(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._pull_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = zmq.Event(event["event"]).name.lower()
+            self.refused.drop(f"{name} (error {event['value']}) on {self.endpoint}")
+
     def _read_monitor(self, peer: int) -> None:
         mon = self._monitors[peer]
         while True:
             try:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
             except zmq.Again:
+                return
+            if event & REFUSED_EVENTS:
+                self._peer_gone(peer, f"rank {peer} refused this rank's connection at the "
+                                f"handshake ({zmq.Event(event).name.lower()}): do all ranks "
+                                "share NUMCOLL_AUTH_TOKEN and NUMCOLL_CURVE?")
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 self._suspects.setdefault(peer, time.monotonic() + self._grace_s)
@@ -709,7 +746,13 @@ class ZmqTransport:
             for peer in list(self._push):
                 self._close_peer(peer, linger_ms=LINGER_MS)  # lingers in the background
         finally:
-            self._pull.close(linger=0)
+            self._close_pull()
+
+    def _close_pull(self) -> None:
+        if self._pull_monitor is not None:
+            self._pull.disable_monitor()
+            self._pull_monitor.close(linger=0)
+        self._pull.close(linger=0)
 
     def _say_bye(self, peer: int) -> None:
         try:
@@ -725,7 +768,7 @@ class ZmqTransport:
             else:
                 self._push.pop(peer).close(linger=0)
         if self._pull is not None:
-            self._pull.close(linger=0)
+            self._close_pull()
 
     def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:

@@ -74,8 +74,9 @@ MAX_UNREAD_REPLY_NBYTES = 4 << 20
 #: A server that has not greeted within this many seconds is not a numcoll store.
 GREETING_TIMEOUT_S = 5.0
 #: After an established connection is lost, how long reconnecting may take
-#: before the store is taken for dead (connecting the first time may take the
-#: whole timeout: the master may not be up yet).
+#: before the store is taken for dead; a refused reconnect fails at once
+#: (connecting the first time may take the whole timeout: the master may not
+#: be up yet).
 RECONNECT_WINDOW_S = 1.0
 #: An unauthenticated connection must finish the handshake within this many seconds.
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -569,6 +570,11 @@ class TCPStore(Store):
             try:
                 sock = socket.create_connection((self._host, self._port), timeout=remaining)
             except OSError as exc:
+                if self._ever_connected and isinstance(exc, ConnectionRefusedError):
+                    # It was up and now nothing listens: the store is gone, not late.
+                    raise StoreConnectionError(
+                        f"could not connect to TCPStore at {self._host}:{self._port}: it is "
+                        f"gone (reconnecting was refused: {exc})") from exc
                 last_error = exc
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(2 * delay, CONNECT_RETRY_MAX_S)

@@ -296,6 +296,10 @@ class _Server:
         """Serve complete frames in order; a parked request holds back the rest."""
         while conn.open and conn.waiter is None and len(conn.inbuf) >= _LENGTH.size:
             (n,) = _LENGTH.unpack_from(conn.inbuf)
+            if not conn.authed and n != _CHALLENGE_NBYTES + _MAC_NBYTES:
+                # Before the handshake a stranger gets no buffer beyond the answer's size.
+                self._drop(conn, f"a {n}-byte frame instead of the authentication answer")
+                return
             if n == 0 or n > self._max_frame_nbytes:
                 self._drop(conn, f"frame of {n} bytes (limit {self._max_frame_nbytes})")
                 return

@@ -194,9 +194,15 @@ class _Handler:
     _doors: dict[str, _Door] = {}
     _thread: threading.Thread | None = None
     _wake_r = _wake_w = -1
+    _pid = os.getpid()
 
     @classmethod
     def register(cls, door: _Door) -> None:
+        if cls._pid != os.getpid():
+            # A forked child: its parent's handler thread and context did not come
+            # along, and sockets whose ZAP handler is missing would admit anyone.
+            cls._lock, cls._doors, cls._thread, cls._pid = (threading.Lock(), {}, None,
+                                                            os.getpid())
         with cls._lock:
             cls._doors[door.domain] = door
             if cls._thread is None:
@@ -242,9 +248,13 @@ class _Handler:
                 if wake_fd in ready:
                     return
                 if sock in ready:
-                    cls._answer(sock, sock.recv_multipart())
-        except Exception:  # noqa: BLE001 - an unanswered ZAP request only refuses that peer
-            log.exception("numcoll ZAP handler failed")
+                    request = sock.recv_multipart()
+                    try:
+                        cls._answer(sock, request)
+                    except Exception:  # noqa: BLE001 - refuse that peer, serve the next
+                        log.exception("numcoll ZAP handler: bad request %r", request[:6])
+                        sock.send_multipart([ZAP_VERSION, request[1] if len(request) > 1
+                                             else b"", b"500", b"internal error", b"", b""])
         finally:
             try:  # at once, so that a handler started next can bind the endpoint
                 sock.unbind(ZAP_ENDPOINT)

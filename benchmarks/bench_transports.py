@@ -51,7 +51,7 @@ def _connect(kind: str) -> list:
 
     def make(rank):
         try:
-            made[rank] = transports.create(kind, rank, 2, store, timeout_s=WAIT_S)
+            made[rank] = transports.create(kind, rank, 2, store)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 

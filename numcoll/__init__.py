@@ -46,7 +46,9 @@ from .distributed import (
     send,
 )
 from .dtypes import bfloat16
-from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
+from . import flight_recorder
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
+                     NumcollError, PeerError)
 from .futures import Future
 from .launch import RankFailedError, launch
 from .ops import ReduceOp
@@ -80,7 +82,9 @@ __all__ = [
     "rendezvous", "register_rendezvous_handler",
     # groups, work, futures, errors
     "ProcessGroup", "Work", "Future", "futures", "NumcollError", "CollectiveTimeoutError",
-    "PeerError", "GroupPoisonedError", "RankFailedError",
+    "PeerError", "GroupPoisonedError", "RankFailedError", "CollectiveMismatchError",
+    # diagnostics
+    "flight_recorder",
     # module-level API
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
     "get_world_size", "new_group", "get_default_group", "group", "GroupMember",

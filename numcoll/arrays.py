@@ -35,7 +35,7 @@ def as_array(obj, op: str) -> np.ndarray:
     if isinstance(obj, np.ndarray):
         arr = obj
     elif is_device_array(obj):
-        from .cuda_arrays import as_device_array  # lazy: no numba.cuda on import
+        from .cuda.arrays import as_device_array  # lazy: no numba.cuda on import
 
         return as_device_array(obj, op)
     elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") or _has_buffer(obj):
@@ -99,6 +99,6 @@ def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
         if isinstance(a, np.ndarray):
             if not a.flags.writeable:
                 raise ValueError(f"{op}: {what} array at index {i} is read-only")
-        elif getattr(a, "_numcoll_readonly", False):   # set by cuda_arrays.as_device_array
+        elif getattr(a, "_numcoll_readonly", False):   # set by cuda.arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
                              "__cuda_array_interface__ says so)")

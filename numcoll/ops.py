@@ -32,32 +32,28 @@ class ReduceOp:
     _BUILTIN_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
     _custom_ids = itertools.count(1)
 
-    __slots__ = ("name", "fn", "identity", "_key", "factor")
+    __slots__ = ("name", "fn", "_key", "factor")
 
-    def __init__(self, name: str, fn: Callable | None = None, identity=None, _key=None,
-                 factor=None):
+    def __init__(self, name: str, fn: Callable | None = None, _key=None, factor=None):
         self.name = name
         self.fn = fn
-        self.identity = identity
         self._key = _key if _key is not None else name
         self.factor = factor
 
     @classmethod
-    def custom(cls, fn: Callable, name: str | None = None, identity=None) -> "ReduceOp":
+    def custom(cls, fn: Callable, name: str | None = None) -> "ReduceOp":
         """A user-defined reduction from a scalar binary function ``fn(a, b) -> c``.
 
         ``fn`` may be a plain Python function or an ``@numba.njit`` one; numcoll
         compiles it (for the CPU, and for CUDA when device arrays are used) into
         an elementwise kernel the first time it meets a dtype, and memoises it.
         It must be associative and commutative: ranks combine partial results in
-        an order that depends on the algorithm. ``identity`` (optional) is the
-        neutral element; it is not needed by the current algorithms.
+        an order that depends on the algorithm.
         """
         if not callable(fn):
             raise TypeError(f"ReduceOp.custom needs a callable, got {type(fn).__name__}")
         label = name or getattr(fn, "__name__", "custom")
-        return cls(f"custom({label})", fn=fn, identity=identity,
-                   _key=("custom", next(cls._custom_ids)))
+        return cls(f"custom({label})", fn=fn, _key=("custom", next(cls._custom_ids)))
 
     @classmethod
     def premul_sum(cls, factor) -> "ReduceOp":
@@ -104,7 +100,7 @@ class ReduceOp:
             return (ReduceOp.premul_sum, (self.factor,))
         if self.fn is None:
             return (getattr, (ReduceOp, self.name))
-        return (ReduceOp, (self.name, self.fn, self.identity, self._key))
+        return (ReduceOp, (self.name, self.fn, self._key, self.factor))
 
 
 for _name in ReduceOp._BUILTIN_NAMES:

@@ -20,8 +20,8 @@ def test_all_is_complete_and_importable():
     public = {n for n in dir(nc) if not n.startswith("_")}
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
-               "reduction", "init_methods", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
-               "cuda"}
+               "reduction", "init_methods", "store", "tcpstore", "work", "demo", "bench",
+               "cuda", "call", "diagnostics"}
     assert public - set(nc.__all__) <= modules
 
 
@@ -56,6 +56,7 @@ def test_layering_rules():
                            for x in ("comm", "process_group", "algorithms")), path
 
 
+@pytest.mark.slow
 def test_import_is_fast_and_does_not_touch_cuda():
     code = ("import time, sys; t = time.perf_counter(); import numcoll; "
             "print(time.perf_counter() - t, 'numba.cuda' in sys.modules)")
@@ -138,6 +139,7 @@ def test_launch_names_the_failing_rank_and_joins_everyone(no_leaked_threads):
     assert info.value.rank == 2 and isinstance(info.value.__cause__, ValueError)
 
 
+@pytest.mark.slow
 def test_launch_processes_with_a_lambda_and_a_crash():
     assert nc.launch(lambda k: nc.get_rank() * k, 2, args=(10,), mode="process",
                      timeout=120) == [0, 10]
@@ -171,6 +173,7 @@ def test_init_process_group_env_and_file(tmp_path, monkeypatch):
     nc.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_demo_runs_in_threads():
     out = subprocess.run([sys.executable, "-m", "numcoll.demo", "--world-size", "3", "--mode",
                           "thread"], capture_output=True, text=True, timeout=170)

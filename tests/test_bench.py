@@ -53,6 +53,7 @@ def check_rows(rows: list[dict], *, op: str, sizes: list[int], counts: list[int]
 
 
 # -- numcoll-bench -----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_cli_thread_mode_json_to_stdout():
     out = bench("--op", "allreduce", "--world-size", "2", "--mode", "thread",
@@ -69,6 +70,7 @@ def test_cli_thread_mode_json_to_stdout():
     assert "[numcoll allreduce] 4 KiB (2/2)" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_process_mode_table_and_json_file(tmp_path):
     path = tmp_path / "out.json"
@@ -94,15 +96,17 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--min-bytes", "1M", "--max-bytes", "8"], "max size (8 B) is smaller than min size"),
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
-    (["--op", "allgather", "--algorithm", "ring"], "allgather has a single algorithm"),
+    (["--op", "allgather", "--algorithm", "tree"], "unknown allgather algorithm 'tree'; choose one of ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
 ], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name"])
+@pytest.mark.slow
 def test_cli_rejects_bad_arguments(args, message):
     out = bench(*args)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_compare_torch_without_torch_says_so():
     # sys.modules["torch"] = None makes torch unimportable for this process.
@@ -115,6 +119,7 @@ def test_cli_compare_torch_without_torch_says_so():
 
 
 # -- benchmark suites --------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_benchmark_suites_run_once_tiny():
     out = subprocess.run(
@@ -174,6 +179,7 @@ def test_there_are_notebooks_and_they_are_saved_without_outputs():
                     f"{path.name}: clear the outputs before saving"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path, kernel_name, monkeypatch):

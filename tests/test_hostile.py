@@ -316,7 +316,7 @@ def test_token_mismatch_between_ranks_moves_nothing():
 def nc_create(kind, rank, store, token):
     import transports
 
-    return transports.create(kind, rank, 2, store, token=token)
+    return transports.create(kind, rank, 2, store, transports.TransportOptions(token=token))
 
 
 @pytest.mark.slow

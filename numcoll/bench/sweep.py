@@ -204,9 +204,6 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
 def _check_algorithm(op: str, algorithm: str) -> None:
     from ..algorithms import CHOICES
 
-    if op not in CHOICES:
-        raise ValueError(f"--algorithm: {op} has a single algorithm in numcoll; algorithms can "
-                         f"be chosen for {', '.join(sorted(CHOICES))}")
     if algorithm not in CHOICES[op]:
         raise ValueError(f"unknown {op} algorithm {algorithm!r}; choose one of "
                          f"{', '.join(sorted(CHOICES[op]))}")
@@ -214,20 +211,15 @@ def _check_algorithm(op: str, algorithm: str) -> None:
 
 def algorithm_name(plan: Plan, case: Case) -> str:
     """The numcoll algorithm that runs ``case`` (forced, or chosen by size)."""
-    from ..algorithms import CHOICES
     from ..collectives.choice import choose
     from ..config import current
     from ..dtypes import is_half
 
-    fixed = {"allgather": "ring", "reduce_scatter": "ring", "alltoall": "pairwise"}
-    if plan.op not in CHOICES:
-        return fixed[plan.op]
     cfg = current()
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
-    fn = choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size)
-    return fn.__name__.removeprefix(plan.op + "_")
+    return choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size).name
 
 
 def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import dtype_name, is_half
+from ..dtypes import dtype_name, is_half, op_dtype_refusal
 from ..ops import ReduceOp
 
 __all__ = ["pick_builtin"]
@@ -21,24 +21,13 @@ def pick_builtin(op: ReduceOp, dtype: np.dtype, kernels: dict, half_kernels: dic
     to bool loops. AVG uses SUM's loop (the caller divides by the count).
     TypeError, naming the op and dtype, when the op is not defined for it.
     """
+    # AVG reduces like SUM here (the caller divides), so ask the rule for SUM.
     name = "SUM" if op.name == "AVG" else op.name
-    kind = dtype.kind
+    why = op_dtype_refusal(name, dtype)
+    if why is not None:
+        raise TypeError(f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: {why}")
     if is_half(dtype):
-        loop = half_kernels.get((dtype, name))
-    elif kind == "b":
-        loop = bool_kernels[name]
-    elif kind == "c" and name not in ("SUM", "PRODUCT"):
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: complex numbers have no "
-            "order and no bits to combine; use SUM, AVG or PRODUCT"
-        )
-    elif kind == "f" and op.is_bitwise:
-        loop = None
-    else:
-        loop = kernels[name]
-    if loop is None:
-        raise TypeError(
-            f"ReduceOp.{op.name} cannot reduce {dtype_name(dtype)}: "
-            "bitwise ops take integer and bool dtypes only"
-        )
-    return loop
+        return half_kernels[(dtype, name)]
+    if dtype.kind == "b":
+        return bool_kernels[name]
+    return kernels[name]

@@ -19,11 +19,11 @@ import numpy as np
 
 from ..dtypes import bfloat16, is_half
 from ..ops import ReduceOp
-from .selection import pick_builtin
+from ..kernels.selection import pick_builtin
 
 # cuda: for the kernels and device functions, and swapped by the simulator while
-# they run; host code here calls numba.cuda only through _jit (see cuda_device).
-from .cuda_device import _SIMULATED, _jit, cuda
+# they run; host code here calls numba.cuda only through _jit (see device).
+from .device import _SIMULATED, _jit, cuda
 
 # cache=True: the PTX of the built-in kernels is kept on disk, so only the
 # first process on a machine pays the compile (ignored by the simulator).

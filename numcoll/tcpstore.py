@@ -608,6 +608,10 @@ class TCPStore(Store):
             raise StoreAuthError(
                 f"{where} accepted the connection but sent no TCPStore greeting within "
                 f"{sock.gettimeout():.1f}s: is it a numcoll TCPStore?") from None
+        except ConnectionError as exc:
+            raise StoreAuthError(
+                f"{where} closed the connection without a TCPStore greeting ({exc}): it is "
+                "not a numcoll TCPStore, or one that is shutting down") from None
         if n != _GREETING_NBYTES or not greeting.startswith(GREETING_MAGIC):
             raise StoreAuthError(f"{where} is not a numcoll TCPStore (it answered "
                                  f"{(header + greeting)[:40]!r})")

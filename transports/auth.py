@@ -229,13 +229,13 @@ class _Handler:
                 return
             thread, cls._thread = cls._thread, None
             wake_r, wake_w = cls._wake_r, cls._wake_w
-            os.write(wake_w, b"x")
-            # Joined under the lock: a register() meanwhile must not bind the
-            # endpoint before this thread has closed it.
-            thread.join(ZAP_JOIN_TIMEOUT_S)
-            os.close(wake_w)
-            if not thread.is_alive():
-                os.close(wake_r)
+        # Joined without the lock: the thread may be answering a request, which
+        # takes it. A handler started meanwhile waits for the endpoint (_bind_soon).
+        os.write(wake_w, b"x")
+        thread.join(ZAP_JOIN_TIMEOUT_S)
+        os.close(wake_w)
+        if not thread.is_alive():
+            os.close(wake_r)
 
     @classmethod
     def _run(cls, sock: zmq.Socket, wake_fd: int) -> None:

@@ -737,3 +737,28 @@ def test_quick_ranks_launch_repeatedly():
     """The issue's reproducer (a rank that returns at once), a few times."""
     for _ in range(4):
         assert nc.launch(_return_zero, 2, timeout=60) == [0, 0]
+
+
+def _sum_of_ranks():
+    x = np.full(70000, nc.get_rank() + 1.0, np.float32)  # through data frames or slots
+    nc.all_reduce(x)
+    y = np.full(3, nc.get_rank() + 1, np.int64)
+    nc.all_reduce(y)
+    return float(x[0]), int(y[0])
+
+
+@pytest.mark.parametrize("curve", ["0", "1"])
+def test_groups_work_with_the_token_from_the_environment(monkeypatch, curve):
+    monkeypatch.setenv("NUMCOLL_AUTH_TOKEN", "group-secret")
+    monkeypatch.setenv("NUMCOLL_CURVE", curve)
+    assert nc.launch(_sum_of_ranks, 3, mode="thread", transport="tcp", timeout=60) == \
+        [(6.0, 6)] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_process_ranks_with_token_and_curve(monkeypatch):
+    """The launcher's store and the ranks' ipc transport all authenticate."""
+    monkeypatch.setenv("NUMCOLL_AUTH_TOKEN", "launch-secret")
+    monkeypatch.setenv("NUMCOLL_CURVE", "1")
+    assert nc.launch(_sum_of_ranks, 2, timeout=60) == [(3.0, 3)] * 2

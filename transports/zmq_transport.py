@@ -4,17 +4,18 @@ Sockets
     Each rank binds one PULL socket (the OS picks the port; for ipc a Linux
     abstract-namespace name, ``ipc://@numcoll-...``, which no file backs, so a
     killed rank leaves nothing in the temp directory) and publishes its
-    endpoint, session nonce and CURVE key in the store as ``addr/{rank}``; it connects
-    one PUSH socket to every peer's PULL. One I/O thread per transport owns every
-    socket. Sends reach it through a queue plus a wakeup fd; receives never wait
-    for it: they are matched in a :class:`~transports.mailbox.Mailbox`, which the
-    I/O thread fills, reading each payload straight into the posted buffer.
+    endpoint and session nonce in the store as ``addr/{rank}`` (with CURVE, its
+    public key as ``curve/{rank}`` first); it connects one PUSH socket to every
+    peer's PULL. One I/O thread per transport owns every socket. Sends reach it
+    through a queue plus a wakeup fd; receives never wait for it: they are
+    matched in a :class:`~transports.mailbox.Mailbox`, which the I/O thread
+    fills, reading each payload straight into the posted buffer.
 Wire format
     A message starts with a :data:`HEADER` (the sender's session nonce, kind,
-    source rank, tag, payload bytes, stamp length) and the stamp's bytes. Payloads below ``zero_copy_nbytes`` follow the header in the same
-    frame (``INLINE``: one send and one receive per message); larger ones are a
-    second frame (``DATA``), sent without a copy and received straight into the
-    posted buffer. ``BYE`` is a header alone.
+    source rank, tag, payload bytes, stamp length) and the stamp's bytes.
+    Payloads below ``zero_copy_nbytes`` follow the header in the same frame
+    (``INLINE``: one send and one receive per message); larger ones are a
+    second frame (``DATA``), sent without a copy. ``BYE`` is a header alone.
 Trust
     Anyone who can reach the PULL socket can send it bytes. Every frame is
     checked before it touches the mailbox: length, kind, source rank (a peer,

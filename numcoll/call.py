@@ -17,8 +17,8 @@ collective's own parameters:
 
 from __future__ import annotations
 
-import dataclasses
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,8 +48,7 @@ _STAMP = struct.Struct("<BBBBiQ")
 _STAMP_VERSION = 1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Call:
+class Call(NamedTuple):
     """One collective call, as every rank must agree on it, plus what this rank passed.
 
     ``name`` is the collective; ``op`` the reduce op's name (or None);
@@ -59,7 +58,7 @@ class Call:
     ``timeout_s`` its deadline in seconds. ``input_sizes``/``output_sizes``
     (shapes) and ``nbytes`` (bytes this rank contributes) are for the flight
     recorder. The sequence number is the Work's: it is taken when the call
-    is queued.
+    is queued. A NamedTuple: immutable, and cheap to build on every call.
     """
 
     name: str

@@ -57,6 +57,16 @@ class Config:
     #: Flight recorder: where a rank whose group is poisoned writes its records
     #: ("" = nowhere).
     fr_dump_dir: str = ""
+    #: Sparse allreduce: when every rank's entries together would take more than
+    #: this many times the bytes of the dense array (plus a one-byte row mask),
+    #: the ranks allreduce the dense array instead of gathering the entries.
+    sparse_dense_ratio: float = 1.0
+    #: Rendezvous: how often a rank waiting for the store or for other ranks
+    #: logs who is missing (seconds).
+    rendezvous_log_s: float = 10.0
+    #: Rendezvous: how long a store that accepted the connection may take to
+    #: answer a first request before the port is declared not a numcoll store.
+    store_probe_s: float = 5.0
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}

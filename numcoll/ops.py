@@ -28,6 +28,7 @@ class ReduceOp:
     BAND: "ReduceOp"
     BOR: "ReduceOp"
     BXOR: "ReduceOp"
+    PREMUL_SUM: "ReduceOp"   # torch's name; needs a factor: premul_sum(f)
 
     _BUILTIN_NAMES = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR")
     _custom_ids = itertools.count(1)
@@ -74,14 +75,17 @@ class ReduceOp:
 
     @property
     def is_premul(self) -> bool:
+        """Whether this is a scaled sum (``premul_sum``)."""
         return self.name == "PREMUL_SUM"
 
     @property
     def is_custom(self) -> bool:
+        """Whether this is a user-defined operator."""
         return self.fn is not None
 
     @property
     def is_bitwise(self) -> bool:
+        """Whether this is BAND, BOR or BXOR."""
         return self.name in ("BAND", "BOR", "BXOR")
 
     def __eq__(self, other):
@@ -91,18 +95,39 @@ class ReduceOp:
         return hash(self._key)
 
     def __repr__(self):
-        if self.is_premul:
+        if self.is_premul and not isinstance(self.factor, _NoFactor):
             return f"ReduceOp.premul_sum({self.factor!r})"
         return f"ReduceOp.{self.name}"
 
     def __reduce__(self):
-        if self.is_premul:
+        if self.is_premul and not isinstance(self.factor, _NoFactor):
             return (ReduceOp.premul_sum, (self.factor,))
         if self.fn is None:
             return (getattr, (ReduceOp, self.name))
         return (ReduceOp, (self.name, self.fn, self._key, self.factor))
 
 
+class _NoFactor:
+    """The factor of the bare ``ReduceOp.PREMUL_SUM``: using it is an error
+    at the call, with a hint, instead of a NaN factor."""
+
+    def _refuse(self):
+        raise ValueError("ReduceOp.PREMUL_SUM needs a factor: use ReduceOp.premul_sum(factor) "
+                         "(torch: dist._make_nccl_premul_sum(factor))")
+
+    def __float__(self):
+        self._refuse()
+
+    def __complex__(self):
+        self._refuse()
+
+    def __repr__(self):
+        return "<no factor>"
+
+
 for _name in ReduceOp._BUILTIN_NAMES:
     setattr(ReduceOp, _name, ReduceOp(_name))
 del _name
+# torch spells the scaled sum's type ReduceOp.PREMUL_SUM; its factor comes from
+# ReduceOp.premul_sum(f) (torch: _make_nccl_premul_sum(f)).
+ReduceOp.PREMUL_SUM = ReduceOp("PREMUL_SUM", factor=_NoFactor(), _key="PREMUL_SUM")

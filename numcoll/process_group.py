@@ -31,16 +31,17 @@ from .collectives.p2p import PointToPoint
 from .collectives.reductions import Reductions
 from .comm import Comm, abort_note
 from .diagnostics import flight_recorder
-from .errors import GroupPoisonedError, NumcollError, PeerError
+from .errors import GroupPoisonedError, NumcollError
 from .store import PrefixStore, Store
 from .work import Work
 
 __all__ = ["ProcessGroup"]
 
 _SHUTDOWN = object()
-# How long shutdown() waits for queued work before failing it: every work has
-# its own deadline, but a group whose peers vanished should not take 30 min.
-_SHUTDOWN_DRAIN_S = 10.0
+# How long shutdown() lets queued work finish before failing it: every work has
+# its own deadline, but shutting down must not wait on a stalled or vanished
+# peer (torch's destroy_process_group does not wait at all).
+_SHUTDOWN_DRAIN_S = 2.0
 # How long an aborting rank waits for its reason to reach the store before it
 # closes its transport (peers that see the close then read the reason). The
 # write goes on in the background: a dead store must not slow the abort.
@@ -147,9 +148,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
 
     # -- identity and settings -------------------------------------------------------
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     def size(self) -> int:
+        """The number of ranks in the group."""
         return self._size
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -353,7 +356,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         for _ in self._workers:
             self._queue.put(_SHUTDOWN)
         for w in self._workers:
-            w.join(timeout=max(5.0, _SHUTDOWN_DRAIN_S))
+            w.join(timeout=5.0)
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -56,12 +56,15 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished, successfully or not."""
         return self._future.done()
 
     def is_success(self) -> bool:
+        """Whether the collective has finished without an error."""
         return self._future.done() and self._future.exception() is None
 
     def exception(self) -> BaseException | None:
+        """The collective's error, if it failed; None otherwise."""
         return self._future.exception()
 
     def result(self) -> Any:
@@ -75,6 +78,7 @@ class Work:
         return self._source_rank
 
     def get_future(self) -> Future:
+        """The Future completed with the collective's result."""
         return self._future
 
     def __repr__(self):

@@ -5,7 +5,6 @@ it on."""
 import json
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 

@@ -227,11 +227,7 @@ class DataMovement:
         else:
             xp = memory_of(name, inputs)
         seg = self._segment(src.dtype.itemsize)
-        algorithm = choose(self._cfg, name, opts.algorithm, src.size * src.dtype.itemsize,
-                           self._size)
-        call = Call(name, self._timeout_for(opts, name), src.dtype, src.size, root=root,
-                    algorithm=algorithm.name, input_sizes=shapes(inputs),
-                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        algorithm, call = self._rooted_call(name, opts, src, root, inputs, outputs)
 
         def run(comm, work):
             send = xp.flat(src, copy_in=True)
@@ -273,11 +269,7 @@ class DataMovement:
         else:
             xp = memory_of(name, outputs)
         seg = self._segment(out.dtype.itemsize)
-        algorithm = choose(self._cfg, name, opts.algorithm, out.size * out.dtype.itemsize,
-                           self._size)
-        call = Call(name, self._timeout_for(opts, name), out.dtype, out.size, root=root,
-                    algorithm=algorithm.name, input_sizes=shapes(inputs),
-                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        algorithm, call = self._rooted_call(name, opts, out, root, inputs, outputs)
 
         def run(comm, work):
             target = xp.flat(out, copy_in=False)
@@ -360,6 +352,16 @@ class DataMovement:
             return [output]
 
         return self._enqueue(call, xp.wrap(run))
+
+    def _rooted_call(self, name, opts, share, root, inputs, outputs):
+        """The algorithm and call descriptor of gather/scatter; ``share`` is the
+        array every rank sends (gather) or receives (scatter)."""
+        algorithm = choose(self._cfg, name, opts.algorithm, share.size * share.dtype.itemsize,
+                           self._size)
+        call = Call(name, self._timeout_for(opts, name), share.dtype, share.size, root=root,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        return algorithm, call
 
     def _gather_call(self, name, opts, inputs, outputs, per_rank):
         """The algorithm and call descriptor of the allgather family."""

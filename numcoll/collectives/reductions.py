@@ -12,6 +12,7 @@ from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same
                      originals)
 from .choice import choose, segment_count
 from .memory import memory_of
+from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["Reductions"]
 
@@ -38,6 +39,8 @@ class Reductions:
         """
         name = "allreduce"
         opts = _with_op(opts or AllreduceOptions(), op)
+        if is_sparse_call(arrays):
+            return allreduce_sparse(self, arrays, opts)
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
         if not arrays:
@@ -68,6 +71,7 @@ class Reductions:
         """Allreduce a list of arrays of one dtype and any shapes as one message."""
         name = "allreduce_coalesced"
         opts = opts or AllreduceCoalescedOptions()
+        check_coalesced_layouts(arrays, name)
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
         if not arrays:

@@ -1,6 +1,6 @@
 """numba.cuda behind one door: its import, the simulator, and device-array checks.
 
-Every CUDA module of numcoll (``kernels/cuda*.py``) reaches ``numba.cuda``
+Every CUDA module of numcoll (``numcoll/cuda/*.py``) reaches ``numba.cuda``
 through this one, so that a missing CUDA target fails with one clear
 ImportError and the simulator's quirks are handled in one place. Like the rest
 of the CUDA side, import it lazily: ``import numcoll`` must not load

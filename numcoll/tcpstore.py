@@ -12,8 +12,9 @@ and fields; each field is a u32 length and its bytes.
 
 Trust: the server greets every connection with a frame of its own
 (:data:`GREETING_MAGIC`, whether a token is required, a 32-byte challenge), so
-a client that reached something else (an HTTP server, a port that says
-nothing) fails at once with a clear error instead of hanging. With a token
+a client that reached something else fails with a clear error instead of
+hanging: at once if it answers anything else or hangs up, after
+``NUMCOLL_STORE_PROBE_S`` (5 s) if it says nothing. With a token
 (``token=`` or ``NUMCOLL_AUTH_TOKEN``) the client answers the challenge with
 an HMAC-SHA256 over both sides' random numbers and the server proves the same
 back: neither side trusts a peer that does not know the token, the token
@@ -44,6 +45,7 @@ import struct
 import threading
 import time
 
+from . import config as _config
 from .errors import NumcollError
 from .store import (
     DEFAULT_STORE_TIMEOUT,
@@ -55,7 +57,7 @@ from .store import (
     _timeout_error,
 )
 
-__all__ = ["TCPStore", "StoreConnectionError"]
+__all__ = ["TCPStore", "StoreConnectionError", "StoreAuthError"]
 
 #: Connection attempts are retried (the master may not be up yet) after this
 #: many seconds, doubling up to CONNECT_RETRY_MAX_S, until the store's timeout.
@@ -71,8 +73,6 @@ MAX_FRAME_NBYTES = 64 << 20
 #: Once a connection has this many reply bytes (beyond one frame) it has not
 #: read, the server drops it.
 MAX_UNREAD_REPLY_NBYTES = 4 << 20
-#: A server that has not greeted within this many seconds is not a numcoll store.
-GREETING_TIMEOUT_S = 5.0
 #: After an established connection is lost, how long reconnecting may take
 #: before the store is taken for dead; a refused reconnect fails at once
 #: (connecting the first time may take the whole timeout: the master may not
@@ -598,7 +598,10 @@ class TCPStore(Store):
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
         """Read the server's greeting and, with a token, prove it both ways."""
-        sock.settimeout(max(0.001, min(GREETING_TIMEOUT_S, deadline - time.monotonic())))
+        # How long a port that accepted may stay silent before it is not a store:
+        # the rendezvous's rule (NUMCOLL_STORE_PROBE_S), one owner.
+        probe_s = _config.current().store_probe_s
+        sock.settimeout(max(0.001, min(probe_s, deadline - time.monotonic())))
         where = f"{self._host}:{self._port}"
         try:
             header = _recv_exact(sock, _LENGTH.size)
@@ -606,14 +609,15 @@ class TCPStore(Store):
             greeting = _recv_exact(sock, n) if n == _GREETING_NBYTES else header
         except TimeoutError:
             raise StoreAuthError(
-                f"{where} accepted the connection but sent no TCPStore greeting within "
-                f"{sock.gettimeout():.1f}s: is it a numcoll TCPStore?") from None
+                f"{where} accepted the connection but did not answer like a numcoll "
+                f"TCPStore: no greeting within {sock.gettimeout():g} s "
+                "(NUMCOLL_STORE_PROBE_S); is another program using the port?") from None
         except ConnectionError as exc:
             raise StoreAuthError(
-                f"{where} closed the connection without a TCPStore greeting ({exc}): it is "
-                "not a numcoll TCPStore, or one that is shutting down") from None
+                f"{where} did not answer like a numcoll TCPStore: it closed the connection "
+                f"without a greeting ({exc}); another program, or a store shutting down") from None
         if n != _GREETING_NBYTES or not greeting.startswith(GREETING_MAGIC):
-            raise StoreAuthError(f"{where} is not a numcoll TCPStore (it answered "
+            raise StoreAuthError(f"{where} did not answer like a numcoll TCPStore (it sent "
                                  f"{(header + greeting)[:40]!r})")
         flags, challenge = greeting[len(GREETING_MAGIC)], greeting[-_CHALLENGE_NBYTES:]
         if not flags & _AUTH_REQUIRED:

@@ -469,13 +469,11 @@ def _serve(answer: bytes | None):
 @pytest.mark.parametrize("answer", [b"HTTP/1.1 400 Bad Request\r\n\r\n", b"\x00\x00\x00\x01x",
                                     b"", None])
 def test_a_port_that_is_not_a_store_fails_fast(answer, monkeypatch):
-    import numcoll.tcpstore as tcp
-
-    monkeypatch.setattr(tcp, "GREETING_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("NUMCOLL_STORE_PROBE_S", "0.5")
     listener, stop, thread = _serve(answer)
     try:
         start = time.monotonic()
-        with pytest.raises(StoreAuthError, match="not a numcoll TCPStore|no TCPStore greeting"):
+        with pytest.raises(StoreAuthError, match="did not answer like a numcoll TCPStore"):
             TCPStore(HOST, listener.getsockname()[1], timeout=30)
         assert time.monotonic() - start < 2
     finally:

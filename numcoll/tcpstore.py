@@ -66,10 +66,6 @@ CONNECT_RETRY_MAX_S = 0.5
 #: The server answers a parked get/wait itself when its deadline passes; the
 #: client waits this much longer before it gives up on an unresponsive server.
 REPLY_GRACE_S = 1.0
-#: Frames above this size are refused (the connection is dropped), so a stray
-#: client cannot make the server allocate without bound
-#: (``NUMCOLL_STORE_MAX_FRAME_NBYTES`` or ``max_frame_nbytes=``).
-MAX_FRAME_NBYTES = 64 << 20
 #: Once a connection has this many reply bytes (beyond one frame) it has not
 #: read, the server drops it.
 MAX_UNREAD_REPLY_NBYTES = 4 << 20
@@ -136,11 +132,6 @@ def _token_from(token) -> bytes | None:
     if token is not None and not isinstance(token, bytes):
         raise TypeError(f"TCPStore token must be str or bytes, got {type(token).__name__}")
     return token or None
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    return default if raw is None else int(raw, 0)
 
 
 def _frame(code: int, fields: list[bytes]) -> bytes:
@@ -518,7 +509,7 @@ class TCPStore(Store):
         self._world_size = world_size
         if is_master:
             if max_frame_nbytes is None:
-                max_frame_nbytes = _env_int("NUMCOLL_STORE_MAX_FRAME_NBYTES", MAX_FRAME_NBYTES)
+                max_frame_nbytes = _config.current().store_max_frame_nbytes
             if max_frame_nbytes < 1024:
                 raise ValueError(f"TCPStore max_frame_nbytes must be at least 1024, got "
                                  f"{max_frame_nbytes}")

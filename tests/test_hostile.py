@@ -506,6 +506,18 @@ def test_store_rejects_malformed_requests_and_oversized_frames():
         assert master.get("ok") == b"1"
 
 
+def test_store_frame_cap_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_STORE_MAX_FRAME_NBYTES", "2048")
+    with TCPStore(HOST, 0, is_master=True, timeout=5) as master:
+        master.set("fits", bytes(1500))
+        with pytest.raises(StoreConnectionError):
+            master.set("too big", bytes(3000))
+        assert master.get("fits") == bytes(1500)
+    monkeypatch.setenv("NUMCOLL_STORE_MAX_FRAME_NBYTES", "100")
+    with pytest.raises(ValueError, match="STORE_MAX_FRAME_NBYTES"):
+        TCPStore(HOST, 0, is_master=True, timeout=5)
+
+
 def _read_frame(sock) -> bytes:
     def exact(n):
         data = b""

@@ -67,6 +67,9 @@ class Config:
     #: Rendezvous: how long a store that accepted the connection may take to
     #: answer a first request before the port is declared not a numcoll store.
     store_probe_s: float = 5.0
+    #: TCPStore server: the largest request frame it accepts (bytes); a client
+    #: that announces more is dropped before the server buffers it.
+    store_max_frame_nbytes: int = 64 << 20
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}
@@ -78,7 +81,8 @@ _DEFAULTS = Config()
 #: Inclusive ranges of the integer tunables that have one.
 _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
-           "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None)}
+           "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
+           "store_max_frame_nbytes": (1024, None)}
 
 
 def _from_env(name: str):

@@ -29,7 +29,7 @@ from . import launcher_env as launchers
 from .launcher_env import detect_environment
 from .logs import get_logger
 from .store import DEFAULT_STORE_TIMEOUT, FileStore, Store, StoreTimeoutError, _as_timeout, _ms
-from .tcpstore import StoreConnectionError, TCPStore
+from .tcpstore import StoreAuthError, StoreConnectionError, TCPStore
 
 __all__ = ["rendezvous", "register_rendezvous_handler", "join"]
 
@@ -175,6 +175,8 @@ def _connect_store(host: str, port: int, is_master: bool,
             store = TCPStore(host, port, None, is_master=is_master,
                              timeout=datetime.timedelta(seconds=max(attempt, 0.001)))
             break
+        except StoreAuthError:
+            raise  # it answered, and not as a store (or refused the token): waiting won't help
         except StoreConnectionError as exc:
             if time.monotonic() >= deadline:
                 raise StoreConnectionError(

@@ -164,9 +164,20 @@ class Store(abc.ABC):
         """Set the default deadline of ``get`` and ``wait`` (timedelta or seconds)."""
         self._timeout = _as_timeout(timeout)
 
-    def set(self, key: str, value: ValueLike) -> None:
-        """Store ``value`` under ``key``, replacing any previous value."""
-        self._set(_check_key(key), _to_bytes(value))
+    def set(self, key: str, value: ValueLike,
+            timeout: datetime.timedelta | float | None = None) -> None:
+        """Store ``value`` under ``key``, replacing any previous value.
+
+        ``timeout`` (timedelta or seconds) bounds the whole call, reconnecting
+        included: a best-effort write (e.g. publishing why a group aborted)
+        that must not wait on a dead store. It raises :class:`StoreTimeoutError`
+        or ``StoreConnectionError`` when it passes; the write may or may not
+        have happened. Default: the store's own deadlines.
+        """
+        if timeout is None:
+            self._set(_check_key(key), _to_bytes(value))
+        else:
+            self._set_within(_check_key(key), _to_bytes(value), _as_timeout(timeout))
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -235,6 +246,11 @@ class Store(abc.ABC):
     # -- hooks: keys are str, values bytes, timeouts timedelta ----------------
     @abc.abstractmethod
     def _set(self, key: str, value: bytes) -> None: ...
+
+    def _set_within(self, key: str, value: bytes, timeout: datetime.timedelta) -> None:
+        """``_set`` bounded by ``timeout``; stores whose ``_set`` cannot block
+        (in memory, a local file) need not override it."""
+        self._set(key, value)
 
     @abc.abstractmethod
     def _get(self, key: str, timeout: datetime.timedelta) -> bytes: ...
@@ -582,6 +598,9 @@ class PrefixStore(Store):
 
     def _set(self, key, value):
         self._store._set(self._k(key), value)
+
+    def _set_within(self, key, value, timeout):
+        self._store._set_within(self._k(key), value, timeout)
 
     def _get(self, key, timeout):
         return self._store._get(self._k(key), timeout)

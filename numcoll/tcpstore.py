@@ -9,21 +9,43 @@ never poll.
 Wire format: a frame is a big-endian u32 payload length and the payload. A
 request's payload is an op code (u8) and fields; a reply's is a status (u8)
 and fields; each field is a u32 length and its bytes.
+
+Trust: the server greets every connection with a frame of its own
+(:data:`GREETING_MAGIC`, whether a token is required, a 32-byte challenge), so
+a client that reached something else fails with a clear error instead of
+hanging: at once if it answers anything else or hangs up, after
+``NUMCOLL_STORE_PROBE_S`` (5 s) if it says nothing. With a token
+(``token=`` or ``NUMCOLL_AUTH_TOKEN``) the client answers the challenge with
+an HMAC-SHA256 over both sides' random numbers and the server proves the same
+back: neither side trusts a peer that does not know the token, the token
+never travels, and a recorded handshake cannot be replayed. The server drops
+(and logs, logger ``numcoll.store``) connections that fail; it caps the size
+of a request frame (``max_frame_nbytes``, 64 MiB by default) and the bytes of
+replies a connection has not read (a client that never reads is dropped), and
+answers a malformed request with an error, never by dying. Clients bound
+every call by a deadline and never hold their lock while reconnecting, so a
+thread that gives a short deadline (``set(..., timeout=)``) returns in time
+even while another is stuck on a dead store.
 """
 
 from __future__ import annotations
 
 import datetime
 import enum
+import hashlib
 import heapq
+import hmac
 import itertools
+import logging
 import operator
+import os
 import selectors
 import socket
 import struct
 import threading
 import time
 
+from . import config as _config
 from .errors import NumcollError
 from .store import (
     DEFAULT_STORE_TIMEOUT,
@@ -35,7 +57,7 @@ from .store import (
     _timeout_error,
 )
 
-__all__ = ["TCPStore", "StoreConnectionError"]
+__all__ = ["TCPStore", "StoreConnectionError", "StoreAuthError"]
 
 #: Connection attempts are retried (the master may not be up yet) after this
 #: many seconds, doubling up to CONNECT_RETRY_MAX_S, until the store's timeout.
@@ -44,9 +66,20 @@ CONNECT_RETRY_MAX_S = 0.5
 #: The server answers a parked get/wait itself when its deadline passes; the
 #: client waits this much longer before it gives up on an unresponsive server.
 REPLY_GRACE_S = 1.0
-#: Frames above this size are refused (the connection is dropped), so a stray
-#: client cannot make the server allocate without bound.
-MAX_FRAME_NBYTES = 1 << 30
+#: Once a connection has this many reply bytes (beyond one frame) it has not
+#: read, the server drops it.
+MAX_UNREAD_REPLY_NBYTES = 4 << 20
+#: After an established connection is lost, how long reconnecting may take
+#: before the store is taken for dead; a refused reconnect fails at once
+#: (connecting the first time may take the whole timeout: the master may not
+#: be up yet).
+RECONNECT_WINDOW_S = 1.0
+#: An unauthenticated connection must finish the handshake within this many seconds.
+HANDSHAKE_TIMEOUT_S = 10.0
+GREETING_MAGIC = b"numcoll-store/1"
+_CHALLENGE_NBYTES = 32
+_MAC_NBYTES = 32
+_AUTH_REQUIRED = 1
 LISTEN_BACKLOG = 1024
 RECV_CHUNK_NBYTES = 1 << 18
 #: How long close() waits for the server thread to finish.
@@ -58,6 +91,9 @@ _JOINED_KEY = _RESERVED_PREFIX + "joined"
 _READY_KEY = _RESERVED_PREFIX + "ready"
 
 _LENGTH = struct.Struct("!I")
+_GREETING_NBYTES = len(GREETING_MAGIC) + 1 + _CHALLENGE_NBYTES
+
+log = logging.getLogger("numcoll.store")
 
 
 class _Op(enum.IntEnum):
@@ -76,6 +112,26 @@ _OK, _TIMEOUT, _ERROR = 0, 1, 2
 
 class StoreConnectionError(NumcollError, ConnectionError):
     """The TCPStore server could not be reached, or the connection was lost."""
+
+
+class StoreAuthError(StoreConnectionError):
+    """The other end of a TCPStore connection is not a numcoll store, or one
+    side could not prove it knows the token."""
+
+
+def _mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token, b"numcoll-store/" + side + server_nonce + client_nonce,
+                    hashlib.sha256).digest()
+
+
+def _token_from(token) -> bytes | None:
+    if token is None:
+        token = os.environ.get("NUMCOLL_AUTH_TOKEN") or None
+    if isinstance(token, str):
+        token = token.encode()
+    if token is not None and not isinstance(token, bytes):
+        raise TypeError(f"TCPStore token must be str or bytes, got {type(token).__name__}")
+    return token or None
 
 
 def _frame(code: int, fields: list[bytes]) -> bytes:
@@ -110,21 +166,28 @@ class _Waiter:
 
 
 class _Connection:
-    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "events", "open")
+    __slots__ = ("sock", "inbuf", "outbuf", "waiter", "events", "open", "peer", "challenge",
+                 "authed")
 
-    def __init__(self, sock):
+    def __init__(self, sock, peer, challenge: bytes, authed: bool):
         self.sock = sock
+        self.peer = peer
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.waiter: _Waiter | None = None
         self.events = selectors.EVENT_READ
         self.open = True
+        self.challenge = challenge
+        self.authed = authed
 
 
 class _Server:
     """The master's server: all state is owned by its one thread."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, token: bytes | None, max_frame_nbytes: int):
+        self._token = token
+        self._max_frame_nbytes = max_frame_nbytes
+        self._max_outbuf_nbytes = max_frame_nbytes + MAX_UNREAD_REPLY_NBYTES
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                     flags=socket.AI_PASSIVE)[0][0]
         self._listener = socket.create_server((host, port), family=family,
@@ -168,11 +231,15 @@ class _Server:
                             self._read(conn)
                         if conn.open and events & selectors.EVENT_WRITE:
                             self._flush(conn)
-                    except Exception:  # one bad client must not take the server down
-                        self._drop(conn)
+                    except Exception as exc:  # one bad client must not take the server down
+                        self._drop(conn, f"error serving it: {exc!r}")
                 self._expire()
                 while self._runnable:
-                    self._process(self._runnable.pop())
+                    conn = self._runnable.pop()
+                    try:
+                        self._process(conn)
+                    except Exception as exc:  # noqa: BLE001 - as above
+                        self._drop(conn, f"error serving it: {exc!r}")
         finally:
             for key in list(self._sel.get_map().values()):
                 key.fileobj.close()
@@ -188,13 +255,20 @@ class _Server:
 
     def _accept(self) -> None:
         try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            sock, peer = self._listener.accept()
+        except OSError:  # gone already, or out of fds: the others keep being served
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Connection(sock)
+        challenge = os.urandom(_CHALLENGE_NBYTES)
+        conn = _Connection(sock, peer, challenge, authed=self._token is None)
         self._sel.register(sock, selectors.EVENT_READ, conn)
+        flags = _AUTH_REQUIRED if self._token is not None else 0
+        greeting = GREETING_MAGIC + bytes([flags]) + challenge
+        conn.outbuf += _LENGTH.pack(len(greeting)) + greeting
+        self._flush(conn)
+        if not conn.authed:  # a stranger that never answers must not hold a socket forever
+            self._park_handshake(conn)
 
     def _read(self, conn: _Connection) -> None:
         try:
@@ -204,7 +278,7 @@ class _Server:
         except OSError:
             chunk = b""
         if not chunk:  # the client went away, perhaps mid-request
-            self._drop(conn)
+            self._drop(conn, None)
             return
         conn.inbuf += chunk
         self._process(conn)
@@ -213,22 +287,48 @@ class _Server:
         """Serve complete frames in order; a parked request holds back the rest."""
         while conn.open and conn.waiter is None and len(conn.inbuf) >= _LENGTH.size:
             (n,) = _LENGTH.unpack_from(conn.inbuf)
-            if n == 0 or n > MAX_FRAME_NBYTES:
-                self._drop(conn)
+            if not conn.authed and n != _CHALLENGE_NBYTES + _MAC_NBYTES:
+                # Before the handshake a stranger gets no buffer beyond the answer's size.
+                self._drop(conn, f"a {n}-byte frame instead of the authentication answer")
+                return
+            if n == 0 or n > self._max_frame_nbytes:
+                self._drop(conn, f"frame of {n} bytes (limit {self._max_frame_nbytes})")
                 return
             if len(conn.inbuf) < _LENGTH.size + n:
                 return
             payload = bytes(conn.inbuf[_LENGTH.size:_LENGTH.size + n])
             del conn.inbuf[:_LENGTH.size + n]
+            if not conn.authed:
+                self._authenticate(conn, payload)
+                continue
             try:
                 op, fields = _parse(payload)
                 self._handle(conn, op, fields)
-            except (ValueError, KeyError, UnicodeError, struct.error) as exc:
-                self._reply(conn, _ERROR, [str(exc).encode()])
+            except Exception as exc:  # noqa: BLE001 - a malformed request gets an error reply
+                self._reply(conn, _ERROR, [f"malformed request: {exc!r}"[:500].encode()])
 
-    def _drop(self, conn: _Connection) -> None:
+    def _authenticate(self, conn: _Connection, payload: bytes) -> None:
+        """The client's answer to the greeting: its challenge and its MAC."""
+        client_nonce, mac = payload[:_CHALLENGE_NBYTES], payload[_CHALLENGE_NBYTES:]
+        if len(payload) != _CHALLENGE_NBYTES + _MAC_NBYTES or not hmac.compare_digest(
+                mac, _mac(self._token, b"client", conn.challenge, client_nonce)):
+            self._drop(conn, "failed authentication (wrong or no token)")
+            return
+        conn.authed = True
+        proof = _mac(self._token, b"server", conn.challenge, client_nonce)
+        conn.outbuf += _LENGTH.pack(len(proof)) + proof
+        self._flush(conn)
+
+    def _park_handshake(self, conn: _Connection) -> None:
+        waiter = _Waiter(conn, None, [], [], time.monotonic() + HANDSHAKE_TIMEOUT_S)
+        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+
+    def _drop(self, conn: _Connection, why: str | None) -> None:
         if not conn.open:
             return
+        if why is not None:
+            log.warning("TCPStore :%d dropped the connection from %s: %s", self.port,
+                        conn.peer, why)
         conn.open = False
         if conn.waiter is not None:
             self._unpark(conn.waiter)
@@ -241,6 +341,9 @@ class _Server:
     def _reply(self, conn: _Connection, status: int, fields: list[bytes] = ()) -> None:
         if conn.open:
             conn.outbuf += _frame(status, list(fields))
+            if len(conn.outbuf) > self._max_outbuf_nbytes:
+                self._drop(conn, f"{len(conn.outbuf)} bytes of replies it does not read")
+                return
             self._flush(conn)
 
     def _flush(self, conn: _Connection) -> None:
@@ -250,7 +353,7 @@ class _Server:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
-            self._drop(conn)
+            self._drop(conn, None)
             return
         # Ask for write readiness only while a reply is pending.
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
@@ -335,6 +438,10 @@ class _Server:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, waiter = heapq.heappop(self._deadlines)
+            if waiter.op is None:  # a handshake deadline
+                if waiter.conn.open and not waiter.conn.authed:
+                    self._drop(waiter.conn, f"no authentication within {HANDSHAKE_TIMEOUT_S}s")
+                continue
             if waiter.active:
                 missing = [k for k in waiter.keys if k in waiter.missing]
                 self._unpark(waiter)
@@ -362,6 +469,13 @@ class TCPStore(Store):
         deadline of ``get``/``wait``.
     wait_for_workers : bool
         See ``world_size``.
+    token : str or bytes, optional
+        Shared secret: the master's server admits only clients that prove it,
+        and clients trust only a server that proves it (``None``:
+        ``NUMCOLL_AUTH_TOKEN``, if set).
+    max_frame_nbytes : int, optional
+        Master only: the largest request the server accepts (``None``:
+        ``NUMCOLL_STORE_MAX_FRAME_NBYTES``, else 64 MiB).
 
     Notes
     -----
@@ -373,8 +487,11 @@ class TCPStore(Store):
     def __init__(self, host: str, port: int, world_size: int | None = None,
                  is_master: bool = False,
                  timeout: datetime.timedelta | float = DEFAULT_STORE_TIMEOUT,
-                 wait_for_workers: bool = True):
+                 wait_for_workers: bool = True, *, token: str | bytes | None = None,
+                 max_frame_nbytes: int | None = None):
         super().__init__(timeout)
+        self._token = _token_from(token)
+        self._ever_connected = False
         self._sock: socket.socket | None = None
         self._server: _Server | None = None
         self._closed = False
@@ -391,12 +508,18 @@ class TCPStore(Store):
             raise ValueError("TCPStore port 0 (let the OS pick) is only valid for the master")
         self._world_size = world_size
         if is_master:
-            self._server = _Server(host, port)
+            if max_frame_nbytes is None:
+                max_frame_nbytes = _config.current().store_max_frame_nbytes
+            if max_frame_nbytes < 1024:
+                raise ValueError(f"TCPStore max_frame_nbytes must be at least 1024, got "
+                                 f"{max_frame_nbytes}")
+            self._server = _Server(host, port, self._token, max_frame_nbytes)
             port = self._server.port
         self._port = port
         try:
+            sock = self._open(time.monotonic() + self.timeout.total_seconds())
             with self._lock:
-                self._connect()
+                self._sock = sock
             if world_size is not None:
                 self._join(world_size, wait=is_master and wait_for_workers)
         except BaseException:
@@ -422,26 +545,90 @@ class TCPStore(Store):
     def _where(self) -> str:
         return f"TCPStore at {self._host}:{self._port}"
 
-    def _connect(self) -> None:
-        """Connect, retrying until the timeout; the caller holds the lock."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _open(self, deadline: float) -> socket.socket:
+        """A connected, greeted (and authenticated) socket; retries refused
+        connections until ``deadline`` (the master may not be up yet), or for
+        :data:`RECONNECT_WINDOW_S` once a connection has been lost. Called
+        without the lock: other threads' calls are not held up meanwhile."""
+        start = time.monotonic()
+        if self._ever_connected:
+            deadline = min(deadline, start + RECONNECT_WINDOW_S)
         delay, last_error = CONNECT_RETRY_MIN_S, None
         while True:
+            if self._closed:
+                raise NumcollError(f"{self._where()} is closed")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StoreConnectionError(
                     f"could not connect to TCPStore at {self._host}:{self._port} within "
-                    f"{_ms(self.timeout)}ms (last error: {last_error})")
+                    f"{round((deadline - start) * 1000)}ms (last error: {last_error})")
             try:
                 sock = socket.create_connection((self._host, self._port), timeout=remaining)
             except OSError as exc:
+                if self._ever_connected and isinstance(exc, ConnectionRefusedError):
+                    # It was up and now nothing listens: the store is gone, not late.
+                    raise StoreConnectionError(
+                        f"could not connect to TCPStore at {self._host}:{self._port}: it is "
+                        f"gone (reconnecting was refused: {exc})") from exc
                 last_error = exc
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(2 * delay, CONNECT_RETRY_MAX_S)
                 continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._handshake(sock, deadline)
+            except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+                sock.close()  # e.g. a full listen backlog: try again
+                last_error = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self._ever_connected = True
+            return sock
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        """Read the server's greeting and, with a token, prove it both ways."""
+        # How long a port that accepted may stay silent before it is not a store:
+        # the rendezvous's rule (NUMCOLL_STORE_PROBE_S), one owner.
+        probe_s = _config.current().store_probe_s
+        sock.settimeout(max(0.001, min(probe_s, deadline - time.monotonic())))
+        where = f"{self._host}:{self._port}"
+        try:
+            header = _recv_exact(sock, _LENGTH.size)
+            (n,) = _LENGTH.unpack(header)
+            greeting = _recv_exact(sock, n) if n == _GREETING_NBYTES else header
+        except TimeoutError:
+            raise StoreAuthError(
+                f"{where} accepted the connection but did not answer like a numcoll "
+                f"TCPStore: no greeting within {sock.gettimeout():g} s "
+                "(NUMCOLL_STORE_PROBE_S); is another program using the port?") from None
+        except ConnectionError as exc:
+            raise StoreAuthError(
+                f"{where} did not answer like a numcoll TCPStore: it closed the connection "
+                f"without a greeting ({exc}); another program, or a store shutting down") from None
+        if n != _GREETING_NBYTES or not greeting.startswith(GREETING_MAGIC):
+            raise StoreAuthError(f"{where} did not answer like a numcoll TCPStore (it sent "
+                                 f"{(header + greeting)[:40]!r})")
+        flags, challenge = greeting[len(GREETING_MAGIC)], greeting[-_CHALLENGE_NBYTES:]
+        if not flags & _AUTH_REQUIRED:
+            if self._token is not None:
+                raise StoreAuthError(f"TCPStore at {where} does not ask for the token: refusing "
+                                     "to trust it (is the master started without it?)")
             return
+        if self._token is None:
+            raise StoreAuthError(f"TCPStore at {where} requires a token (set "
+                                 "NUMCOLL_AUTH_TOKEN or pass token=)")
+        client_nonce = os.urandom(_CHALLENGE_NBYTES)
+        answer = client_nonce + _mac(self._token, b"client", challenge, client_nonce)
+        try:
+            sock.sendall(_LENGTH.pack(len(answer)) + answer)
+            (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+            proof = _recv_exact(sock, n) if n == _MAC_NBYTES else b""
+        except (ConnectionError, TimeoutError):
+            raise StoreAuthError(f"TCPStore at {where} refused this client's token") from None
+        if not hmac.compare_digest(proof, _mac(self._token, b"server", challenge, client_nonce)):
+            raise StoreAuthError(f"TCPStore at {where} could not prove it knows the token")
 
     def _join(self, world_size: int, wait: bool) -> None:
         # The instance that completes the count marks the store ready, so the
@@ -459,16 +646,17 @@ class TCPStore(Store):
                 f"{self._where()}: {joined} joined", [_READY_KEY], self.timeout) from None
 
     def _request(self, op: _Op, fields: list[bytes], timeout_s: float,
-                 keys: list[str] = (), wait_timeout: datetime.timedelta | None = None):
-        """Send one request and read its reply: ``(status, fields)``."""
-        with self._lock:
-            if self._closed:
-                raise NumcollError(f"{self._where()} is closed")
-            if self._sock is None:  # dropped after an earlier error: reconnect
-                self._connect()
+                 keys: list[str] = (), wait_timeout: datetime.timedelta | None = None,
+                 deadline: float | None = None):
+        """Send one request and read its reply: ``(status, fields)``, all
+        within ``deadline`` (default: ``timeout_s`` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
+        self._checkout(deadline, op)
+        try:
             sock = self._sock
             try:
-                sock.settimeout(timeout_s)
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(_frame(op, fields))
                 (n,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
                 status, reply = _parse(_recv_exact(sock, n))
@@ -478,22 +666,49 @@ class TCPStore(Store):
                 if wait_timeout is not None:
                     raise _timeout_error(wait_timeout, list(keys), self._where(),
                                          op.name.lower()) from None
-                raise StoreTimeoutError(
-                    f"Timed out waiting {int(timeout_s * 1000)}ms for {self._where()} to "
-                    f"answer {op.name.lower()}", keys, datetime.timedelta(seconds=timeout_s)
-                ) from None
+                raise self._late(op, keys, timeout_s) from None
             except OSError as exc:
                 self._drop_connection()
                 state = "closed" if self._closed else "lost"
                 raise StoreConnectionError(
                     f"connection to {self._where()} {state} during {op.name.lower()}: {exc}"
                 ) from exc
+        finally:
+            self._lock.release()
         if status == _ERROR:
             raise ValueError(reply[0].decode(errors="replace"))
         if status == _TIMEOUT:
             missing = [k.decode(errors="replace") for k in reply]
             raise _timeout_error(wait_timeout, missing, self._where(), op.name.lower())
         return reply
+
+    def _late(self, op: _Op, keys, timeout_s: float) -> StoreTimeoutError:
+        return StoreTimeoutError(
+            f"Timed out waiting {int(timeout_s * 1000)}ms for {self._where()} to "
+            f"answer {op.name.lower()}", keys, datetime.timedelta(seconds=timeout_s))
+
+    def _checkout(self, deadline: float, op: _Op) -> None:
+        """Return holding the lock with a connection, by ``deadline``.
+
+        Reconnecting happens without the lock, so one thread retrying a dead
+        store never holds up another that gave a shorter deadline."""
+        while True:
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise StoreTimeoutError(f"{op.name.lower()} on {self._where()}: the client was "
+                                        "busy with another thread's request until the deadline")
+            if self._closed:
+                self._lock.release()
+                raise NumcollError(f"{self._where()} is closed")
+            if self._sock is not None:
+                return
+            self._lock.release()
+            sock = self._open(deadline)
+            if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                if self._sock is None and not self._closed:
+                    self._sock, sock = sock, None
+                self._lock.release()
+            if sock is not None:
+                sock.close()
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -510,6 +725,11 @@ class TCPStore(Store):
 
     def _set(self, key, value):
         self._simple(_Op.SET, key.encode(), value)
+
+    def _set_within(self, key, value, timeout):
+        seconds = timeout.total_seconds()
+        self._request(_Op.SET, [key.encode(), value], seconds,
+                      deadline=time.monotonic() + seconds)
 
     def _get(self, key, timeout):
         fields = [key.encode(), str(_ms(timeout)).encode()]

@@ -369,11 +369,26 @@ def test_tcp_server_survives_clients_vanishing_mid_request():
             s.sendall(struct.pack("!I", 0xFFFFFFFF))
         with socket.create_connection((HOST, master.port)) as s:  # unknown op
             s.sendall(frame(99))
-            assert s.recv(100)[4] == 2  # an error reply, connection kept
+            greeting = _recv_frame(s)
+            assert greeting.startswith(b"numcoll-store/1")
+            assert _recv_frame(s)[0] == 2  # an error reply, connection kept
         master.set("never", b"now")  # wakes no one: the parked client is gone
         assert master.get("never") == b"now"
         with TCPStore(HOST, master.port) as client:
             assert client.get("never") == b"now"
+
+
+def _recv_frame(sock) -> bytes:
+    def exact(n):
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "connection closed"
+            data += chunk
+        return data
+
+    (n,) = struct.unpack("!I", exact(4))
+    return exact(n)
 
 
 def test_tcp_client_fails_fast_when_master_closes():

@@ -7,6 +7,7 @@ This package never imports :mod:`numcoll`, and it is the only one that imports z
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 from .base import (
@@ -67,6 +68,16 @@ class TransportOptions:
         ``ipc`` only: payloads from ``zero_copy_nbytes`` up to ``shm_slot_nbytes``
         travel through ``shm_slots`` shared-memory slots per peer (one copy on
         each side instead of a socket's); ``shm_slots=0`` turns this off.
+    token : str or bytes, optional
+        ZeroMQ transports: a shared secret every connection must prove
+        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.auth`.
+    curve : bool, optional
+        ZeroMQ transports: encrypt every connection with CURVE, admitting only
+        the group's keys (``None``: ``NUMCOLL_CURVE=1``).
+    max_unexpected_nbytes : int, optional
+        ZeroMQ transports: bytes a peer may have waiting for receives not
+        posted yet before it is cut off (``None``:
+        ``NUMCOLL_MAX_UNEXPECTED_NBYTES``, else 512 MiB).
     """
 
     host: str = "127.0.0.1"
@@ -74,6 +85,9 @@ class TransportOptions:
     zero_copy_nbytes: int = 65536
     shm_slot_nbytes: int = 1 << 20
     shm_slots: int = 8
+    token: str | bytes | None = dataclasses.field(default=None, repr=False)
+    curve: bool | None = None
+    max_unexpected_nbytes: int | None = None
 
 
 _REGISTRY: dict[str, TransportFactory] = {}
@@ -152,13 +166,20 @@ def _inproc(rank, size, store, options):
 
 def _zmq(scheme):
     def factory(rank, size, store, options):
-        from .zmq_transport import ZmqTransport  # zmq is imported only when used
+        from . import auth  # zmq is imported only when used
+        from .zmq_transport import MAX_UNEXPECTED_NBYTES, ZmqTransport
 
+        token, curve = auth.from_env(options.token, options.curve)
+        cap = options.max_unexpected_nbytes
+        if cap is None:
+            raw = os.environ.get("NUMCOLL_MAX_UNEXPECTED_NBYTES")
+            cap = MAX_UNEXPECTED_NBYTES if raw is None else int(raw, 0)
         return ZmqTransport(scheme, rank, size, store, host=options.host,
                             peer_grace_s=options.peer_grace_s,
                             zero_copy_nbytes=options.zero_copy_nbytes,
                             shm_slot_nbytes=options.shm_slot_nbytes,
-                            shm_slots=options.shm_slots)
+                            shm_slots=options.shm_slots, token=token, curve=curve,
+                            max_unexpected_nbytes=cap)
 
     factory.__name__ = f"zmq_{scheme}"
     return factory

@@ -6,6 +6,12 @@ receive waits in a per-``(src, tag)`` FIFO until one is posted. The in-process
 transport delivers into mailboxes from the sending thread; the ZeroMQ
 transport from its I/O thread, reading the payload straight into the posted
 buffer.
+
+Memory is bounded: a peer whose unexpected messages (those no posted receive
+has taken yet) exceed ``max_unexpected_nbytes`` is cut off — its later
+messages are refused and its receives fail saying why — instead of growing
+this process without bound. Collectives in flight on several threads arrive
+out of order and wait here legitimately; the cap is far above what they hold.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ __all__ = ["PendingRequest", "Mailbox", "DISCARD"]
 
 #: Passed to a payload reader to drop the payload (an empty receive buffer).
 DISCARD = memoryview(bytearray())
+#: What a held message costs besides its payload (queue entry, stamp, view):
+#: so a flood of empty messages counts against the cap too.
+HELD_OVERHEAD_NBYTES = 256
 
 
 class PendingRequest:
@@ -158,9 +167,14 @@ PayloadReader = Callable[[memoryview | None], memoryview | None]
 class Mailbox:
     """Posted receives and unexpected messages of one rank. Thread-safe."""
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, max_unexpected_nbytes: int | None = None,
+                 on_overflow: Callable[[int, str], None] | None = None):
         self.rank = rank
         self.size = size
+        # Per peer (never this rank): bytes held for receives not posted yet.
+        self._max_unexpected = max_unexpected_nbytes
+        self._held_nbytes = [0] * size
+        self._on_overflow = on_overflow
         self._lock = threading.Lock()
         # (src or ANY_SOURCE, tag) -> posted receives, oldest first
         self._posted: dict[tuple[int, int], deque[PendingRequest]] = {}
@@ -236,9 +250,11 @@ class Mailbox:
                 if victims:
                     self._fail_conflicts(victims, src, stamp)
                     return True  # the payload belongs to another call: dropped
-            if req is None and private:
-                self._hold(src, tag, data, stamp)
-                return True
+            held = req is None and private and self._hold(src, tag, data, stamp)
+        if req is None and private:
+            if not held:
+                self._overflowed(src)
+            return True
         if req is None:
             data, private = memoryview(bytes(data)), True  # copied without the lock held
             with self._lock:
@@ -246,8 +262,11 @@ class Mailbox:
                     return False
                 req = self._claim(src, tag)  # a receive may have been posted meanwhile
                 if req is None:
-                    self._hold(src, tag, data, stamp)
-                    return True
+                    held = self._hold(src, tag, data, stamp)
+            if req is None:
+                if not held:
+                    self._overflowed(src)
+                return True
         if not self._accepts(req, src, data.nbytes, stamp):
             return True
         if req.buf is None:
@@ -272,11 +291,18 @@ class Mailbox:
                     self._fail_conflicts(victims, src, stamp)
                     return
                 # Read under the lock so a receive posted now cannot miss the message.
-                if self._closed is None:
-                    self._hold(src, tag, read(None), stamp)
-                else:
+                if self._closed is not None:
                     read(DISCARD)
-                return
+                    return
+                if not self._room(src, nbytes):
+                    read(DISCARD)
+                    held = False
+                else:
+                    held = self._hold(src, tag, read(None), stamp)
+        if req is None:
+            if not held:
+                self._overflowed(src)
+            return
         if not self._accepts(req, src, nbytes, stamp):
             read(DISCARD)
         elif req.buf is None:
@@ -310,6 +336,7 @@ class Mailbox:
             victims = [req for queue in self._posted.values() for req in queue]
             self._posted.clear()
             self._unexpected.clear()
+            self._held_nbytes = [0] * self.size
             self._calls_posted.clear()
             self._calls_held.clear()
         for req in victims:
@@ -332,6 +359,14 @@ class Mailbox:
         if req.whole_call:
             self._forget_whole_call(req)
         return req
+
+    def _room(self, src: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` more from ``src`` may be held (and ``src`` is not cut off)."""
+        if self._max_unexpected is None or src == self.rank:
+            return True
+        if src in self._gone:
+            return False
+        return self._held_nbytes[src] + nbytes + HELD_OVERHEAD_NBYTES <= self._max_unexpected
 
     def _forget_whole_call(self, req: PendingRequest) -> None:
         key = (req.peer, req.tag >> CALL_SHIFT)
@@ -374,12 +409,32 @@ class Mailbox:
                     "at the same sequence number", req.peer, req.stamp, stamp)
         return None
 
-    def _hold(self, src: int, tag: int, payload: memoryview, stamp: bytes) -> None:
+    def _hold(self, src: int, tag: int, payload: memoryview, stamp: bytes) -> bool:
+        """Queue an unexpected message; False (nothing kept) if ``src`` is over its cap."""
+        if not self._room(src, payload.nbytes):
+            return False
+        self._held_nbytes[src] += payload.nbytes + HELD_OVERHEAD_NBYTES
         by_src = self._unexpected.setdefault(tag, {})
         by_src.setdefault(src, deque()).append((next(self._counter), payload, stamp))
         if stamp:
             stamps = self._calls_held.setdefault((src, tag >> CALL_SHIFT), {})
             stamps[stamp] = stamps.get(stamp, 0) + 1
+        return True
+
+    def _overflowed(self, src: int) -> None:
+        """``src`` sent more than the cap (or was cut off already): say so once."""
+        if self._max_unexpected is None or src in self._gone:
+            return
+        reason = (f"rank {src} sent more than {self._max_unexpected} bytes that no receive on "
+                  f"rank {self.rank} asked for (NUMCOLL_MAX_UNEXPECTED_NBYTES); cut off")
+        if self._on_overflow is not None:
+            self._on_overflow(src, reason)
+        else:
+            self.peer_gone(src, reason)
+
+    def held_nbytes(self, src: int) -> int:
+        """Bytes (payloads plus overhead) held for ``src``'s unposted receives."""
+        return self._held_nbytes[src]
 
     def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview, bytes] | None:
         by_src = self._unexpected.get(tag)
@@ -391,6 +446,7 @@ class Mailbox:
         if not queue:
             return None
         _, payload, stamp = queue.popleft()
+        self._held_nbytes[peer] -= payload.nbytes + HELD_OVERHEAD_NBYTES
         if not queue:
             del by_src[peer]
             if not by_src:

@@ -10,9 +10,15 @@ kernel copies (plus one on ``recv_into``) of a Unix-domain socket — on a
 2-core machine, copies are what limits collectives.
 
 Each ordered pair (sender -> receiver) has one slab: a file in ``/dev/shm``
-that the sender creates and sizes, and the receiver maps and unlinks right
-away, so nothing is left behind even if a process crashes after the
-handshake (the sender also unlinks on close, in case the peer never came).
+that the sender creates and sizes, and the receiver maps, unlinks and
+confirms through the store; the sender waits for that confirmation (the
+store's deadline) before it uses, or forgets, the slab. So no rank can remove
+a slab its peer has not mapped yet (a rank that finishes at once used to),
+and once a group is made no name is left to leak. A slab the receiver cannot
+find (its creator died) is no error: that peer's payloads travel through the
+socket. A process killed mid-handshake can still leave a file behind: its
+name carries the creator's pid (``numcoll-slab-{pid}-...``), and every later
+group on the host removes the slabs whose creator is dead.
 The sender reserves the slab's memory up front (``posix_fallocate``): on a
 small ``/dev/shm`` that fails cleanly, the sender publishes ``none`` for that
 peer, and payloads to it simply keep travelling through the socket — instead
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import tempfile
 import threading
 import uuid
@@ -36,6 +43,10 @@ __all__ = ["SharedSlabs"]
 
 _SHM_DIR = "/dev/shm"
 _NONE = b"none"
+_MAPPED = b"mapped"
+_PREFIX = "numcoll-slab-"
+#: A slab's name: creator pid, a random token, sender and receiver rank.
+_NAME = re.compile(r"numcoll-slab-(\d+)-[0-9a-f]{32}-\d+to\d+")
 
 
 def _slab_dir() -> str:
@@ -58,34 +69,57 @@ class SharedSlabs:
         self._out: dict[int, mmap.mmap] = {}
         self._in: dict[int, mmap.mmap] = {}
         self._paths: list[str] = []
+        self._slots = slots
+        self._busy: dict[int, set[int]] = {}  # peer -> slots written, credit not back yet
         nbytes = slot_nbytes * slots
         directory = _slab_dir()
+        reap_orphans(directory)
         token = uuid.uuid4().hex
+        peers = [p for p in range(size) if p != rank]
         try:
-            for peer in range(size):
-                if peer == rank:
-                    continue
-                path = os.path.join(directory, f"numcoll-{token}-{rank}to{peer}")
+            for peer in peers:
+                path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{token}-{rank}to{peer}")
                 if self._create(peer, path, nbytes):
-                    self._free[peer] = deque(range(slots))
                     store.set(f"shm/{rank}/{peer}", path.encode())
                 else:
                     store.set(f"shm/{rank}/{peer}", _NONE)
-            for peer in range(size):
-                if peer == rank:
-                    continue
-                path = store.get(f"shm/{peer}/{rank}").decode()
-                if path == _NONE.decode():
-                    continue  # that peer sends us everything through the socket
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    self._in[peer] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
-                _unlink(path)  # mapped: the name is no longer needed by anyone
+            for peer in peers:
+                path = store.get(f"shm/{peer}/{rank}")
+                store.set(f"shm/{peer}/{rank}/state", _MAPPED if self._map(peer, path, nbytes)
+                          else _NONE)
+            for peer in peers:
+                if peer in self._out and store.get(f"shm/{rank}/{peer}/state") != _MAPPED:
+                    self._out.pop(peer).close()  # it could not map it: use the socket
+                if peer in self._out:
+                    self._free[peer] = deque(range(slots))
+                    self._busy[peer] = set()
+            # Every peer mapped (and unlinked) its slab, or never will: forget the names.
+            for path in self._paths:
+                _unlink(path)
+            self._paths.clear()
         except BaseException:
             self.close()
             raise
+
+    def _map(self, peer: int, path: bytes, nbytes: int) -> bool:
+        """Map the slab ``peer`` made for us and unlink its name; False if there is none."""
+        if path == _NONE:
+            return False
+        path = path.decode()
+        if _NAME.fullmatch(os.path.basename(path)) is None:
+            return False  # not a name SharedSlabs makes: never open it
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:  # its creator is gone: nothing will come through it
+            return False
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                return False
+            self._in[peer] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        _unlink(path)  # mapped: the name is no longer needed by anyone
+        return True
 
     def _create(self, peer: int, path: str, nbytes: int) -> bool:
         """Create and reserve the slab towards ``peer``; False if there is no room."""
@@ -112,14 +146,27 @@ class SharedSlabs:
         """A free slot towards ``peer``, or None if all are in flight."""
         with self._lock:
             free = self._free.get(peer)
-            return free.popleft() if free else None
+            if not free:
+                return None
+            slot = free.popleft()
+            self._busy[peer].add(slot)
+            return slot
 
-    def release(self, peer: int, slot: int) -> None:
-        """``peer`` has copied slot ``slot`` out: it may be written again."""
+    def release(self, peer: int, slot: int) -> bool:
+        """``peer`` has copied slot ``slot`` out: it may be written again.
+        False (nothing changes) unless ``slot`` was in flight to ``peer``: a
+        second credit for one slot must never let two payloads share it."""
         with self._lock:
-            free = self._free.get(peer)
-            if free is not None:
-                free.append(slot)
+            busy = self._busy.get(peer)
+            if busy is None or slot not in busy:
+                return False
+            busy.discard(slot)
+            self._free[peer].append(slot)
+            return True
+
+    def readable(self, peer: int, slot: int, nbytes: int) -> bool:
+        """Whether a header naming ``slot`` of ``peer``'s slab for ``nbytes`` is possible."""
+        return peer in self._in and 0 <= slot < self._slots and 0 <= nbytes <= self.slot_nbytes
 
     def write(self, peer: int, slot: int, data: memoryview) -> None:
         # NumPy releases the GIL for a large copy; a memoryview slice assignment would not.
@@ -149,6 +196,37 @@ class SharedSlabs:
         self._in.clear()
         with self._lock:
             self._free.clear()
+            self._busy.clear()
+
+
+def reap_orphans(directory: str) -> list[str]:
+    """Remove the slabs in ``directory`` whose creating process is dead (it
+    was killed before its peer could map them); returns their paths."""
+    reaped = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return reaped
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        _unlink(path)
+        reaped.append(path)
+    return reaped
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's, or not a pid: leave it
+        return True
+    return True
 
 
 def _unlink(path: str) -> None:

@@ -1,18 +1,31 @@
 """ZeroMQ transport: ``tcp://`` between hosts, ``ipc://`` between processes on one host.
 
 Sockets
-    Each rank binds one PULL socket (the OS picks the port, or a fresh file for
-    ipc) and publishes its endpoint in the store as ``addr/{rank}``; it connects
-    one PUSH socket to every peer's PULL. One I/O thread per transport owns every
-    socket. Sends reach it through a queue plus a wakeup fd; receives never wait
-    for it: they are matched in a :class:`~transports.mailbox.Mailbox`, which the
-    I/O thread fills, reading each payload straight into the posted buffer.
+    Each rank binds one PULL socket (the OS picks the port; for ipc a Linux
+    abstract-namespace name, ``ipc://@numcoll-...``, which no file backs, so a
+    killed rank leaves nothing in the temp directory) and publishes its
+    endpoint and session nonce in the store as ``addr/{rank}`` (with CURVE, its
+    public key as ``curve/{rank}`` first); it connects one PUSH socket to every
+    peer's PULL. One I/O thread per transport owns every socket. Sends reach it
+    through a queue plus a wakeup fd; receives never wait for it: they are
+    matched in a :class:`~transports.mailbox.Mailbox`, which the I/O thread
+    fills, reading each payload straight into the posted buffer.
 Wire format
-    A message starts with a :data:`HEADER` (kind, source rank, tag, payload
-    bytes, stamp length) and the stamp's bytes. Payloads below ``zero_copy_nbytes`` follow the header in the same
-    frame (``INLINE``: one send and one receive per message); larger ones are a
-    second frame (``DATA``), sent without a copy and received straight into the
-    posted buffer. ``BYE`` is a header alone.
+    A message starts with a :data:`HEADER` (the sender's session nonce, kind,
+    source rank, tag, payload bytes, stamp length) and the stamp's bytes.
+    Payloads below ``zero_copy_nbytes`` follow the header in the same frame
+    (``INLINE``: one send and one receive per message); larger ones are a
+    second frame (``DATA``), sent without a copy. ``BYE`` is a header alone.
+Trust
+    Anyone who can reach the PULL socket can send it bytes. Every frame is
+    checked before it touches the mailbox: length, kind, source rank (a peer,
+    never this rank), the source's nonce (a 64-bit random number each rank
+    draws per group and publishes only in the store, so a blind forger cannot
+    guess it), stamp length, payload size and frame count, slot and credit
+    numbers. A frame that fails is dropped and logged (logger
+    ``numcoll.transport``, rate-limited); it never completes a receive, never
+    drops a peer and never stops the I/O thread. Who may connect at all is
+    :mod:`transports.auth`'s business (same user for ipc, token, CURVE).
 Liveness
     A closing rank sends ``BYE`` to every peer after all its data (same pipe, so
     a peer that reads ``BYE`` has everything). A crash shows up as a disconnect
@@ -26,6 +39,7 @@ import os
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -33,9 +47,11 @@ import uuid
 import warnings
 from collections import deque
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import auth
 from .base import (
     SEND,
     PeerClosed,
@@ -53,8 +69,9 @@ __all__ = ["ZmqTransport", "SCHEMES"]
 
 SCHEMES = ("tcp", "ipc")
 
-#: kind, source rank, tag, payload bytes, stamp bytes (the stamp follows).
-HEADER = struct.Struct("<BiQQB")
+#: sender's nonce, kind, source rank, tag, payload bytes, stamp bytes (the stamp follows).
+HEADER = struct.Struct("<QBiQQB")
+_KIND_AT = 8  # offset of the kind byte in a header
 KIND_INLINE = 0
 KIND_DATA = 1
 KIND_BYE = 2
@@ -78,7 +95,16 @@ JOIN_TIMEOUT_S = 5.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
 #: Bind addresses that peers cannot connect to: publish this host's address instead.
 WILDCARD_HOSTS = ("*", "0.0.0.0", "")
-MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+#: A peer refusing our handshake: the ranks do not share a token or CURVE setting.
+REFUSED_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | REFUSED_EVENTS
+#: Refusals by libzmq on the listening socket (ZAP refusals are logged by the handler).
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+#: Default cap on bytes held per peer for receives not posted yet.
+MAX_UNEXPECTED_NBYTES = 512 << 20
+#: Linux abstract-namespace ipc endpoints (no file); elsewhere a private temp dir.
+ABSTRACT_IPC = sys.platform.startswith("linux")
 
 _WAKE = (1).to_bytes(8, "little")  # an eventfd takes 8-byte counts; a pipe takes anything
 
@@ -132,12 +158,20 @@ class ZmqTransport:
     zero_copy_nbytes : int
         Sends of at least this many bytes go out without a copy and complete
         when ZeroMQ releases the buffer; smaller ones are copied and complete at once.
+    token : bytes, optional
+        Shared secret every connection must prove (ZeroMQ PLAIN, or CURVE keys
+        exchanged through the store); see :mod:`transports.auth`.
+    curve : bool
+        Encrypt every connection with CURVE.
+    max_unexpected_nbytes : int
+        Bytes a peer may have waiting for receives not posted yet before it is cut off.
     """
 
     def __init__(self, scheme: str, rank: int, size: int, store: Rendezvous, *,
                  host: str = "127.0.0.1", timeout_s: float = 300.0,
                  peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536,
-                 shm_slot_nbytes: int = 0, shm_slots: int = 0):
+                 shm_slot_nbytes: int = 0, shm_slots: int = 0, token: bytes | None = None,
+                 curve: bool = False, max_unexpected_nbytes: int = MAX_UNEXPECTED_NBYTES):
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
         if not 0 <= rank < size:
@@ -148,7 +182,16 @@ class ZmqTransport:
         self.timeout_s = timeout_s
         self._grace_s = peer_grace_s
         self._zero_copy_nbytes = zero_copy_nbytes
-        self._mailbox = Mailbox(rank, size)
+        self._mailbox = Mailbox(rank, size, max_unexpected_nbytes, self._on_overflow)
+        self._nonce = int.from_bytes(os.urandom(8), "little")
+        self._peer_nonces: dict[int, int] = {}
+        self._security = auth.Security(token, curve)
+        self._door: auth._Door | None = None
+        #: Frames dropped as malformed or forged, and connections refused at
+        #: the handshake (logged, rate-limited).
+        self.dropped = auth.DropLog(f"numcoll transport rank {rank}: dropped frame")
+        self.refused = auth.DropLog(f"numcoll transport rank {rank}: refused connection")
+        self._pull_monitor: zmq.Socket | None = None
         self._shm: SharedSlabs | None = None
         # (peer, first frame, second frame | None, zero-copy send | None), or None to stop
         self._ops: deque = deque()
@@ -176,17 +219,25 @@ class ZmqTransport:
             self._pull = ctx.socket(zmq.PULL)
             self._pull.setsockopt(zmq.RCVHWM, 0)
             self._pull.setsockopt(zmq.LINGER, 0)
+            self._door = self._security.serve(self._pull, scheme, self.refused)
+            keys = self._exchange_keys(store)
+            # Handshakes libzmq itself rejects (a bad greeting, a mechanism other
+            # than ours) never reach the ZAP handler: hear of them here.
+            self._pull_monitor = self._pull.get_monitor_socket(HANDSHAKE_EVENTS)
             self.endpoint = self._bind(host)
-            store.set(f"addr/{rank}", self.endpoint.encode())
+            store.set(f"addr/{rank}", self._card())
             for peer in range(size):
                 if peer != rank:
-                    self._connect(ctx, peer, store.get(f"addr/{peer}").decode())
+                    endpoint = self._read_card(peer, store.get(f"addr/{peer}"))
+                    self._connect(ctx, peer, endpoint, keys.get(peer, b""))
             if scheme == "ipc" and size > 1 and shm_slots > 0 and shm_slot_nbytes >= zero_copy_nbytes:
                 self._shm = SharedSlabs(rank, size, store, shm_slot_nbytes, shm_slots)
         except BaseException:
             self._release_sockets()
             self._wakeup.close()
             self._remove_ipc_dir()
+            if self._door is not None:
+                self._door.close()
             if self._shm is not None:
                 self._shm.close()
             raise
@@ -196,7 +247,40 @@ class ZmqTransport:
 
     # --- setup ----------------------------------------------------------------
 
+    def _exchange_keys(self, store: Rendezvous) -> dict[int, bytes]:
+        """With CURVE, every rank's public key, known to the door before anyone
+        can connect (a key learnt later would refuse a legitimate peer)."""
+        if not self._security.curve:
+            return {}
+        store.set(f"curve/{self.rank}", self._security.public_key)
+        keys = {peer: store.get(f"curve/{peer}") for peer in range(self.size) if peer != self.rank}
+        if self._door is not None:
+            self._door.allow_keys(keys.values())
+        return keys
+
+    def _card(self) -> bytes:
+        """What peers need to reach this rank and believe its frames: endpoint, nonce."""
+        mode = "curve" if self._security.curve else "-"
+        return f"{self.endpoint} {self._nonce:016x} {mode}".encode()
+
+    def _read_card(self, peer: int, card: bytes) -> str:
+        try:
+            endpoint, nonce, mode = card.decode().split(" ")
+            self._peer_nonces[peer] = int(nonce, 16)
+        except ValueError:
+            raise TransportError(f"rank {self.rank}: rank {peer} published a malformed "
+                                 f"address {card[:80]!r} (another numcoll version?)", peer) from None
+        if (mode == "curve") != self._security.curve:
+            raise TransportError(f"rank {self.rank} and rank {peer} disagree on CURVE "
+                                 "(set NUMCOLL_CURVE alike on every rank)", peer)
+        return endpoint
+
     def _bind(self, host: str) -> str:
+        if self.scheme == "ipc" and ABSTRACT_IPC:
+            # Abstract namespace: no file, so nothing is left behind, even on SIGKILL.
+            endpoint = f"ipc://@numcoll-{os.getpid()}-{uuid.uuid4().hex}-{self.rank}"
+            self._pull.bind(endpoint)
+            return endpoint
         if self.scheme == "ipc":
             self._ipc_dir = tempfile.mkdtemp(prefix="numcoll-ipc-")
             path = os.path.join(self._ipc_dir, f"numcoll-{uuid.uuid4().hex}-{self.rank}.sock")
@@ -210,9 +294,10 @@ class ZmqTransport:
             endpoint = f"tcp://{socket.gethostbyname(socket.gethostname())}:{port}"
         return endpoint
 
-    def _connect(self, ctx: zmq.Context, peer: int, endpoint: str) -> None:
+    def _connect(self, ctx: zmq.Context, peer: int, endpoint: str, key: bytes) -> None:
         sock = ctx.socket(zmq.PUSH)
         self._push[peer] = sock
+        self._security.connect(sock, key)
         # Unbounded queue, and no IMMEDIATE: messages wait for the connection
         # instead of being refused; the algorithms bound what is in flight.
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -275,7 +360,7 @@ class ZmqTransport:
         return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
 
     def _header(self, kind: int, tag: int, nbytes: int, stamp: bytes = b"") -> bytes:
-        return HEADER.pack(kind, self.rank, tag, nbytes, len(stamp)) + stamp
+        return HEADER.pack(self._nonce, kind, self.rank, tag, nbytes, len(stamp)) + stamp
 
     def close(self) -> None:
         with self._ops_lock:
@@ -297,6 +382,8 @@ class ZmqTransport:
         self._remove_ipc_dir()
         if self._shm is not None:
             self._shm.close()
+        if self._door is not None:
+            self._door.close()
 
     def __repr__(self) -> str:
         return f"<ZmqTransport {self.endpoint} rank {self.rank}/{self.size}>"
@@ -373,6 +460,7 @@ class ZmqTransport:
         poller.register(self._wakeup.fd, zmq.POLLIN)
         for mon in self._monitors.values():
             poller.register(mon, zmq.POLLIN)
+        poller.register(self._pull_monitor, zmq.POLLIN)
         error = None
         try:
             running = True
@@ -381,6 +469,8 @@ class ZmqTransport:
                 for sock, _ in ready:
                     if sock is self._pull:
                         self._read_inbound()
+                    elif sock is self._pull_monitor:
+                        self._read_refusals()
                     elif sock == self._wakeup.fd:
                         self._wakeup.clear()
                     else:
@@ -433,12 +523,12 @@ class ZmqTransport:
             backlog.append((first, payload, req))
         elif not self._try_send(peer, first, payload, req):
             self._backlog[peer] = deque([(first, payload, req)])
-            if first[0] != KIND_SHM:  # a full socket; a slot shortage ends with a credit
+            if first[_KIND_AT] != KIND_SHM:  # a full socket; a slot shortage ends with a credit
                 self._poller.register(self._push[peer], zmq.POLLOUT)
 
     def _try_send(self, peer: int, first: bytes, payload, req: PendingRequest | None) -> bool:
         sock = self._push[peer]
-        if first[0] == KIND_SHM:
+        if first[_KIND_AT] == KIND_SHM:
             if not self._send_shm(peer, first, payload):
                 return False  # waits in the backlog for a credit, not for POLLOUT
             req.complete(None, source=peer)
@@ -467,7 +557,7 @@ class ZmqTransport:
             return
         while backlog:
             if not self._try_send(peer, *backlog[0]):
-                if backlog[0][0][0] == KIND_SHM and self._is_polled(peer):
+                if backlog[0][0][_KIND_AT] == KIND_SHM and self._is_polled(peer):
                     self._poller.unregister(self._push[peer])  # now waiting for a credit
                 return
             backlog.popleft()
@@ -486,32 +576,79 @@ class ZmqTransport:
                 first = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, src, tag, nbytes, stamp_nbytes = HEADER.unpack_from(first)
-            body = HEADER.size + stamp_nbytes
-            stamp = first[HEADER.size:body]
-            if src in self._suspects:  # still draining what it sent: extend its grace
-                self._suspects[src] = time.monotonic() + self._grace_s
-            if kind == KIND_INLINE:  # the frame is our own copy: the mailbox may keep it
-                self._mailbox.deliver(src, tag, memoryview(first)[body:], private=True,
-                                      stamp=stamp)
-            elif kind == KIND_DATA:
-                self._mailbox.arrive(src, tag, nbytes, self._read_payload, stamp)
-            elif kind == KIND_SHM:
-                slot = SLOT.unpack_from(first, body)[0]
-                self._mailbox.arrive(src, tag, nbytes, lambda into, s=slot, n=nbytes, p=src:
-                                     self._read_slot(p, s, n, into), stamp)
-                self._credit(src, slot)
-            elif kind == KIND_CREDIT:
-                self._shm.release(src, nbytes)
-                with self._push_lock:
-                    if src in self._push:
-                        self._flush_backlog(src)
-            elif kind == KIND_BYE:  # comes after everything src sent us
-                with self._push_lock:
-                    self._peer_gone(src, f"rank {src} closed its transport")
-            else:  # not a numcoll peer: fail loudly rather than misread the stream
-                raise TransportError(f"rank {self.rank}: message of unknown kind {kind} "
-                                     f"claiming to be from rank {src}")
+            try:
+                self._take(first)
+            except _BadFrame as bad:
+                self.dropped.drop(str(bad))
+            # Whatever a bad message carried beyond what was read: a multipart
+            # message arrives whole, so this never blocks.
+            while pull.getsockopt(zmq.RCVMORE):
+                pull.recv(zmq.NOBLOCK, copy=False)
+
+    def _take(self, first: bytes) -> None:
+        """Check one inbound message (its first frame read) and act on it;
+        :class:`_BadFrame` before anything is delivered if it is not one a peer sends."""
+        if len(first) < HEADER.size:
+            raise _BadFrame(f"{len(first)}-byte frame, shorter than a header")
+        nonce, kind, src, tag, nbytes, stamp_nbytes = HEADER.unpack_from(first)
+        if not 0 <= src < self.size or src == self.rank:
+            raise _BadFrame(f"kind {kind} claiming to be from rank {src} (group of {self.size}, "
+                            f"this is rank {self.rank})")
+        if nonce != self._peer_nonces.get(src):
+            raise _BadFrame(f"kind {kind} claiming to be from rank {src} without its session nonce")
+        body = HEADER.size + stamp_nbytes
+        if body > len(first):
+            raise _BadFrame(f"from rank {src}: stamp of {stamp_nbytes} bytes runs past the frame")
+        more = self._pull.getsockopt(zmq.RCVMORE)
+        if kind != KIND_DATA and more:
+            raise _BadFrame(f"kind {kind} from rank {src} with extra frames")
+        if self._mailbox.gone_reason(src) is not None:
+            raise _BadFrame(f"kind {kind} from rank {src}, which has left or was cut off")
+        if src in self._suspects:  # still draining what it sent: extend its grace
+            self._suspects[src] = time.monotonic() + self._grace_s
+        stamp = first[HEADER.size:body]
+        if kind == KIND_INLINE:  # the frame is our own copy: the mailbox may keep it
+            if len(first) - body != nbytes:
+                raise _BadFrame(f"inline message from rank {src} claims {nbytes} bytes "
+                                f"but carries {len(first) - body}")
+            self._mailbox.deliver(src, tag, memoryview(first)[body:], private=True, stamp=stamp)
+        elif kind == KIND_DATA:
+            if not more or len(first) != body:
+                raise _BadFrame(f"data header from rank {src} without exactly one payload frame")
+            payload = self._pull.recv(zmq.NOBLOCK, copy=False)
+            if self._pull.getsockopt(zmq.RCVMORE) or len(payload) != nbytes:
+                raise _BadFrame(f"data message from rank {src} claims {nbytes} bytes but "
+                                f"its payload frame has {len(payload)}")
+            self._mailbox.arrive(src, tag, nbytes, lambda into: _read_frame(payload, into), stamp)
+        elif kind == KIND_SHM:
+            if len(first) != body + SLOT.size:
+                raise _BadFrame(f"slot header from rank {src} of {len(first)} bytes")
+            slot = SLOT.unpack_from(first, body)[0]
+            if self._shm is None or not self._shm.readable(src, slot, nbytes):
+                raise _BadFrame(f"rank {src} names slot {slot} for {nbytes} bytes, which "
+                                "its slab does not have")
+            self._mailbox.arrive(src, tag, nbytes, lambda into, s=slot, n=nbytes, p=src:
+                                 self._read_slot(p, s, n, into), stamp)
+            self._credit(src, slot)
+        elif kind == KIND_CREDIT:
+            if len(first) != HEADER.size or self._shm is None or not self._shm.release(src, nbytes):
+                raise _BadFrame(f"credit from rank {src} for slot {nbytes}, not in flight to it")
+            with self._push_lock:
+                if src in self._push:
+                    self._flush_backlog(src)
+        elif kind == KIND_BYE:  # comes after everything src sent us
+            if len(first) != HEADER.size or nbytes or tag:
+                raise _BadFrame(f"malformed goodbye from rank {src}")
+            with self._push_lock:
+                self._peer_gone(src, f"rank {src} closed its transport")
+        else:
+            raise _BadFrame(f"unknown kind {kind} claiming to be from rank {src}")
+
+    def _on_overflow(self, peer: int, reason: str) -> None:
+        """The mailbox holds too much from ``peer`` (called on the I/O thread)."""
+        auth.log.error("numcoll transport rank %d: %s", self.rank, reason)
+        with self._push_lock:
+            self._peer_gone(peer, reason)
 
     def _read_slot(self, peer: int, slot: int, nbytes: int, into):
         if into is DISCARD:
@@ -530,12 +667,14 @@ class ZmqTransport:
                 except zmq.ZMQError:  # gone: it will not need the slot again
                     pass
 
-    def _read_payload(self, into: memoryview | None) -> memoryview | None:
-        # The payload frame is already here: a multipart message arrives whole.
-        if into is None:
-            return memoryview(self._pull.recv(zmq.NOBLOCK, copy=False)).toreadonly()
-        self._pull.recv_into(into, flags=zmq.NOBLOCK)
-        return None
+    def _read_refusals(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self._pull_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = zmq.Event(event["event"]).name.lower()
+            self.refused.drop(f"{name} (error {event['value']}) on {self.endpoint}")
 
     def _read_monitor(self, peer: int) -> None:
         mon = self._monitors[peer]
@@ -543,6 +682,11 @@ class ZmqTransport:
             try:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
             except zmq.Again:
+                return
+            if event & REFUSED_EVENTS:
+                self._peer_gone(peer, f"rank {peer} refused this rank's connection at the "
+                                f"handshake ({zmq.Event(event).name.lower()}): do all ranks "
+                                "share NUMCOLL_AUTH_TOKEN and NUMCOLL_CURVE?")
                 return
             if event == zmq.EVENT_DISCONNECTED:
                 self._suspects.setdefault(peer, time.monotonic() + self._grace_s)
@@ -604,7 +748,13 @@ class ZmqTransport:
             for peer in list(self._push):
                 self._close_peer(peer, linger_ms=LINGER_MS)  # lingers in the background
         finally:
-            self._pull.close(linger=0)
+            self._close_pull()
+
+    def _close_pull(self) -> None:
+        if self._pull_monitor is not None:
+            self._pull.disable_monitor()
+            self._pull_monitor.close(linger=0)
+        self._pull.close(linger=0)
 
     def _say_bye(self, peer: int) -> None:
         try:
@@ -620,8 +770,22 @@ class ZmqTransport:
             else:
                 self._push.pop(peer).close(linger=0)
         if self._pull is not None:
-            self._pull.close(linger=0)
+            self._close_pull()
 
     def _remove_ipc_dir(self) -> None:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class _BadFrame(Exception):
+    """An inbound message no numcoll peer of this group would send."""
+
+
+def _read_frame(frame: zmq.Frame, into: memoryview | None) -> memoryview | None:
+    """A :data:`~transports.mailbox.PayloadReader` over a received payload frame."""
+    if into is None:
+        return memoryview(frame.buffer).toreadonly()
+    if into.nbytes:
+        # NumPy releases the GIL for a large copy; a memoryview assignment would not.
+        np.frombuffer(into, np.uint8)[...] = np.frombuffer(frame.buffer, np.uint8)
+    return None

@@ -81,12 +81,15 @@ class LaunchError(NumcollError):
 
 class LaunchTimeoutError(NumcollError, TimeoutError):
     """``launch``'s overall deadline passed. ``ranks`` lists the ranks still
-    running then; ``blocked`` maps each to what it was blocked on, if known."""
+    running then; ``blocked`` maps each to what it was blocked on, if known;
+    ``results`` holds the return values of the ranks that finished."""
 
-    def __init__(self, message: str, ranks: list[int], blocked: dict[int, str]):
+    def __init__(self, message: str, ranks: list[int], blocked: dict[int, str],
+                 results: list | None = None):
         super().__init__(message)
         self.ranks = ranks
         self.blocked = blocked
+        self.results = results if results is not None else []
 
 
 def launch(fn: Callable, world_size: int, args: tuple = (), *, mode: str = "process",
@@ -169,6 +172,11 @@ class _Outcomes:
         results = [None if r in failed else v for r, v in enumerate(self.results)]
         err = RankFailedError(f"rank {rank} failed{also}: {text}", rank, results, failed)
         raise err from exc
+
+
+def _finished(outcomes: _Outcomes, stuck: list[int]) -> list:
+    failed = {f[1] for f in outcomes.failures} | set(stuck)
+    return [None if r in failed else v for r, v in enumerate(outcomes.results)]
 
 
 def _describe(exc: BaseException) -> str:
@@ -281,7 +289,8 @@ def _launch_threads(fn, world_size, args, transport, timeout, group_timeout, thr
         alive = [r for r in stuck if workers[r].is_alive()]
         note = (f"; ranks {alive} are still running code outside numcoll (threads cannot "
                 "be killed)") if alive else "; their groups were aborted"
-        raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked, note), stuck, blocked)
+        raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked, note), stuck, blocked,
+                                 _finished(outcomes, stuck))
     outcomes.raise_first()
     return outcomes.results
 
@@ -562,7 +571,8 @@ def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: t
         return  # they all finished while we asked
     blocked = {rank: pending[rank].report or "no answer (stopped, or stuck outside Python)"
                for rank in stuck}
-    raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked), stuck, blocked)
+    raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked), stuck, blocked,
+                             _finished(outcomes, stuck))
 
 
 def _raise_load_error(load_errors: dict[int, str]) -> None:

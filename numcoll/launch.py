@@ -42,7 +42,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from . import distributed as dist
-from .errors import GroupPoisonedError, NumcollError, PeerError
+from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
 from .store import HashStore
 from .tcpstore import TCPStore
 
@@ -160,10 +160,11 @@ class _Outcomes:
     def raise_first(self) -> None:
         if not self.failures:
             return
-        # A rank's own error explains the run; the PeerErrors of the ranks it
-        # left behind do not, so they come last.
+        # A rank's own error, or its death or stall, explains the run; the
+        # errors of the ranks it left behind (its peer is gone, the group is
+        # poisoned, a wait for it timed out) do not, so they come last.
         def consequence(f):
-            return isinstance(f[2], (PeerError, GroupPoisonedError))
+            return isinstance(f[2], (PeerError, GroupPoisonedError, CollectiveTimeoutError))
 
         _, rank, exc, text = min(self.failures, key=lambda f: (consequence(f), f[0]))
         failed = {r: t for _, r, _, t in sorted(self.failures, key=lambda f: f[0])}
@@ -547,7 +548,8 @@ def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelt
         if first_failure_at is not None and time.monotonic() - first_failure_at > _FAILURE_GRACE_S:
             for rank in pending:
                 outcomes.fail(rank, None, "terminated: still running "
-                                          f"{_FAILURE_GRACE_S:.0f}s after another rank failed")
+                                          f"{_FAILURE_GRACE_S:g}s after another rank failed "
+                                          "(stopped, or blocked outside numcoll?)")
             return
 
 

@@ -137,9 +137,9 @@ def test_thread_launch_timeout_says_what_ranks_were_blocked_on(no_leaked_threads
     message = str(info.value)
     assert message.startswith("Timed out waiting 1000ms for launch: ranks [0, 1] still running")
     assert info.value.ranks == [0, 1]
-    assert "allreduce (collective #0) waiting to recv from rank 1" in info.value.blocked[0]
-    assert "all_reduce() called from _late_rank" in info.value.blocked[0]
-    assert "_late_rank (test_launch.py" in info.value.blocked[1]
+    assert "allreduce (collective #0) waiting to recv from rank 1" in info.value.blocked[0], message
+    assert "all_reduce() called from _late_rank" in info.value.blocked[0], message
+    assert "_late_rank (test_launch.py" in info.value.blocked[1], message
     assert time.monotonic() - started < 1.0 + 2.0
 
 
@@ -238,3 +238,20 @@ def test_launch_arguments_are_checked_at_the_call():
         nc.launch(print, 2, timeout=-1)
     with pytest.raises(TypeError, match="group_timeout"):
         nc.launch(print, 2, group_timeout="1s")
+
+
+def _stalls(_):
+    if nc.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    nc.all_reduce(np.ones(4))
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(monkeypatch):
+    monkeypatch.setattr(sys.modules["numcoll.launch"], "_FAILURE_GRACE_S", 1.0)
+    with pytest.raises(nc.RankFailedError) as info:
+        nc.launch(_stalls, 2, args=(None,), timeout=60, group_timeout=1.0, transport="tcp")
+    assert info.value.rank == 1, info.value
+    assert str(info.value).startswith("rank 1 failed (ranks [0] failed too): terminated: "
+                                      "still running 1s after another rank failed")
+    assert "Timed out waiting 1000ms for allreduce" in info.value.failures[0]

@@ -578,9 +578,9 @@ def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: t
 
 
 def _raise_load_error(load_errors: dict[int, str]) -> None:
-    rank, text = min(load_errors.items())
+    text = load_errors[min(load_errors)]  # every rank loads the same bytes
     raise LaunchError(
-        f"launch: rank {rank} could not load the function: {text}. Each rank is a fresh "
+        f"launch: the ranks could not load the function: {text}. Each rank is a fresh "
         "Python process: functions defined in the script, a notebook or on stdin travel by "
         "value, but a function from a module is imported there by name, so that module "
         "must be importable by the ranks (on sys.path or PYTHONPATH, installed, or "

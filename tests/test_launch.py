@@ -224,7 +224,7 @@ def test_a_module_the_ranks_cannot_import_is_one_clear_error(tmp_path):
     assert run.stderr.count("Traceback") == 1, run.stderr
     assert len(run.stderr.splitlines()) < 30, run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("numcoll.launch.LaunchError: launch: rank 0 could not load the "
+    assert last.startswith("numcoll.launch.LaunchError: launch: the ranks could not load the "
                            "function: ModuleNotFoundError: No module named 'hidden_mod'")
     assert "must be importable by the ranks" in last
 

@@ -365,7 +365,8 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print the fault table (takes a minute or so)."""
     figures = [run_scenario(kind) for kind in SCENARIOS]
-    figures += [run_strangers(transport="tcp"), run_strangers(transport="ipc"), soak()]
+    figures += [run_strangers(silent=0, crowd=0, transport="tcp"),  # the baseline
+                run_strangers(transport="tcp"), run_strangers(transport="ipc"), soak()]
     print(format_table(figures))
     for f in figures:
         for r, e in sorted(f.errors.items()):

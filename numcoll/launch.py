@@ -194,7 +194,7 @@ def _timeout_message(timeout: timedelta, stuck: list[int], blocked: dict[int, st
 
 # -- what a rank is blocked on ---------------------------------------------------------
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PACKAGE_DIRS = (os.path.join(_ROOT, "numcoll") + os.sep, os.path.join(_ROOT, "transports") + os.sep)
+_PACKAGE_DIRS = tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("numcoll", "transports"))
 _LIBRARY_DIRS = _PACKAGE_DIRS + (os.path.dirname(threading.__file__) + os.sep,)
 
 

@@ -421,11 +421,26 @@ class _RankProcess:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
-        try:
-            self.conn.send(dict(start, rank=rank))
-        except OSError:
-            pass  # it died before reading: the supervisor reports its exit
         self.report: str | None = None
+        self._send_lock = threading.Lock()
+        # Sent from a thread: a large payload fills the pipe until the rank has
+        # imported numcoll and reads it, and the ranks should import at once.
+        self._sender = threading.Thread(target=self.send, args=(dict(start, rank=rank),),
+                                        name=f"numcoll-launch-send-r{rank}", daemon=True)
+        self._sender.start()
+
+    def send(self, message) -> None:
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:
+            pass  # it died: the supervisor reports its exit
+
+    def close(self) -> None:
+        """Close our end once the process is gone (which fails a send still
+        blocked on a rank that never read it)."""
+        self._sender.join(_STOP_GRACE_S)
+        self.conn.close()
 
     def exit_text(self) -> str:
         try:
@@ -493,7 +508,7 @@ def _stop_all(ranks: list[_RankProcess]) -> None:
         except subprocess.TimeoutExpired:
             r.proc.kill()
             r.proc.wait()
-        r.conn.close()
+        r.close()
 
 
 def _receive(r: _RankProcess, outcomes: _Outcomes, load_errors: dict) -> bool:
@@ -556,10 +571,7 @@ def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelt
 def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: timedelta):
     """Ask the ranks still running what they are blocked on; raise LaunchTimeoutError."""
     for r in pending.values():
-        try:
-            r.conn.send("report")
-        except OSError:
-            pass
+        r.send("report")
     asked = dict(pending)
     until = time.monotonic() + _REPORT_S
     while time.monotonic() < until and any(r.report is None for r in asked.values()):

@@ -17,7 +17,11 @@ Sizes follow nccl-tests (see :mod:`numcoll.bench`): ``nbytes`` is the
 per-rank buffer (allgather: the output; reduce_scatter: the input). Each case
 records ``op``, ``algorithm``, ``world_size``, ``transport``, ``nbytes``,
 ``count``, ``dtype`` in ``extra_info`` and, when timings were taken (not with
-``--benchmark-disable``), ``algbw_gbps`` and ``busbw_gbps`` from the median.
+``--benchmark-disable``), ``algbw_gbps`` and ``busbw_gbps`` from the median;
+the table shows busbw after each name (see ``conftest.py``).
+
+Quick mode (``--quick`` or ``NUMCOLL_BENCH_QUICK=1``): 8 B and 1 MiB, the
+inproc and ipc transports, 2 ranks.
 """
 
 import os
@@ -38,9 +42,11 @@ from numcoll.bench import (
 
 pytestmark = pytest.mark.timeout(300)
 
-MAX_NBYTES = int(os.environ.get("NUMCOLL_BENCH_MAX_NBYTES", str(16 << 20)), 0)
-SIZES_NBYTES = sorted({n for n in (8, 64 << 10, 1 << 20, 16 << 20) if n <= MAX_NBYTES}
-                      | {MAX_NBYTES})
+QUICK = os.environ.get("NUMCOLL_BENCH_QUICK", "0") not in ("", "0")
+MAX_NBYTES = int(os.environ.get("NUMCOLL_BENCH_MAX_NBYTES",
+                                str(1 << 20 if QUICK else 16 << 20)), 0)
+SIZES_NBYTES = sorted({n for n in ((8, 1 << 20) if QUICK else (8, 64 << 10, 1 << 20, 16 << 20))
+                       if n <= MAX_NBYTES} | {MAX_NBYTES})
 OPS = [  # (op, forced algorithm)
     ("allreduce", "ring"),
     ("allreduce", "recursive_doubling"),
@@ -49,8 +55,8 @@ OPS = [  # (op, forced algorithm)
     ("broadcast", "chain"),
     ("broadcast", "binomial"),
 ]
-TRANSPORTS = ["inproc", "ipc", "tcp"]
-WORLD_SIZES = [2, 4]
+TRANSPORTS = ["inproc", "ipc"] if QUICK else ["inproc", "ipc", "tcp"]
+WORLD_SIZES = [2] if QUICK else [2, 4]
 DTYPE = "float32"
 #: Deadline of every collective and of group construction, in seconds.
 TIMEOUT_S = 120
@@ -122,7 +128,7 @@ def test_collective(benchmark, group_pool, op, algorithm, transport, world_size,
     groups = group_pool(transport, world_size)
     plan = make_plan(op, [nbytes], world_size=world_size, dtype=DTYPE, algorithm=algorithm)
     case = plan.cases[0]
-    issues = [numcoll_issue(pg, plan, *rank_buffers(plan, case)) for pg in groups]
+    issues = [numcoll_issue(pg, plan, *rank_buffers(plan, case, pg.rank())) for pg in groups]
 
     def one_round():
         works = [issue() for issue in issues]
@@ -132,7 +138,9 @@ def test_collective(benchmark, group_pool, op, algorithm, transport, world_size,
     benchmark.group = f"{op} n={world_size} {format_nbytes(case.nbytes)}"
     benchmark.extra_info.update(op=op, algorithm=algorithm_name(plan, case),
                                 world_size=world_size, transport=transport,
-                                nbytes=case.nbytes, count=case.count, dtype=DTYPE)
+                                nbytes=case.nbytes, count=case.count, dtype=DTYPE,
+                                round_nbytes=case.nbytes,
+                                bus_factor=bus_factor(op, world_size))
     one_round()  # first use of a size: kernels compiled, buffers touched
     benchmark(one_round)
     _record_bandwidth(benchmark, case.nbytes, bus_factor(op, world_size))

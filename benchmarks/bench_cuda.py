@@ -10,7 +10,7 @@ or when the CUDA simulator is on (its timings mean nothing).
 
 Implementations (``impl`` in ``extra_info``):
 
-* ``numcoll``: the public :func:`numcoll.kernels.cuda.reduce_into`, argument
+* ``numcoll``: the public :func:`numcoll.cuda.kernels.reduce_into`, argument
   checks and launch-shape lookup included;
 * ``numba-add``: a bare ``@cuda.jit`` kernel ``acc[i] += x[i]``, one thread per
   element, no checks: what a user would write by hand. The gap to ``numcoll``
@@ -46,7 +46,7 @@ if cuda.jit.__module__.startswith("numba.cuda.simulator"):
 if not cuda.is_available():
     pytest.skip("no CUDA GPU (numba.cuda.is_available() is False)", allow_module_level=True)
 
-from numcoll.kernels import cuda as kernels  # noqa: E402
+from numcoll.cuda import kernels  # noqa: E402
 from numcoll.ops import ReduceOp  # noqa: E402
 
 SIZES_NBYTES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -95,7 +95,7 @@ def test_device_reduce_sum_float32(benchmark, nbytes, impl):
     run()                                   # compile and warm up outside the timing
     benchmark.group = f"device SUM float32 {_size_id(nbytes)}"
     benchmark.extra_info.update(nbytes=nbytes, count=count, dtype="float32", op="SUM",
-                                impl=impl)
+                                impl=impl, round_nbytes=nbytes)
     benchmark(run)
     if benchmark.stats is not None:         # None under --benchmark-disable
         median = benchmark.stats.stats.median

@@ -7,7 +7,8 @@ run the suite tiny, e.g. ``NUMCOLL_BENCH_MAX_NBYTES=1024``.
 Each case records in ``extra_info``: ``nbytes`` (of one array), ``count``,
 ``dtype``, ``op``, ``impl`` ("numcoll", "numcoll-kernel" or "numpy") and ``gbps``: ``nbytes``
 divided by the median time, in GB/s (the memory traffic is three times that:
-``acc`` and ``x`` read, ``acc`` written).
+``acc`` and ``x`` read, ``acc`` written), shown after each name in the table.
+Quick mode (``--quick`` or ``NUMCOLL_BENCH_QUICK=1``): 1 KiB and 1 MiB only.
 """
 
 import os
@@ -21,7 +22,8 @@ from numcoll.ops import ReduceOp
 
 pytestmark = pytest.mark.timeout(300)
 
-SIZES_NBYTES = [1 << 10, 64 << 10, 1 << 20, 16 << 20]
+QUICK = os.environ.get("NUMCOLL_BENCH_QUICK", "0") not in ("", "0")
+SIZES_NBYTES = [1 << 10, 1 << 20] if QUICK else [1 << 10, 64 << 10, 1 << 20, 16 << 20]
 MAX_NBYTES = int(os.environ.get("NUMCOLL_BENCH_MAX_NBYTES", str(16 << 20)), 0)
 CASES = [
     (ReduceOp.SUM, np.float32, np.add),
@@ -53,7 +55,7 @@ def test_reduce_into(benchmark, op, dtype, ufunc, nbytes, impl):
     x = (rng.random(count) * 4).astype(dtype)
     benchmark.group = f"{op.name} {dtype_name(dtype)} {_size_id(nbytes)}"
     benchmark.extra_info.update(nbytes=nbytes, count=count, dtype=dtype_name(dtype),
-                                op=op.name, impl=impl)
+                                op=op.name, impl=impl, round_nbytes=nbytes)
     if impl == "numpy":
         benchmark(ufunc, acc, x, out=acc)
     else:

@@ -2,7 +2,9 @@
 pytest-benchmark: no collectives, no numcoll, just bytes.
 
 Run with ``python -m pytest benchmarks/bench_transports.py``.
-``NUMCOLL_BENCH_MAX_NBYTES`` caps the message size (default 16 MiB).
+``NUMCOLL_BENCH_MAX_NBYTES`` caps the message size (default 16 MiB; quick mode,
+``--quick`` or ``NUMCOLL_BENCH_QUICK=1``: 8 B and 1 MiB only). ``gbps`` is shown
+after each name in the table.
 
 * ``test_ping_pong``: rank 0 sends ``nbytes`` to rank 1, which sends them back;
   a round is one round trip, so half the median is the one-way latency
@@ -29,9 +31,11 @@ import transports
 
 pytestmark = pytest.mark.timeout(300)
 
-MAX_NBYTES = int(os.environ.get("NUMCOLL_BENCH_MAX_NBYTES", str(16 << 20)), 0)
-SIZES_NBYTES = sorted({n for n in (8, 64 << 10, 1 << 20, 16 << 20) if n <= MAX_NBYTES}
-                      | {MAX_NBYTES})
+QUICK = os.environ.get("NUMCOLL_BENCH_QUICK", "0") not in ("", "0")
+MAX_NBYTES = int(os.environ.get("NUMCOLL_BENCH_MAX_NBYTES",
+                                str(1 << 20 if QUICK else 16 << 20)), 0)
+SIZES_NBYTES = sorted({n for n in ((8, 1 << 20) if QUICK else (8, 64 << 10, 1 << 20, 16 << 20))
+                       if n <= MAX_NBYTES} | {MAX_NBYTES})
 #: Messages per one-way round: enough to keep the pipe full.
 MESSAGES = 4
 #: Deadline of every wait, in seconds.
@@ -51,7 +55,7 @@ def _connect(kind: str) -> list:
 
     def make(rank):
         try:
-            made[rank] = transports.create(kind, rank, 2, store, timeout_s=WAIT_S)
+            made[rank] = transports.create(kind, rank, 2, store)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
@@ -114,7 +118,8 @@ def test_ping_pong(benchmark, pair, kind, nbytes):
         reply.wait(deadline)
 
     benchmark.group = f"ping-pong {_size_id(nbytes)}"
-    benchmark.extra_info.update(kind=kind, nbytes=nbytes, pattern="ping-pong")
+    benchmark.extra_info.update(kind=kind, nbytes=nbytes, pattern="ping-pong",
+                                round_nbytes=2 * nbytes)
     round_trip()
     benchmark(round_trip)
     assert back[0] == 1 and back[-1] == 1
@@ -143,7 +148,8 @@ def test_one_way(benchmark, pair, kind, nbytes):
             s.wait(deadline)
 
     benchmark.group = f"one-way {_size_id(nbytes)}"
-    benchmark.extra_info.update(kind=kind, nbytes=nbytes, messages=MESSAGES, pattern="one-way")
+    benchmark.extra_info.update(kind=kind, nbytes=nbytes, messages=MESSAGES, pattern="one-way",
+                                round_nbytes=MESSAGES * nbytes)
     stream()
     benchmark(stream)
     assert all(d[0] == 1 and d[-1] == 1 for d in dst)

@@ -15,40 +15,81 @@ Quick start::
 """
 
 from . import futures
+from ._version import __version__
 from .distributed import (
+    Backend,
     GroupMember,
+    P2POp,
+    _make_nccl_premul_sum,
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_reduce_coalesced,
     all_to_all,
     all_to_all_single,
     barrier,
+    batch_isend_irecv,
     broadcast,
     destroy_process_group,
     gather,
+    get_backend,
     get_default_group,
+    get_global_rank,
+    get_group_rank,
+    get_node_local_rank,
+    get_pg_count,
+    get_process_group_ranks,
     get_rank,
     get_world_size,
     group,
     init_process_group,
     irecv,
+    is_available,
+    is_backend_available,
+    is_gloo_available,
     is_initialized,
+    is_mpi_available,
+    is_nccl_available,
+    is_torchelastic_launched,
     isend,
     monitored_barrier,
     new_group,
+    new_subgroups,
+    new_subgroups_by_enumeration,
     recv,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
     send,
+    split_group,
+    supports_complex,
+)
+from .data_parallel import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    GradBucket,
+    Reducer,
+    broadcast_coalesced,
+    compute_bucket_assignment_by_size,
+    hooks,
 )
 from .dtypes import bfloat16
-from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
+from . import flight_recorder
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
+                     NumcollError, PeerError)
 from .futures import Future
 from .launch import RankFailedError, launch
+from .objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from .ops import ReduceOp
 from .options import (
     AllgatherOptions,
@@ -63,12 +104,11 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
+from .sparse import SparseCOO
 from .init_methods import register_rendezvous_handler, rendezvous
 from .store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
 from .tcpstore import TCPStore
 from .work import Work
-
-__version__ = "0.1.0"
 
 __all__ = [
     # ops and options
@@ -80,14 +120,27 @@ __all__ = [
     "rendezvous", "register_rendezvous_handler",
     # groups, work, futures, errors
     "ProcessGroup", "Work", "Future", "futures", "NumcollError", "CollectiveTimeoutError",
-    "PeerError", "GroupPoisonedError", "RankFailedError",
+    "PeerError", "GroupPoisonedError", "RankFailedError", "CollectiveMismatchError",
+    # diagnostics
+    "flight_recorder",
     # module-level API
-    "init_process_group", "destroy_process_group", "is_initialized", "get_rank",
-    "get_world_size", "new_group", "get_default_group", "group", "GroupMember",
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available",
+    "is_gloo_available", "is_nccl_available", "is_mpi_available", "is_torchelastic_launched",
+    "Backend", "is_backend_available", "supports_complex", "get_pg_count",
+    "get_backend", "get_rank", "get_world_size", "get_node_local_rank",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+    "get_default_group", "group", "GroupMember", "get_group_rank", "get_global_rank",
+    "get_process_group_ranks", "P2POp", "batch_isend_irecv",
+    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-    "monitored_barrier", "send", "recv", "isend", "irecv",
+    "monitored_barrier", "send", "recv", "isend", "irecv", "all_gather_single",
+    "reduce_scatter_single",
+    # data parallelism and sparse arrays
+    "DEFAULT_FIRST_BUCKET_BYTES", "compute_bucket_assignment_by_size", "broadcast_coalesced",
+    "Reducer", "GradBucket", "hooks", "SparseCOO",
     # running ranks
     "launch",
     "__version__",

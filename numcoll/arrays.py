@@ -7,11 +7,12 @@ what torch.distributed users know. Every message names the operation.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
 
-from .dtypes import dtype_name, is_supported
+from .dtypes import bfloat16, dtype_name, is_supported
 
 __all__ = [
     "as_array",
@@ -34,8 +35,10 @@ def as_array(obj, op: str) -> np.ndarray:
     caller's memory, so nothing that would need a copy is accepted)."""
     if isinstance(obj, np.ndarray):
         arr = obj
+    elif (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
+        arr = _torch_view(obj, torch, op)
     elif is_device_array(obj):
-        from .cuda_arrays import as_device_array  # lazy: no numba.cuda on import
+        from .cuda.arrays import as_device_array  # lazy: no numba.cuda on import
 
         return as_device_array(obj, op)
     elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") or _has_buffer(obj):
@@ -49,6 +52,29 @@ def as_array(obj, op: str) -> np.ndarray:
         raise TypeError(f"{op}: invalid tensor type: dtype {dtype_name(arr.dtype)} is not "
                         "supported")
     return arr
+
+
+def _torch_view(tensor, torch, op: str):
+    """A torch tensor in place, as gloo takes it: ``detach()`` shares the
+    storage (so tensors that require grad are used, not refused), and
+    bfloat16 — which ``Tensor.numpy()`` refuses — is reinterpreted as int16
+    and viewed as ml_dtypes' bfloat16, bit for bit. torch is never imported
+    here: a tensor can only exist if the caller imported it."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        if t.dtype == torch.bfloat16:
+            raise TypeError(f"{op}: invalid tensor type: bfloat16 CUDA tensors are not "
+                            "supported yet (torch exports no __cuda_array_interface__ for "
+                            "them)")
+        from .cuda_arrays import as_device_array
+
+        return as_device_array(t, op)
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(bfloat16)
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as exc:   # e.g. conjugate views, unsupported dtypes
+        raise TypeError(f"{op}: invalid tensor type: {exc}") from None
 
 
 def _has_buffer(obj) -> bool:
@@ -99,6 +125,6 @@ def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
         if isinstance(a, np.ndarray):
             if not a.flags.writeable:
                 raise ValueError(f"{op}: {what} array at index {i} is read-only")
-        elif getattr(a, "_numcoll_readonly", False):   # set by cuda_arrays.as_device_array
+        elif getattr(a, "_numcoll_readonly", False):   # set by cuda.arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
                              "__cuda_array_interface__ says so)")

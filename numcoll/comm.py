@@ -9,23 +9,27 @@ between which ranks.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable
 
 from transports import (
+    CALL_SHIFT,
     MessageSizeError,
     PeerClosed,
+    StampMismatch,
     TransportClosed,
     TransportError,
     TransportTimeout,
 )
 
-from .errors import CollectiveTimeoutError, NumcollError, PeerError
+from .call import Call, describe_stamp
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
 
-__all__ = ["Comm", "collective_tag", "p2p_tag", "MAX_STEP", "MAX_USER_TAG"]
+__all__ = ["Comm", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP", "MAX_USER_TAG"]
 
 _SEQ_BITS = 31
-_STEP_BITS = 32
+_STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
@@ -59,19 +63,44 @@ class Pending:
         return self.request.source
 
 
-class Comm:
-    """Send/recv by (peer, step) for one collective, waits bounded by its deadline."""
+def abort_note(culprit: int, reason: str) -> bytes:
+    """What an aborting rank publishes in the store: the rank that caused the
+    failure (itself, or the peer it lost) and why, for its peers' errors."""
+    return json.dumps({"culprit": culprit, "reason": reason}).encode()
 
-    def __init__(self, transport, seq: int, op_name: str, timeout_s: float,
-                 peer_note: Callable[[int], str | None] | None = None):
+
+def _read_note(note: bytes | str | None) -> tuple[int | None, str | None]:
+    if note is None:
+        return None, None
+    try:
+        data = json.loads(note)
+        return int(data["culprit"]), str(data["reason"])
+    except (ValueError, KeyError, TypeError):
+        text = note.decode(errors="replace") if isinstance(note, bytes) else str(note)
+        return None, text
+
+
+class Comm:
+    """Send/recv by (peer, step) for one collective, waits bounded by its deadline.
+
+    Every message carries the call's stamp (:meth:`numcoll.call.Call.stamp`);
+    a receive whose peer is running another call fails with
+    :class:`~numcoll.errors.CollectiveMismatchError` instead of taking its bytes.
+    """
+
+    def __init__(self, transport, seq: int, call: Call,
+                 peer_note: Callable[[int], bytes | None] | None = None, record=None):
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
-        self.seq = seq
-        self.op_name = op_name
-        self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.seq = max(seq, 0)
+        self.call = call
+        self.op_name = call.name
+        self.timeout_s = call.timeout_s
+        self.deadline = time.monotonic() + call.timeout_s
+        self.stamp = call.stamp()
         self._peer_note = peer_note
+        self._record = record  # the flight recorder's entry: waiting_for is kept current
 
     # -- posting ----------------------------------------------------------------
     def isend(self, peer: int, step: int, buf) -> Pending:
@@ -79,8 +108,12 @@ class Comm:
                           "send", step)
 
     def irecv(self, peer: int, step: int, buf=None) -> Pending:
-        return self._post(self.transport.irecv, peer, collective_tag(self.seq, step), buf,
-                          "recv", step)
+        try:
+            request = self.transport.irecv(peer, collective_tag(self.seq, step), buf,
+                                           self.stamp, True)
+        except TransportError as exc:
+            raise self._translate(exc, peer, "recv") from exc
+        return Pending(request, peer, "recv", step)
 
     def isend_tagged(self, peer: int, tag: int, buf) -> Pending:
         return self._post(self.transport.isend, peer, tag, buf, "send", None)
@@ -90,7 +123,7 @@ class Comm:
 
     def _post(self, fn, peer, tag, buf, what, step) -> Pending:
         try:
-            return Pending(fn(peer, tag, buf), peer, what, step)
+            return Pending(fn(peer, tag, buf, self.stamp), peer, what, step)
         except TransportError as exc:
             raise self._translate(exc, peer, what) from exc
 
@@ -98,6 +131,9 @@ class Comm:
     def wait(self, pending: Pending):
         """Wait for ``pending`` until the collective's deadline; return what the
         transport returns (the message for a receive posted without a buffer)."""
+        record = self._record
+        if record is not None:
+            record.waiting_for = pending.peer
         try:
             return pending.request.wait(self.deadline)
         except TransportError as exc:
@@ -121,16 +157,30 @@ class Comm:
         where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
         peer = exc.peer if exc.peer is not None else peer
         direction = "from" if what == "recv" else "to"
+        if isinstance(exc, StampMismatch):
+            mine = self.call.summary(self.seq)
+            theirs = describe_stamp(exc.remote_stamp, self.seq)
+            return CollectiveMismatchError(
+                f"Detected mismatch between collectives on ranks. Rank {self.rank} is running "
+                f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. Every "
+                "rank must call the same collectives, in the same order, with the same dtype, "
+                "element count, op and root", peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
             return CollectiveTimeoutError(
                 f"Timed out waiting {ms}ms for {where}: {what} {direction} rank {peer} "
                 f"did not complete (the peer may not have called {self.op_name}, "
-                "or called collectives in a different order)"
-            )
+                "or called collectives in a different order)", peer=peer)
         if isinstance(exc, PeerClosed):
             note = self._peer_note(peer) if self._peer_note and peer is not None else None
-            why = f"; rank {peer} had aborted the group: {note}" if note else ""
+            culprit, reason = _read_note(note)
+            if culprit is not None and culprit != peer:
+                # Lead with the rank that caused it, not the neighbour that passed it on.
+                err = PeerError(f"{where}: rank {culprit} failed, and rank {peer} aborted the "
+                                f"group because of it: {reason}", peer=culprit)
+                err.root_reason = reason  # passed on as it is if this rank aborts too
+                return err
+            why = f"; rank {peer} had aborted the group: {reason}" if reason else ""
             return PeerError(f"{where}: rank {peer} is gone: {exc}{why}", peer=peer)
         if isinstance(exc, TransportClosed):
             return NumcollError(f"{where}: this rank's process group was shut down or "

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 
-__all__ = ["Config", "current"]
+__all__ = ["Config", "current", "get"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,37 +42,89 @@ class Config:
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
     peer_grace_s: float = 0.25
+    #: CUDA kernels: threads per block (256 keeps several blocks resident per SM
+    #: for these memory-bound loops) and the most blocks of a grid-stride launch
+    #: (beyond what the device keeps resident, more blocks only add scheduling;
+    #: not tuned on hardware yet: see benchmarks/bench_cuda.py). Read at each
+    #: launch, so tests can force the multi-iteration paths (4 x 2).
+    cuda_threads: int = 256
+    cuda_blocks: int = 1024
+    #: Idle pinned host memory the CUDA staging pool keeps for reuse (bytes).
+    cuda_staging_idle_nbytes: int = 1 << 30
+    #: Flight recorder: collectives kept per process (0: off); read when the
+    #: first group is created.
+    fr_buffer_size: int = 2000
+    #: Flight recorder: where a rank whose group is poisoned writes its records
+    #: ("" = nowhere).
+    fr_dump_dir: str = ""
+    #: Sparse allreduce: when every rank's entries together would take more than
+    #: this many times the bytes of the dense array (plus a one-byte row mask),
+    #: the ranks allreduce the dense array instead of gathering the entries.
+    sparse_dense_ratio: float = 1.0
+    #: Rendezvous: how often a rank waiting for the store or for other ranks
+    #: logs who is missing (seconds).
+    rendezvous_log_s: float = 10.0
+    #: Rendezvous: how long a store that accepted the connection may take to
+    #: answer a first request before the port is declared not a numcoll store.
+    store_probe_s: float = 5.0
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}
 _FLOAT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("float", float)}
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_DEFAULTS = Config()
+#: Inclusive ranges of the integer tunables that have one.
+_RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
+           "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
+           "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None)}
+
+
+def _from_env(name: str):
+    """The ``NUMCOLL_<NAME>`` override of field ``name``, parsed, or None."""
+    var = "NUMCOLL_" + name.upper()
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    try:
+        if name in _INT_FIELDS:
+            return int(raw, 0)
+        if name in _FLOAT_FIELDS:
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a valid {_FIELDS[name].type}") from None
+    return raw
+
+
+def _check(name: str, value):
+    low, high = _RANGES.get(name, (None, None))
+    if (low is not None and value < low) or (high is not None and value > high):
+        span = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise ValueError(f"{name} (NUMCOLL_{name.upper()}) must be {span}, got {value}")
+    if name == "half_wire" and value not in ("float32", "native"):
+        raise ValueError(f"half_wire must be 'float32' or 'native', got {value!r}")
+    return value
+
+
 def current(**overrides) -> Config:
     """The configuration: defaults, then ``NUMCOLL_<FIELD>`` variables, then ``overrides``."""
     values = {}
-    for field in dataclasses.fields(Config):
-        raw = os.environ.get("NUMCOLL_" + field.name.upper())
-        if raw is None:
-            continue
-        try:
-            if field.name in _INT_FIELDS:
-                values[field.name] = int(raw, 0)
-            elif field.name in _FLOAT_FIELDS:
-                values[field.name] = float(raw)
-            else:
-                values[field.name] = raw
-        except ValueError:
-            raise ValueError(
-                f"NUMCOLL_{field.name.upper()}={raw!r} is not a valid {field.type}"
-            ) from None
+    for name in _FIELDS:
+        value = _from_env(name)
+        if value is not None:
+            values[name] = value
     values.update(overrides)
-    cfg = Config(**values)
-    if cfg.segment_nbytes < 8:
-        raise ValueError(f"segment_nbytes must be at least 8, got {cfg.segment_nbytes}")
-    if cfg.half_wire not in ("float32", "native"):
-        raise ValueError(f"half_wire must be 'float32' or 'native', got {cfg.half_wire!r}")
-    return cfg
+    for name, value in values.items():
+        _check(name, value)
+    return Config(**values)
+
+
+def get(name: str):
+    """One tunable's current value (default, or its ``NUMCOLL_*`` override):
+    cheaper than :func:`current` where a single value is read per call."""
+    value = _from_env(name)
+    return getattr(_DEFAULTS, name) if value is None else _check(name, value)
 
 
 @functools.lru_cache(maxsize=256)

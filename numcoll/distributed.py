@@ -1,20 +1,47 @@
 """The torch.distributed-style module API: a default group and free functions.
 
 Same names, parameters and defaults as ``torch.distributed`` (tensor ->
-array). Ranks given to these functions (``src``, ``dst``) are global ranks,
-translated for sub-groups as torch does. With ``async_op=True`` a function
-returns its Work; otherwise it waits and returns None (``recv`` returns the
-sender's rank).
+array), so torch code ports by changing the import. Ranks given to these
+functions (``src``, ``dst``, ``peer``) are global ranks, translated for
+sub-groups as torch does. With ``async_op=True`` a function returns its Work;
+otherwise it waits and returns None (``recv`` returns the sender's rank).
+The checks made here, before the process group sees the call, keep torch's
+words (``tensors with different dtypes``, ``Invalid function argument``).
 
-The default group is per process — or per thread for ranks started by
-``numcoll.launch(..., mode="thread")``, so each thread-rank has its own.
+Group bookkeeping (``new_group``, rank translation) is in
+:mod:`numcoll.groups`; the object collectives in :mod:`numcoll.objects`.
 """
 
 from __future__ import annotations
 
-import threading
+import os
+import warnings
 from datetime import timedelta
 
+from .groups import (
+    GroupMember,
+    _check_group,
+    _check_rank_arg,
+    _check_timeout,
+    _drop_thread_world,  # noqa: F401 - used by launch
+    _group_rank,
+    _process_world,
+    _resolve,
+    _use_thread_world,  # noqa: F401 - used by launch
+    _world,
+    get_default_group,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    group,
+    new_group,
+    new_subgroups,
+    new_subgroups_by_enumeration,
+    split_group,
+)
+from .init_methods import rendezvous
+from .launcher_env import local_host_for
+from .logs import get_logger, set_rank
 from .ops import ReduceOp
 from .options import (
     AllreduceCoalescedOptions,
@@ -27,11 +54,15 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
-from .init_methods import rendezvous
 
 __all__ = [
-    "GroupMember", "group", "init_process_group", "destroy_process_group", "is_initialized",
-    "get_rank", "get_world_size", "new_group", "get_default_group",
+    "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
+    "is_initialized", "is_available", "is_gloo_available", "is_nccl_available",
+    "is_mpi_available", "is_torchelastic_launched", "is_backend_available", "supports_complex",
+    "get_pg_count", "all_gather_single", "reduce_scatter_single", "get_backend", "get_rank",
+    "get_world_size", "get_node_local_rank", "new_group", "new_subgroups",
+    "new_subgroups_by_enumeration", "split_group", "get_default_group", "get_group_rank",
+    "get_global_rank", "get_process_group_ranks", "P2POp", "batch_isend_irecv",
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
@@ -39,88 +70,165 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+_BACKENDS = ("gloo", "numcoll", "cpu:gloo")
+_log = get_logger()
 
 
-class _World:
-    """Default group state: the group, the store it owns (if any), sub-groups."""
+class Backend(str):
+    """Backend names, as ``torch.distributed.Backend``: numcoll is gloo."""
 
-    def __init__(self):
-        self.pg: ProcessGroup | None = None
-        self.owned_store = None
-        self.store = None
-        self.groups: dict[ProcessGroup, list[int]] = {}
-        self.group_count = 0
+    GLOO = "gloo"
+    NUMCOLL = "numcoll"
+    UNDEFINED = "undefined"
 
-
-_process_world = _World()
-_thread_state = threading.local()
-
-
-def _world() -> _World:
-    return getattr(_thread_state, "world", None) or _process_world
+    def __new__(cls, name: str):
+        if not isinstance(name, str) or name.lower() not in _BACKENDS:
+            raise ValueError(f"Backend {name!r} is not supported by numcoll (it implements "
+                             "gloo's collectives: use 'gloo' or 'numcoll')")
+        return super().__new__(cls, name.lower())
 
 
-def _use_thread_world() -> None:
-    """Give the calling thread a default group of its own (``launch`` thread mode)."""
-    _thread_state.world = _World()
+def is_available() -> bool:
+    """Always True: numcoll needs nothing beyond its dependencies."""
+    return True
 
 
-def _drop_thread_world() -> None:
-    _thread_state.world = None
+def is_gloo_available() -> bool:
+    """True: numcoll is a gloo backend."""
+    return True
 
 
-class GroupMember:
-    """``GroupMember.NON_GROUP_MEMBER`` is what ``new_group`` returns on ranks
-    outside the group; collectives called with it do nothing and return None."""
-
-    NON_GROUP_MEMBER = object()
+def is_nccl_available() -> bool:
+    """False: numcoll has no NCCL backend."""
+    return False
 
 
-class _GroupNamespace:
-    @property
-    def WORLD(self) -> ProcessGroup:  # noqa: N802 - torch's name
-        return get_default_group()
+def is_mpi_available() -> bool:
+    """False: numcoll has no MPI backend (it does run under mpirun)."""
+    return False
 
 
-group = _GroupNamespace()
+def is_backend_available(backend: str) -> bool:
+    """Whether ``backend`` can be used here: "gloo" and "numcoll" can."""
+    return isinstance(backend, str) and backend.lower() in _BACKENDS
 
 
-def init_process_group(init_method: str | None = None, *, store=None, rank: int = -1,
-                       world_size: int = -1, timeout: timedelta | None = None,
-                       backend: str | None = None, transport: str | None = None,
-                       threads: int = 2, group_name: str = "default") -> None:
-    """Create the default group.
+def supports_complex(reduceOp: ReduceOp) -> bool:  # noqa: N803 - torch's name
+    """Whether ``reduceOp`` takes complex arrays (MIN/MAX and bitwise ops do not;
+    unlike gloo, numcoll's PRODUCT does)."""
+    return reduceOp not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+                            ReduceOp.BXOR)
 
-    Either ``store`` (with ``rank`` and ``world_size``) or ``init_method``
-    (``env://`` — the default —, ``tcp://host:port``, ``file:///path``).
-    ``backend`` is accepted for torch compatibility ("gloo" or None).
+
+def get_pg_count() -> int:
+    """How many process groups this process made (the default group included)."""
+    world = _world()
+    return (world.pg is not None) + world.group_count + sum(world.local_counts.values())
+
+
+def is_torchelastic_launched() -> bool:
+    """Whether torchrun (or ``numcoll run``) started this process."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """``LOCAL_RANK`` from the launcher, else ``fallback_rank``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError("LOCAL_RANK is not in the environment. Consider passing fallback_rank "
+                       "to allow `get_node_local_rank` to work.")
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store=None, group_name: str = "", pg_options=None, device_id=None,
+                       *, transport: str | None = None, threads: int = 2) -> None:
+    """Create the default group (torch's signature and order of parameters).
+
+    Parameters
+    ----------
+    backend : "gloo", "numcoll" or None.
+    init_method : ``env://`` (the default), ``tcp://host:port``, ``file:///path``.
+        ``env://`` understands torchrun's variables and, without them, Open
+        MPI's, MPICH's and SLURM's (:mod:`numcoll.launcher_env`).
+    timeout : deadline of every collective (and of the rendezvous); 30 min.
+    world_size, rank : -1 = from the init method; required with ``store``.
+    store : a numcoll store shared by all ranks (instead of ``init_method``).
+    group_name : separates default groups sharing one store.
+    pg_options : a :class:`ProcessGroup.Options`, for numcoll's own settings.
+    device_id : must be None (numcoll's groups are not bound to a device).
+    transport, threads : numcoll's (keyword only): see ProcessGroup.Options.
+
+    The address peers on other hosts connect to is that of
+    ``NUMCOLL_SOCKET_IFNAME`` (or ``GLOO_SOCKET_IFNAME``), else the one that
+    routes to the store's host (MASTER_ADDR); 127.0.0.1 when that is local.
     """
     world = _world()
     if world.pg is not None:
-        raise RuntimeError("trying to initialize the default process group twice")
-    if backend not in (None, "gloo", "numcoll"):
+        raise ValueError("trying to initialize the default process group twice!")
+    if isinstance(backend, str) and "://" in backend and init_method is None:
+        # numcoll before 0.1 took the init method first: keep such calls working.
+        warnings.warn("init_process_group(url) is deprecated: pass init_method=url (the "
+                      "first parameter is the backend, as in torch)", DeprecationWarning,
+                      stacklevel=2)
+        backend, init_method = None, backend
+    if backend is not None and (not isinstance(backend, str)
+                                or backend.lower() not in _BACKENDS):
         raise ValueError(f"init_process_group: unsupported backend {backend!r} "
-                         "(numcoll implements gloo's collectives)")
-    timeout = timeout or DEFAULT_TIMEOUT
+                         "(numcoll implements gloo's collectives: use 'gloo' or 'numcoll')")
+    if init_method is not None and store is not None:
+        raise ValueError("Cannot specify both init_method and store.")
+    _check_timeout(timeout, "init_process_group")
+    rank = _check_rank_arg(rank, "rank")
+    world_size = _check_rank_arg(world_size, "world_size")
+    if device_id is not None:
+        raise ValueError("init_process_group: device_id is not supported (numcoll's groups "
+                         "take host and CUDA arrays alike, without binding a device)")
+    if pg_options is not None and not isinstance(pg_options, ProcessGroup.Options):
+        raise TypeError(f"init_process_group: pg_options must be a ProcessGroup.Options, got "
+                        f"{type(pg_options).__name__}")
+    timeout = timeout or (pg_options.timeout if pg_options is not None else DEFAULT_TIMEOUT)
     owned = None
     if store is None:
         store, rank, world_size = next(rendezvous(init_method or "env://", rank, world_size,
                                                   timeout=timeout))
         owned = store
-    elif rank < 0 or world_size < 1:
-        raise ValueError("init_process_group: rank and world_size are required with a store")
-    opts = ProcessGroup.Options(timeout=timeout, threads=threads, transport=transport,
-                                group_name=group_name)
-    world.pg = ProcessGroup(store, rank, world_size, opts)
+    elif world_size <= 0:
+        raise ValueError("world_size must be positive if using store")
+    elif rank < 0:
+        raise ValueError("rank must be non-negative if using store")
+    if pg_options is not None:
+        opts = ProcessGroup.Options(**{**vars(pg_options), "timeout": timeout})
+    else:
+        peer = getattr(store, "host", None) or os.environ.get("MASTER_ADDR")
+        opts = ProcessGroup.Options(timeout=timeout, threads=threads, transport=transport,
+                                    host=local_host_for(peer))
+    opts.group_name = group_name or opts.group_name or "default"
+    try:
+        pg = ProcessGroup(store, rank, world_size, opts)
+    except BaseException:
+        if owned is not None:
+            owned.close()
+        raise
+    world.pg = pg
     world.owned_store = owned
-    world.groups = {world.pg: list(range(world_size))}
+    world.groups = {pg: list(range(world_size))}
     world.group_count = 0
+    world.local_counts = {}
     world.store = store
+    world.backend = "numcoll" if backend and backend.lower() == "numcoll" else "gloo"
+    if world is _process_world:      # thread-ranks share the process's log lines
+        set_rank(rank)
+    _log.info("default group ready: rank %d of %d, transport %s, address %s", rank,
+              world_size, pg.transport_kind, opts.host)
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Shut down ``group``, or the default group and every sub-group."""
     world = _world()
+    _check_group(group)
     if group is not None and group is not world.pg:
         if group is not GroupMember.NON_GROUP_MEMBER:
             group.shutdown()
@@ -131,71 +239,34 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     if world.owned_store is not None:
         world.owned_store.close()
     world.pg, world.owned_store, world.groups = None, None, {}
+    if world is _process_world:
+        set_rank(None)
 
 
 def is_initialized() -> bool:
+    """Whether the default group exists."""
     return _world().pg is not None
 
 
-def get_default_group() -> ProcessGroup:
-    pg = _world().pg
-    if pg is None:
-        raise RuntimeError("Default process group has not been initialized, please make sure "
-                           "to call init_process_group.")
-    return pg
-
-
-def _resolve(group) -> ProcessGroup | None:
-    if group is None:
-        return get_default_group()
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend's name: "gloo" (or "numcoll" if the group was made with it)."""
+    _check_group(group)
     if group is GroupMember.NON_GROUP_MEMBER:
-        return None
-    return group
+        raise ValueError("Invalid process group specified")
+    get_default_group()
+    return _world().backend
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (-1 if it is not a member)."""
     pg = _resolve(group)
     return -1 if pg is None else pg.rank()
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks in ``group`` (-1 if this process is not a member)."""
     pg = _resolve(group)
     return -1 if pg is None else pg.size()
-
-
-def new_group(ranks=None, timeout: timedelta | None = None, **_ignored):
-    """A sub-group of ``ranks`` (global ranks; all of them if None).
-
-    Every rank of the default group must call it, in the same order as every
-    other ``new_group`` call; ranks outside ``ranks`` get
-    ``GroupMember.NON_GROUP_MEMBER``.
-    """
-    world = _world()
-    default = get_default_group()
-    world.group_count += 1
-    ranks = sorted(range(default.size()) if ranks is None else ranks)
-    if len(set(ranks)) != len(ranks) or any(not 0 <= r < default.size() for r in ranks):
-        raise ValueError(f"new_group: invalid ranks {ranks} for world size {default.size()}")
-    me = default.rank()
-    if me not in ranks:
-        return GroupMember.NON_GROUP_MEMBER
-    opts = ProcessGroup.Options(timeout=timeout or default.options.timeout,
-                                threads=default.options.threads,
-                                transport=default.transport_kind,
-                                group_name=f"{default.options.group_name}/sub{world.group_count}")
-    pg = ProcessGroup(world.store, ranks.index(me), len(ranks), opts)
-    world.groups[pg] = ranks
-    return pg
-
-
-def _group_rank(pg: ProcessGroup, global_rank: int, what: str) -> int:
-    ranks = _world().groups.get(pg)
-    if ranks is None:
-        return global_rank
-    try:
-        return ranks.index(global_rank)
-    except ValueError:
-        raise ValueError(f"{what} rank {global_rank} is not part of the group {ranks}") from None
 
 
 def _finish(work, async_op: bool):
@@ -205,160 +276,330 @@ def _finish(work, async_op: bool):
     return None
 
 
+def _dtype_name(tensor) -> str:
+    name = str(getattr(tensor, "dtype", type(tensor).__name__)).replace("torch.", "")
+    # torch lets complex64 mix with float32 (it views complex as real pairs).
+    return "float32" if name == "complex64" else name
+
+
+def _same_dtype(*tensors) -> None:
+    """torch's _ensure_all_tensors_same_dtype, with its words."""
+    last = None
+    for t in (x for item in tensors
+              for x in (item if isinstance(item, (list, tuple)) else (item,))):
+        name = _dtype_name(t)
+        if last is None:
+            last = name
+        elif name != last:
+            raise ValueError(f"Invalid usage of tensors with different dtypes. Found {last} "
+                             f"and {name}")
+
+
+def _tensor_list(param, name: str) -> list:
+    """torch's _check_tensor_list: a list (or tuple) of arrays, not one array."""
+    if not isinstance(param, (list, tuple)) or any(isinstance(p, (list, tuple))
+                                                   for p in param):
+        got = type(param) if not isinstance(param, (list, tuple)) else \
+            [type(p) for p in param]
+        raise TypeError(f"Invalid function argument. Expected parameter `{name}` of type "
+                        f"List[array] but got {got} instead.")
+    return list(param)
+
+
+def _tag(tag) -> int:
+    return _check_rank_arg(tag, "tag")
+
+
 # -- collectives ---------------------------------------------------------------------
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    pg = _resolve(group)
+    """Reduce ``tensor`` over the group's ranks, in place on every rank."""
+    pg = _resolve(group, "all_reduce")
     if pg is None:
         return None
     return _finish(pg.allreduce([tensor], AllreduceOptions(reduce_op=op)), async_op)
 
 
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
-    pg = _resolve(group)
+    """all_reduce of several arrays (one dtype, any shapes) in one collective."""
+    pg = _resolve(group, "all_reduce_coalesced")
     if pg is None:
         return None
-    return _finish(pg.allreduce_coalesced(list(tensors), AllreduceCoalescedOptions(reduce_op=op)),
+    tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+    _same_dtype(tensors)
+    return _finish(pg.allreduce_coalesced(tensors, AllreduceCoalescedOptions(reduce_op=op)),
                    async_op)
 
 
-def broadcast(tensor, src, group=None, async_op=False):
-    pg = _resolve(group)
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+    pg = _resolve(group, "broadcast")
     if pg is None:
         return None
-    opts = BroadcastOptions(root_rank=_group_rank(pg, src, "src"))
+    opts = BroadcastOptions(root_rank=_peer(pg, src, group_src, "src"))
     return _finish(pg.broadcast([tensor], opts), async_op)
 
 
-def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
-    pg = _resolve(group)
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    """Reduce ``tensor`` over the group's ranks into global rank ``dst``'s."""
+    pg = _resolve(group, "reduce")
     if pg is None:
         return None
-    opts = ReduceOptions(reduce_op=op, root_rank=_group_rank(pg, dst, "dst"))
+    opts = ReduceOptions(reduce_op=op, root_rank=_peer(pg, dst, group_dst, "dst"))
     return _finish(pg.reduce([tensor], opts), async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    pg = _resolve(group)
+    """Every rank's ``tensor`` into ``tensor_list[rank]``, on every rank."""
+    pg = _resolve(group, "all_gather")
     if pg is None:
         return None
-    return _finish(pg.allgather([list(tensor_list)], [tensor]), async_op)
+    tensor_list = _tensor_list(tensor_list, "tensor_list")
+    _same_dtype(tensor_list, tensor)
+    return _finish(pg.allgather([tensor_list], [tensor]), async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    pg = _resolve(group)
+    """Every rank's ``input_tensor``, concatenated in rank order, into ``output_tensor``."""
+    pg = _resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
     return _finish(pg.allgather_into_tensor(output_tensor, input_tensor), async_op)
 
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
-    pg = _resolve(group)
+    """all_gather of several arrays at once: ``output_tensor_lists[rank][i]``
+    receives rank ``rank``'s ``input_tensor_list[i]``."""
+    pg = _resolve(group, "all_gather_coalesced")
     if pg is None:
         return None
-    return _finish(pg.allgather_coalesced(output_tensor_lists, list(input_tensor_list)),
-                   async_op)
+    input_tensor_list = _tensor_list(input_tensor_list, "input_tensor_list")
+    _same_dtype(input_tensor_list)
+    if not isinstance(output_tensor_lists, (list, tuple)):
+        raise TypeError("Invalid function argument: output_tensor_lists should be a list")
+    outputs = []
+    for output_tensor_list in output_tensor_lists:
+        if not isinstance(output_tensor_list, (list, tuple)):
+            raise TypeError(f"Invalid function argument. Expected parameter "
+                            f"`output_tensor_lists` of type List[List[array]] but got "
+                            f"{type(output_tensor_list)} elements instead.")
+        _same_dtype(output_tensor_list)
+        outputs.append(list(output_tensor_list))
+    return _finish(pg.allgather_coalesced(outputs, input_tensor_list), async_op)
 
 
-def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
-    pg = _resolve(group)
+def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
+    """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (default 0)."""
+    pg = _resolve(group, "gather")
     if pg is None:
         return None
-    root = _group_rank(pg, dst, "dst")
-    outputs = [list(gather_list)] if pg.rank() == root and gather_list is not None else []
-    if pg.rank() != root and gather_list:
-        raise ValueError("gather: Argument ``gather_list`` must NOT be specified on non-"
-                         "destination ranks.")
+    root = _peer(pg, dst, group_dst, "dst", default=0)
+    if pg.rank() == root:
+        if gather_list is None:
+            raise ValueError("Argument ``gather_list`` must be specified on destination rank.")
+        gather_list = _tensor_list(gather_list, "gather_list")
+        _same_dtype(tensor, gather_list)
+    elif gather_list:
+        raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination "
+                         "ranks.")
+    outputs = [gather_list] if pg.rank() == root else []
     return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    pg = _resolve(group)
+def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+    """``scatter_list[r]`` of global rank ``src`` (default 0) into ``tensor`` on rank r."""
+    pg = _resolve(group, "scatter")
     if pg is None:
         return None
-    root = _group_rank(pg, src, "src")
-    inputs = [list(scatter_list)] if pg.rank() == root and scatter_list is not None else []
-    if pg.rank() != root and scatter_list:
-        raise ValueError("scatter: Argument ``scatter_list`` must NOT be specified on non-"
-                         "source ranks.")
+    root = _peer(pg, src, group_src, "src", default=0)
+    if pg.rank() == root:
+        if scatter_list is None:
+            raise ValueError("Argument ``scatter_list`` must be specified on source rank.")
+        scatter_list = _tensor_list(scatter_list, "scatter_list")
+        _same_dtype(tensor, scatter_list)
+    elif scatter_list:
+        raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
+    inputs = [scatter_list] if pg.rank() == root else []
     return _finish(pg.scatter([tensor], inputs, ScatterOptions(root_rank=root)), async_op)
 
 
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    """torch's newer name of :func:`all_gather_into_tensor`."""
+    return all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+
+
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    pg = _resolve(group)
+    """Reduce ``input_list[r]`` over ranks into rank r's ``output``."""
+    pg = _resolve(group, "reduce_scatter")
     if pg is None:
         return None
-    return _finish(pg.reduce_scatter([output], [list(input_list)],
+    input_list = _tensor_list(input_list, "input_list")
+    _same_dtype(output, input_list)
+    return _finish(pg.reduce_scatter([output], [input_list],
                                      ReduceScatterOptions(reduce_op=op)), async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    pg = _resolve(group)
+    """Reduce ``input`` (world size times ``output``'s elements) over ranks;
+    rank r keeps the r-th share in ``output``."""
+    pg = _resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
     return _finish(pg.reduce_scatter_tensor(output, input, ReduceScatterOptions(reduce_op=op)),
                    async_op)
 
 
+def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    """torch's newer name of :func:`reduce_scatter_tensor`."""
+    return reduce_scatter_tensor(output, input, op, group, async_op)
+
+
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    pg = _resolve(group)
+    """Rank r's ``input_tensor_list[q]`` lands in rank q's ``output_tensor_list[r]``."""
+    pg = _resolve(group, "all_to_all")
     if pg is None:
         return None
-    return _finish(pg.alltoall(list(output_tensor_list), list(input_tensor_list)), async_op)
+    output_tensor_list = _tensor_list(output_tensor_list, "output_tensor_list")
+    input_tensor_list = _tensor_list(input_tensor_list, "input_tensor_list")
+    _same_dtype(output_tensor_list, input_tensor_list)
+    return _finish(pg.alltoall(output_tensor_list, input_tensor_list), async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
-    pg = _resolve(group)
+    """all_to_all on the first dimension of single arrays (equal or given splits)."""
+    pg = _resolve(group, "all_to_all_single")
     if pg is None:
         return None
+    _same_dtype(output, input)
     return _finish(pg.alltoall_base(output, input, output_split_sizes, input_split_sizes),
                    async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
-    pg = _resolve(group)
+    """Wait until every rank of the group (and every earlier collective) got here."""
+    pg = _resolve(group, "barrier")
     if pg is None:
         return None
+    _check_timeout(timeout, "barrier")
     return _finish(pg.barrier(BarrierOptions(timeout=timeout)), async_op)
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks=False):
-    pg = _resolve(group)
+    """A barrier that names the ranks that did not arrive in time."""
+    pg = _resolve(group, "monitored_barrier")
     if pg is None:
         return None
+    _check_timeout(timeout, "monitored_barrier")
     pg.monitored_barrier(timeout, wait_all_ranks).wait()
     return None
 
 
-def isend(tensor, dst, group=None, tag=0):
-    pg = _resolve(group)
+def _peer(pg: ProcessGroup, rank, group_rank, what: str, default=None) -> int:
+    """A global rank (``src``/``dst``/``peer``) or a group rank (``group_src``...)
+    as a rank of ``pg``; both given is an error, as in torch."""
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError("Can't specify both group_rank and global_rank")
+        return _check_rank_arg(group_rank, f"group_{what}")
+    if rank is None:
+        if default is None:
+            raise ValueError("Must specify global_rank or group_rank")
+        rank = default
+    return _group_rank(pg, rank, what)
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """Send ``tensor`` to global rank ``dst``; returns the Work."""
+    pg = _resolve(group, "isend")
     if pg is None:
         return None
-    return pg.send([tensor], _group_rank(pg, dst, "dst"), tag)
+    return pg.send([tensor], _peer(pg, dst, group_dst, "dst"), _tag(tag))
 
 
-def irecv(tensor, src=None, group=None, tag=0):
-    pg = _resolve(group)
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    """Receive into ``tensor`` from global rank ``src`` (any rank if None); returns the Work."""
+    pg = _resolve(group, "irecv")
     if pg is None:
         return None
-    if src is None:
-        return pg.recv_anysource([tensor], tag)
-    return pg.recv([tensor], _group_rank(pg, src, "src"), tag)
+    if src is None and group_src is None:
+        return pg.recv_anysource([tensor], _tag(tag))
+    return pg.recv([tensor], _peer(pg, src, group_src, "src"), _tag(tag))
 
 
-def send(tensor, dst, group=None, tag=0) -> None:
-    work = isend(tensor, dst, group, tag)
+def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it is out."""
+    work = isend(tensor, dst, group, tag, group_dst)
     if work is not None:
         work.wait()
 
 
-def recv(tensor, src=None, group=None, tag=0) -> int:
-    """Receive into ``tensor``; returns the sender's (global) rank."""
-    pg = _resolve(group)
-    work = irecv(tensor, src, group, tag)
-    if work is None:
+def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
+    """Receive into ``tensor``; returns the sender's (global) rank (-1 off-group)."""
+    pg = _resolve(group, "recv")
+    if pg is None:
         return -1
+    work = irecv(tensor, src, pg, tag, group_src)
     work.wait()
     ranks = _world().groups.get(pg)
     source = work.source_rank()
     return ranks[source] if ranks else source
+
+
+# -- batched point-to-point ---------------------------------------------------------------
+class P2POp:
+    """One send or receive for :func:`batch_isend_irecv` (torch's class).
+
+    ``op`` is :func:`isend` or :func:`irecv`; ``peer`` a global rank (or
+    ``group_peer`` a rank of ``group``); ``tag`` matches sends with receives.
+    """
+
+    def __init__(self, op, tensor, peer: int | None = None, group=None, tag: int = 0,
+                 group_peer: int | None = None):
+        if op not in (isend, irecv):
+            raise ValueError("Invalid ``op``. Expected ``op`` to be of type "
+                             "``numcoll.isend`` or ``numcoll.irecv``.")
+        self.op = op
+        self.tensor = tensor
+        self.group = group if group is not None else get_default_group()
+        _check_group(self.group)
+        if group_peer is not None:
+            if peer is not None:
+                raise ValueError("Can't specify both group_rank and global_rank")
+            peer = get_global_rank(self.group, group_peer)
+        if peer is None:
+            raise ValueError("Must specify global_rank or group_rank")
+        self.peer = _check_rank_arg(peer, "peer")
+        self.tag = _tag(tag)
+
+    def __repr__(self):
+        return (f"P2POp({self.op.__name__} peer={self.peer}, tag={self.tag}, "
+                f"{getattr(self.tensor, 'shape', '?')}, {getattr(self.tensor, 'dtype', '?')})")
+
+
+def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list:
+    """Start every send and receive of ``p2p_op_list``; returns their Works, in
+    the list's order.
+
+    The sends are queued before the receives (each kind keeping its order, so
+    matching by (peer, tag) is unchanged): a receive holds a worker thread
+    while it waits, and receives queued ahead of sends could take every
+    worker and leave two ranks waiting on each other's sends.
+    """
+    if not isinstance(p2p_op_list, list) or not p2p_op_list or \
+            not all(isinstance(p, P2POp) for p in p2p_op_list):
+        raise ValueError("Invalid ``p2p_op_list``. Each op is expected to to be of type "
+                         "``numcoll.P2POp``.")
+    first_group = p2p_op_list[0].group
+    if not all(p.group is first_group for p in p2p_op_list):
+        raise ValueError("All ops need to use the same group.")
+    works: list = [None] * len(p2p_op_list)
+    for want in (isend, irecv):
+        for i, p in enumerate(p2p_op_list):
+            if p.op is want:
+                works[i] = p.op(p.tensor, p.peer, p.group, p.tag)
+    return works
+
+
+def _make_nccl_premul_sum(factor) -> ReduceOp:
+    """torch's spelling of :meth:`ReduceOp.premul_sum`."""
+    return ReduceOp.premul_sum(factor)

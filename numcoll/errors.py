@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "PeerError",
     "GroupPoisonedError",
+    "CollectiveMismatchError",
 ]
 
 
@@ -24,8 +25,12 @@ class CollectiveTimeoutError(NumcollError, TimeoutError):
     """A collective or store operation did not finish within its deadline.
 
     The message starts ``Timed out waiting {ms}ms`` and names the operation,
-    this rank and the peer that was waited for.
+    this rank and the peer that was waited for (``peer``, when known).
     """
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class PeerError(NumcollError):
@@ -38,3 +43,9 @@ class PeerError(NumcollError):
 
 class GroupPoisonedError(NumcollError):
     """A collective failed earlier on this group; later calls fail fast with this."""
+
+
+class CollectiveMismatchError(PeerError):
+    """Ranks ran different collectives (or the same one with another dtype,
+    element count, op or root) at the same sequence number; ``peer`` is the
+    rank whose message disagreed. Raised before any of its bytes were used."""

@@ -30,9 +30,11 @@ class Future:
 
     # -- completion (called by the thread that ran the operation) --------------
     def set_result(self, value: Any) -> None:
+        """Complete the future with ``value`` (for futures you made, e.g. in hooks)."""
         self._complete(value, None)
 
     def set_exception(self, error: BaseException) -> None:
+        """Complete the future with ``error``; ``wait()`` raises it."""
         self._complete(None, error)
 
     def _complete(self, value, error) -> None:
@@ -48,6 +50,7 @@ class Future:
 
     # -- observation ------------------------------------------------------------
     def done(self) -> bool:
+        """Whether the future has completed (with a value or an error)."""
         return self._completed
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -69,6 +72,7 @@ class Future:
         return self.wait()
 
     def exception(self) -> BaseException | None:
+        """The error the future completed with; None if none or not done yet."""
         return self._error if self._completed else None
 
     def add_done_callback(self, fn: Callable[[Future], None]) -> None:

@@ -23,23 +23,29 @@ from typing import Callable
 import transports
 
 from . import config as _config
+from .call import Call
+from .collectives.checks import timeout_seconds
+from .collectives.choice import check_forced
 from .collectives.movement import DataMovement
 from .collectives.p2p import PointToPoint
 from .collectives.reductions import Reductions
-from .comm import Comm
+from .comm import Comm, abort_note
+from .diagnostics import flight_recorder
 from .errors import GroupPoisonedError, NumcollError
 from .store import PrefixStore, Store
 from .work import Work
 
 __all__ = ["ProcessGroup"]
 
-_TRANSPORTS = ("tcp", "ipc", "inproc")
 _SHUTDOWN = object()
-# How long shutdown() waits for queued work before failing it: every work has
-# its own deadline, but a group whose peers vanished should not take 30 min.
-_SHUTDOWN_DRAIN_S = 10.0
-# How long an aborting rank tries to publish its reason before closing anyway.
-_ABORT_PUBLISH_S = 1.0
+# How long shutdown() lets queued work finish before failing it: every work has
+# its own deadline, but shutting down must not wait on a stalled or vanished
+# peer (torch's destroy_process_group does not wait at all).
+_SHUTDOWN_DRAIN_S = 2.0
+# How long an aborting rank waits for its reason to reach the store before it
+# closes its transport (peers that see the close then read the reason). The
+# write goes on in the background: a dead store must not slow the abort.
+_ABORT_PUBLISH_S = 0.25
 
 
 @dataclasses.dataclass
@@ -48,16 +54,18 @@ class _Options:
 
     timeout: default deadline of every collective (per-call ``opts.timeout``
         overrides it). threads: worker threads, i.e. collectives that can make
-        progress at once. transport: "tcp", "ipc", "inproc", or None to choose
-        (inproc when every rank is a thread of this process, else ipc when all
-        share a host, else tcp). host: the address tcp binds to.
+        progress at once. transport: a registered kind ("tcp", "ipc",
+        "inproc", or one added with ``transports.register``), a transport
+        factory, or None to choose (inproc when every rank is a thread of this
+        process, else ipc when all share a host, else tcp). host: the address
+        tcp binds to.
         algorithm: force algorithms for this group, e.g. "allreduce:ring".
         group_name: separates groups sharing one store.
     """
 
     timeout: timedelta = timedelta(minutes=30)
     threads: int = 2
-    transport: str | None = None
+    transport: str | Callable | None = None
     host: str = "127.0.0.1"
     algorithm: str = ""
     group_name: str = "default"
@@ -90,11 +98,13 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         opts = self.options
         if opts.threads < 1:
             raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")
-        if opts.transport not in (None, *_TRANSPORTS):
-            raise ValueError(f"ProcessGroup: transport must be one of {_TRANSPORTS} or None, "
-                             f"got {opts.transport!r}")
+        if not (opts.transport is None or callable(opts.transport)
+                or opts.transport in transports.KINDS):
+            raise ValueError(f"ProcessGroup: transport must be one of {transports.KINDS}, a "
+                             f"transport factory, or None, got {opts.transport!r}")
         self._rank, self._size = rank, world_size
         self._cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
+        check_forced(self._cfg)
         self._timeout_s = opts.timeout.total_seconds()
         self._reduction_plans: dict = {}  # (op, dtype, on device) -> Reduction
 
@@ -103,23 +113,32 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         base = PrefixStore(f"numcoll/{opts.group_name}", store)
         generation = (base.add("joined", 1) - 1) // world_size
         self._store = PrefixStore(str(generation), base)
-        self.transport_kind = opts.transport or self._choose_transport()
+        kind = opts.transport or self._choose_transport()
+        self.transport_kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "custom")
         self._transport = transports.create(
-            self.transport_kind, rank, world_size, PrefixStore("transport", self._store),
-            host=opts.host, timeout_s=self._timeout_s, peer_grace_s=self._cfg.peer_grace_s,
-            zero_copy_nbytes=self._cfg.zero_copy_nbytes, shm_slots=self._cfg.shm_slots,
-            # Every message an algorithm sends fits a slot: segments, and the
-            # whole buffers of the small-message algorithms.
-            shm_slot_nbytes=max(self._cfg.segment_nbytes, self._cfg.allreduce_small_nbytes,
-                                self._cfg.broadcast_small_nbytes))
+            kind, rank, world_size, PrefixStore("transport", self._store),
+            transports.TransportOptions(
+                host=opts.host, peer_grace_s=self._cfg.peer_grace_s,
+                zero_copy_nbytes=self._cfg.zero_copy_nbytes, shm_slots=self._cfg.shm_slots,
+                # Every message an algorithm sends fits a slot: segments, and the
+                # whole buffers of the small-message algorithms.
+                shm_slot_nbytes=max(self._cfg.segment_nbytes, self._cfg.allreduce_small_nbytes,
+                                    self._cfg.broadcast_small_nbytes)))
 
         self._lock = threading.Lock()
-        self._seq = itertools.count()
+        self._next_seq = 0
         self._order = itertools.count()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: dict[int, Work] = {}
         self._poisoned: str | None = None
         self._closed = False
+        self._global_rank = rank  # new_group() sets the rank in the default group
+        fr = flight_recorder.recorder()
+        self._recorder = fr
+        self._pg_id = (fr.register_group(f"{opts.group_name}/{generation}",
+                                         f"{self.transport_kind} group of {world_size}",
+                                         list(range(world_size)))
+                       if fr is not None else -1)
         self._workers = [
             threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
             for i in range(opts.threads)
@@ -129,17 +148,17 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
 
     # -- identity and settings -------------------------------------------------------
     def rank(self) -> int:
+        """This process's rank in the group."""
         return self._rank
 
     def size(self) -> int:
+        """The number of ranks in the group."""
         return self._size
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Set the default deadline of later collectives."""
-        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-            raise ValueError(f"set_timeout: expected a positive timedelta, got {timeout!r}")
+        self._timeout_s = timeout_seconds(timeout, "set_timeout")
         self.options.timeout = timeout
-        self._timeout_s = timeout.total_seconds()
 
     _set_default_timeout = set_timeout  # torch's private name, used by ported tests
 
@@ -147,19 +166,16 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         here = f"{socket.gethostname()}:{os.getpid()}"
         self._store.set(f"where/{self._rank}", here)
         places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
-        if all(p == here for p in places):
-            return "inproc"
-        host = here.rsplit(":", 1)[0]
-        return "ipc" if all(p.rsplit(":", 1)[0] == host for p in places) else "tcp"
+        return transports.choose_kind(here, places)
 
     # -- queueing ----------------------------------------------------------------
-    def _timeout_for(self, opts) -> float:
+    def _timeout_for(self, opts, op_name: str = "collective") -> float:
+        """The deadline in seconds for a call with options ``opts`` (the group's
+        default unless ``opts.timeout`` is set; it must be a positive timedelta)."""
         t = getattr(opts, "timeout", None)
         if t is None:
             return self._timeout_s
-        if not isinstance(t, timedelta):
-            raise TypeError(f"timeout must be a datetime.timedelta, got {type(t).__name__}")
-        return t.total_seconds()
+        return timeout_seconds(t, op_name)
 
     def _check_usable(self, op_name: str) -> None:
         if self._closed:
@@ -169,21 +185,31 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 f"{op_name}: the process group on rank {self._rank} is unusable because "
                 f"{self._poisoned}; create a new group")
 
-    def _enqueue(self, op_name: str, run: Callable[[Comm], object], timeout_s: float,
+    def sequence_number(self) -> int:
+        """The sequence number the next collective will take (equal on every rank)."""
+        with self._lock:
+            return self._next_seq
+
+    def _enqueue(self, call: Call, run: Callable[[Comm, Work], object],
                  collective: bool = True) -> Work:
-        """Queue ``run(comm)``; its return value becomes the future's value.
+        """Queue ``run(comm, work)`` for ``call``; its return value becomes the
+        future's value.
 
         Collectives take the next sequence number (in call order, under the lock,
         so the n-th collective is number n on every rank). Point-to-point ops
         pass ``collective=False``: they are matched by tag and take none.
         """
         with self._lock:
-            self._check_usable(op_name)
-            seq = next(self._seq) if collective else -1
-            work = Work(op_name, seq)
+            self._check_usable(call.name)
+            seq = -1
+            if collective:
+                seq, self._next_seq = self._next_seq, self._next_seq + 1
+            work = Work(call.name, seq, call=call)
+            if self._recorder is not None:
+                work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call)
             key = work.order = next(self._order)
             self._inflight[key] = work
-            item = (work, run, timeout_s, key)
+            item = (work, run, key)
             work._run_here = lambda: self._execute(item)
             self._queue.put(item)
         return work
@@ -203,7 +229,8 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
 
     def _execute(self, item) -> None:
         """Run one queued work and complete its future (on a worker or the caller)."""
-        work, run, timeout_s, key = item
+        work, run, key = item
+        record = work.record
         try:
             if self._poisoned is not None:
                 raise GroupPoisonedError(
@@ -212,15 +239,21 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if self._closed:
                 raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
                                    "group was shut down before it ran")
-            comm = Comm(self._transport, max(work.seq, 0), work.op_name, timeout_s,
-                        peer_note=self._abort_reason)
+            if record is not None:
+                self._recorder.started(record)
+            comm = Comm(self._transport, work.seq, work.call, peer_note=self._abort_reason,
+                        record=record)
             result = run(comm, work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
             exc = self._fail(work, exc)
+            if record is not None:
+                self._recorder.ended(record, exc)
             with self._lock:
                 self._inflight.pop(key, None)
             work.get_future().set_exception(exc)
         else:
+            if record is not None:
+                self._recorder.ended(record)
             with self._lock:
                 self._inflight.pop(key, None)
             work.get_future().set_result(result)
@@ -241,7 +274,13 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 what = f"collective #{work.seq}" if work.seq >= 0 else "point-to-point op"
                 self._poisoned = f"{work.op_name} ({what}) failed on rank {self._rank}: {exc}"
         if first:
-            self._abort(self._poisoned)
+            # The culprit is the rank that caused it (a dead or stalled peer, or
+            # the one whose failure reached us through its neighbour), so that
+            # every rank's error leads with the same rank.
+            peer = getattr(exc, "peer", None)
+            culprit = peer if peer is not None else self._rank
+            self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit)
+            self._dump_flight_recorder()
             return exc
         poisoned = GroupPoisonedError(
             f"{work.op_name} (collective #{work.seq}) on rank {self._rank} did not complete "
@@ -249,10 +288,20 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         poisoned.__cause__ = exc
         return poisoned
 
-    def _abort(self, reason: str) -> None:
+    def _dump_flight_recorder(self) -> None:
+        directory = _config.get("fr_dump_dir")
+        if directory and self._recorder is not None:
+            try:
+                self._recorder.dump_to_dir(directory, self._global_rank)
+            except OSError:  # noqa: PERF203 - a diagnostic must never mask the failure
+                pass
+
+    def _abort(self, reason: str, culprit: int) -> None:
+        note = abort_note(culprit, reason)
+
         def publish():
             try:
-                self._store.set(f"abort/{self._rank}", reason)
+                self._store.set(f"abort/{self._rank}", note)
             except Exception:  # noqa: BLE001 - best effort: peers still see the close
                 pass
 
@@ -263,15 +312,24 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         writer.join(_ABORT_PUBLISH_S)
         self._transport.close()
 
-    def _abort_reason(self, peer: int) -> str | None:
-        """Why ``peer`` aborted the group, if it said so in the store."""
+    def _abort_reason(self, peer: int) -> bytes | None:
+        """What ``peer`` published when it aborted the group (see
+        :func:`numcoll.comm.abort_note`), if it did. Bounded: a dead store
+        must not delay the error this explains."""
         key = f"abort/{peer}"
-        try:
-            if self._store.check([key]):
-                return self._store.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - only an explanation; never mask the error
-            return None
-        return None
+        found: list = []
+
+        def look():
+            try:
+                if self._store.check([key]):
+                    found.append(self._store.get(key))
+            except Exception:  # noqa: BLE001 - only an explanation; never mask the error
+                pass
+
+        reader = threading.Thread(target=look, name=f"numcoll-r{self._rank}-why", daemon=True)
+        reader.start()
+        reader.join(_ABORT_PUBLISH_S * 2)
+        return found[0] if found else None
 
     # -- lifecycle ---------------------------------------------------------------
     def shutdown(self) -> None:
@@ -298,7 +356,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         for _ in self._workers:
             self._queue.put(_SHUTDOWN)
         for w in self._workers:
-            w.join(timeout=max(5.0, _SHUTDOWN_DRAIN_S))
+            w.join(timeout=5.0)
 
     def __enter__(self) -> ProcessGroup:
         return self

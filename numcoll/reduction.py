@@ -9,9 +9,11 @@ division by the world size (before rounding, for halves). PREMUL_SUM
 (:meth:`ReduceOp.premul_sum`) is SUM with every input multiplied by the
 factor as it is loaded into the wire dtype.
 
-The methods here work on host (NumPy) memory. For device arrays the plan is
-built with ``device=True`` (the op is compiled with numba.cuda instead) and
-the same steps run on the GPU (:class:`numcoll.cuda.memory.DeviceSteps`).
+A :class:`Reduction` is the plan: what to compute, and the kernel compiled
+for the memory it runs on (``kernel``; ``multiply`` too for PREMUL_SUM on the
+device). The steps that apply it have one shape per memory kind:
+:class:`HostSteps` here for NumPy arrays, and
+:class:`numcoll.cuda.memory.DeviceSteps` for CUDA arrays.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .dtypes import check_op_dtype, dtype_name, is_half
 from .kernels import cpu
 from .ops import ReduceOp
 
-__all__ = ["Reduction"]
+__all__ = ["Reduction", "HostSteps"]
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -47,44 +49,58 @@ class Reduction:
         #: What the kernels compute: AVG and PREMUL_SUM reduce like SUM.
         self.kernel_op = ReduceOp.SUM if avg or premul else op
         self.device = device
+        self.divisor = world_size if avg else None
+        self.multiply = None
         try:
             if device:
                 # Lazily: numba.cuda is imported only once device arrays are seen.
-                from .kernels import cuda as cuda_kernels
+                from .cuda import kernels as cuda_kernels
 
-                cuda_kernels.compile_op(self.kernel_op, self.wire_dtype)
+                self.kernel = cuda_kernels.compile_op(self.kernel_op, self.wire_dtype)
                 if premul:      # the device multiplies as a PRODUCT with the factors
-                    cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
+                    self.multiply = cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
             else:
-                cpu.compile_op(self.kernel_op, self.wire_dtype)
+                self.kernel = cpu.compile_op(self.kernel_op, self.wire_dtype)
         except TypeError as exc:
             raise TypeError(f"{opname}: {exc}") from None
-        self.divisor = world_size if avg else None
+        #: The steps on host memory (stateless, so made once per plan).
+        self.host_steps = None if device else HostSteps(self)
 
-    def reduce(self, acc: np.ndarray, x: np.ndarray) -> None:
-        """acc = op(acc, x), elementwise, in the wire dtype."""
-        cpu.reduce_into(self.kernel_op, acc, x)
+
+class HostSteps:
+    """A :class:`Reduction` applied to NumPy arrays: the host twin of
+    :class:`numcoll.cuda.memory.DeviceSteps`, with the same methods."""
+
+    __slots__ = ("_red", "wire_dtype", "reduce")
+
+    def __init__(self, red: Reduction):
+        self._red = red
+        self.wire_dtype = red.wire_dtype
+        #: acc = op(acc, x), elementwise, in the wire dtype: the plan's compiled kernel.
+        self.reduce = red.kernel
 
     def to_wire(self, src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """``src`` (any layout) as a flat wire-dtype array (a new one unless ``out``)."""
+        red = self._red
         if out is None:
-            out = np.empty(src.size, self.wire_dtype)
-        if self.widen:
+            out = np.empty(src.size, red.wire_dtype)
+        if red.widen:
             cpu.widen_into(np.ascontiguousarray(src).reshape(-1), out)
         else:
             np.copyto(out, src.reshape(-1) if src.flags.c_contiguous else src.ravel())
-        if self.factor is not None:
-            np.multiply(out, self.factor, out=out)
+        if red.factor is not None:
+            np.multiply(out, red.factor, out=out)
         return out
 
     def load(self, arrays: list) -> tuple[np.ndarray, bool]:
         """The flat work buffer holding the local reduction of ``arrays``, and
         whether it *is* ``arrays[0]``'s memory (then results need no copy back)."""
+        red = self._red
         first = arrays[0]
-        if len(arrays) == 1 and not self.widen and first.flags.c_contiguous:
+        if len(arrays) == 1 and not red.widen and first.flags.c_contiguous:
             work = first.reshape(-1)
-            if self.factor is not None:
-                np.multiply(work, self.factor, out=work)
+            if red.factor is not None:
+                np.multiply(work, red.factor, out=work)
             return work, True
         work = self.to_wire(first)
         if len(arrays) > 1:
@@ -95,16 +111,17 @@ class Reduction:
 
     def finish(self, work: np.ndarray) -> None:
         """Apply what comes after the sum (AVG's division)."""
-        if self.divisor is not None and work.size:
-            cpu.scale_into(work, self.divisor)
+        if self._red.divisor is not None and work.size:
+            cpu.scale_into(work, self._red.divisor)
 
     def store(self, work: np.ndarray, out: np.ndarray) -> None:
         """Write the flat work buffer (or a slice of it) into ``out`` (any layout)."""
-        if self.widen:
+        red = self._red
+        if red.widen:
             if out.flags.c_contiguous:
                 cpu.narrow_into(work, out.reshape(-1))
             else:
-                tmp = np.empty(out.size, self.dtype)
+                tmp = np.empty(out.size, red.dtype)
                 cpu.narrow_into(work, tmp)
                 np.copyto(out, tmp.reshape(out.shape))
         else:
@@ -112,10 +129,8 @@ class Reduction:
 
 
 def _premul_factor(op: ReduceOp, dtype: np.dtype, wire_dtype: np.dtype, opname: str):
-    """PREMUL_SUM's factor as a scalar of the wire dtype."""
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise ValueError(f"{opname}: {op!r} needs a floating point or complex dtype, got "
-                         f"{dtype_name(dtype)} (scaling integers would have to round)")
+    """PREMUL_SUM's factor as a scalar of the wire dtype (``check_op_dtype``
+    has refused integer dtypes already)."""
     if isinstance(op.factor, complex) or np.iscomplexobj(op.factor):
         if dtype.kind != "c":
             raise TypeError(f"{opname}: {op!r} has a complex factor, which cannot scale "

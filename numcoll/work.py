@@ -18,12 +18,15 @@ __all__ = ["Work"]
 class Work:
     """One enqueued collective. Completed by a ProcessGroup worker thread."""
 
-    __slots__ = ("op_name", "seq", "order", "_future", "_source_rank", "_claim_lock",
-                 "_run_here")
+    __slots__ = ("op_name", "seq", "call", "record", "order", "_future", "_source_rank",
+                 "_claim_lock", "_run_here")
 
-    def __init__(self, op_name: str, seq: int, future: Future | None = None):
+    def __init__(self, op_name: str, seq: int, future: Future | None = None, call=None):
         self.op_name = op_name
         self.seq = seq
+        #: The :class:`numcoll.call.Call` this work runs, and its flight-recorder record.
+        self.call = call
+        self.record = None
         self.order = -1  # position in this rank's queue (collectives and p2p alike)
         self._future = future if future is not None else Future()
         self._source_rank: int | None = None
@@ -53,12 +56,15 @@ class Work:
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective has finished, successfully or not."""
         return self._future.done()
 
     def is_success(self) -> bool:
+        """Whether the collective has finished without an error."""
         return self._future.done() and self._future.exception() is None
 
     def exception(self) -> BaseException | None:
+        """The collective's error, if it failed; None otherwise."""
         return self._future.exception()
 
     def result(self) -> Any:
@@ -72,6 +78,7 @@ class Work:
         return self._source_rank
 
     def get_future(self) -> Future:
+        """The Future completed with the collective's result."""
         return self._future
 
     def __repr__(self):

@@ -1,3 +1,4 @@
+import os
 import threading
 
 import pytest
@@ -28,3 +29,38 @@ def tiny_segments(monkeypatch):
     """Force the multi-segment paths with tiny arrays."""
     monkeypatch.setenv("NUMCOLL_SEGMENT_NBYTES", "64")
     yield 64
+
+
+# --- the collectives matrix: which world sizes, over which transports ------------------
+
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 7)
+#: The transports that cross a socket run a slice of the matrix: one odd world size.
+SOCKET_SLICE = (("tcp", 3), ("ipc", 3))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--world-sizes", default=None,
+                     help="comma-separated world sizes for the collectives matrix "
+                          "(default 1,2,3,4,7; also NUMCOLL_TEST_WORLD_SIZES)")
+
+
+def matrix_world_sizes(config) -> list[int]:
+    raw = config.getoption("--world-sizes") or os.environ.get("NUMCOLL_TEST_WORLD_SIZES")
+    if not raw:
+        return list(DEFAULT_WORLD_SIZES)
+    try:
+        sizes = [int(s) for s in raw.split(",") if s.strip()]
+    except ValueError:
+        raise pytest.UsageError(f"--world-sizes: expected integers like 1,2,5, got {raw!r}")
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"--world-sizes: world sizes must be >= 1, got {raw!r}")
+    return sizes
+
+
+def pytest_generate_tests(metafunc):
+    """``placement`` = (transport, world size): every requested world size over
+    inproc, and the socket slice over tcp and ipc."""
+    if "placement" in metafunc.fixturenames:
+        params = [("inproc", n) for n in matrix_world_sizes(metafunc.config)]
+        params += list(SOCKET_SLICE)
+        metafunc.parametrize("placement", params, ids=[f"{t}-{n}" for t, n in params])

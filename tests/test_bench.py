@@ -1,9 +1,9 @@
 """The benchmark tooling works end to end: ``numcoll-bench`` (thread and
-process ranks, table and JSON), the pytest-benchmark suites (run once each,
-tiny, with timing off) and the notebooks (executed headless).
+process ranks, table and JSON, progress, the ``#wrong`` check) and the
+pytest-benchmark suites (quick mode, busbw in the tables).
 
-Everything runs in subprocesses or a kernel: importing ``numcoll.bench``
-here would add ``bench`` to this process's ``numcoll`` namespace.
+The command line runs in subprocesses (as a user runs it); the checks that
+need a collective to go wrong patch it in this process, with ranks as threads.
 """
 
 from __future__ import annotations
@@ -11,19 +11,22 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-ROW_FIELDS = {"backend", "op", "algorithm", "world_size", "size", "count", "dtype", "iters",
-              "warmup", "time_us", "time_us_min", "time_us_max", "algbw_gbps", "busbw_gbps"}
+ROW_FIELDS = {"backend", "op", "placement", "algorithm", "world_size", "size", "count", "dtype",
+              "iters", "warmup", "time_us", "time_us_min", "time_us_p10", "time_us_p90",
+              "time_us_max", "rank_time_us", "algbw_gbps", "busbw_gbps", "wrong"}
 META_FIELDS = {"op", "world_size", "mode", "transport", "transport_used", "dtype",
                "numcoll_version", "torch_version", "host_cpu_count", "timing"}
-TABLE_HEADER = ["size(B)", "count", "type", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)"]
+TABLE_HEADER = ["size(B)", "count", "type", "place", "algo", "time(us)", "min(us)", "max(us)",
+                "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
 
 
 def bench(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
@@ -40,19 +43,25 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 
 def check_rows(rows: list[dict], *, op: str, sizes: list[int], counts: list[int],
-               factor: float) -> None:
+               factor: float, world_size: int = 2) -> None:
     assert [r["size"] for r in rows] == sizes
     assert [r["count"] for r in rows] == counts
     for r in rows:
         assert ROW_FIELDS <= set(r), sorted(ROW_FIELDS - set(r))
         assert r["op"] == op and r["dtype"] == "float32" and r["backend"] == "numcoll"
         assert r["iters"] == 3 and r["warmup"] == 1
-        assert 0 < r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
+        assert 0 < r["time_us_min"] <= r["time_us_p10"] <= r["time_us"] <= r["time_us_p90"] \
+            <= r["time_us_max"]
+        # the iteration time is the slowest rank's, so no rank's median exceeds the max
+        assert len(r["rank_time_us"]) == world_size
+        assert all(0 < t <= r["time_us_max"] for t in r["rank_time_us"])
         assert r["algbw_gbps"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+        assert r["wrong"] == 0
 
 
 # -- numcoll-bench -----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_cli_thread_mode_json_to_stdout():
     out = bench("--op", "allreduce", "--world-size", "2", "--mode", "thread",
@@ -65,10 +74,13 @@ def test_cli_thread_mode_json_to_stdout():
     assert meta["host_cpu_count"] >= 1
     check_rows(doc["rows"], op="allreduce", sizes=[8, 4096], counts=[2, 1024], factor=1.0)
     assert {r["algorithm"] for r in doc["rows"]} <= {"ring", "recursive_doubling"}
+    # stderr is not a terminal here: one plain progress line per size, no bar
     assert "[numcoll allreduce] 8 B (1/2)" in out.stderr
     assert "[numcoll allreduce] 4 KiB (2/2)" in out.stderr
+    assert "\r" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_process_mode_table_and_json_file(tmp_path):
     path = tmp_path / "out.json"
@@ -77,15 +89,22 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "[numcoll" not in out.stderr  # --quiet: no progress lines
     cells = table_rows(out.stdout)
-    assert [(int(c[0]), int(c[1]), c[2], c[3]) for c in cells] == [
-        (8, 2, "float32", "ring"), (4096, 1024, "float32", "ring")]
+    # both placements of each size, out-of-place first, as nccl-tests prints them
+    assert [(int(c[0]), int(c[1]), c[2], c[3], c[4], c[-1]) for c in cells] == [
+        (8, 2, "float32", "out", "ring", "0"), (8, 2, "float32", "in", "ring", "0"),
+        (4096, 1024, "float32", "out", "ring", "0"), (4096, 1024, "float32", "in", "ring", "0")]
     doc = json.loads(path.read_text())
     assert doc["metadata"]["mode"] == "process"
     assert doc["metadata"]["transport_used"] in ("ipc", "tcp")
+    assert doc["metadata"]["placements"] == ["out-of-place", "in-place"]
+    assert [r["placement"] for r in doc["rows"]] == ["out-of-place", "in-place"] * 2
     # allgather: size is the output (n x input); busbw = algbw x (n-1)/n
-    check_rows(doc["rows"], op="allgather", sizes=[8, 4096], counts=[2, 1024], factor=0.5)
+    check_rows(doc["rows"], op="allgather", sizes=[8, 8, 4096, 4096], counts=[2, 2, 1024, 1024],
+               factor=0.5)
     for c, r in zip(cells, doc["rows"]):
-        assert float(c[4]) == pytest.approx(r["time_us"], abs=0.06)
+        assert float(c[5]) == pytest.approx(r["time_us"], abs=0.06)
+        assert float(c[6]) == pytest.approx(r["time_us_min"], abs=0.06)
+        assert float(c[7]) == pytest.approx(r["time_us_max"], abs=0.06)
 
 
 @pytest.mark.timeout(60)
@@ -94,15 +113,19 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--min-bytes", "1M", "--max-bytes", "8"], "max size (8 B) is smaller than min size"),
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
-    (["--op", "allgather", "--algorithm", "ring"], "allgather has a single algorithm"),
+    (["--op", "allgather", "--algorithm", "tree"],
+     "unknown allgather algorithm 'tree'; choose one of ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
-], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name"])
+    (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),
+], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "placement"])
+@pytest.mark.slow
 def test_cli_rejects_bad_arguments(args, message):
     out = bench(*args)
     assert out.returncode == 2
     assert message in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_cli_compare_torch_without_torch_says_so():
     # sys.modules["torch"] = None makes torch unimportable for this process.
@@ -114,77 +137,179 @@ def test_cli_compare_torch_without_torch_says_so():
     assert "--compare torch needs PyTorch" in out.stderr
 
 
-# -- benchmark suites --------------------------------------------------------------------
-@pytest.mark.timeout(240)
-def test_benchmark_suites_run_once_tiny():
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "benchmarks", "-q", "--benchmark-disable",
-         "-p", "no:cacheprovider"],
-        cwd=ROOT, capture_output=True, text=True, timeout=230,
-        env={**os.environ, "NUMCOLL_BENCH_MAX_NBYTES": "4096"})
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_cli_draws_a_bar_on_a_terminal():
+    """On a terminal (a pseudo-terminal here) the progress is a tqdm bar that
+    redraws in place and ends at 100%."""
+    pytest.importorskip("tqdm")
+    import pty
 
+    leader, follower = pty.openpty()
+    chunks = []
 
-# -- notebooks ---------------------------------------------------------------------------
-def _kernel_name(tmp_path_factory) -> str:
-    """"python3" if it runs this interpreter; otherwise a private kernelspec for
-    ``sys.executable`` under a temporary JUPYTER_PATH (nothing installed for the user)."""
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    def read_terminal():  # concurrently: a full terminal buffer would block the bench
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closes once the process has gone
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
 
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
     try:
-        argv0 = KernelSpecManager().get_kernel_spec("python3").argv[0]
-    except NoSuchKernel:
-        argv0 = None
-    # jupyter_client runs a bare "python"/"python3"/"python3.X" as sys.executable.
-    bare = {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}
-    if argv0 is not None and (argv0 in bare or shutil.which(argv0) and
-                              os.path.realpath(shutil.which(argv0)) ==
-                              os.path.realpath(sys.executable)):
-        return "python3"
-    from ipykernel.kernelspec import install
-
-    prefix = tmp_path_factory.mktemp("jupyter")
-    install(prefix=str(prefix), kernel_name="numcoll-test-python3")
-    data = prefix / "share" / "jupyter"
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(
-        p for p in (str(data), os.environ.get("JUPYTER_PATH")) if p)
-    return "numcoll-test-python3"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "numcoll.bench", "--mode", "thread", "--sizes", "8,4K,64K",
+             "--iters", "3", "--warmup", "1"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=follower, text=True)
+        os.close(follower)
+        stdout, _ = proc.communicate(timeout=55)
+        reader.join(5)
+    finally:
+        os.close(leader)
+    err = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, err
+    assert "\r" in err and "100%" in err and "3.0/3 sizes" in err, err
+    assert "(1/3)" not in err  # no plain lines on a terminal
+    assert len(table_rows(stdout)) == 3
 
 
-@pytest.fixture(scope="module")
-def kernel_name(tmp_path_factory):
-    saved = os.environ.get("JUPYTER_PATH")
-    yield _kernel_name(tmp_path_factory)
-    if saved is None:
-        os.environ.pop("JUPYTER_PATH", None)
-    else:
-        os.environ["JUPYTER_PATH"] = saved
+# -- the #wrong check --------------------------------------------------------------------
+def _run_thread_mode(op: str, world_size: int = 3, placement: str = "both", dtype="float32"):
+    from numcoll import bench
+
+    plans = [bench.make_plan(op, [8, 1000, 12 << 10], world_size=world_size, dtype=dtype,
+                             iters=2, warmup=1, in_place=(p == "in-place"))
+             for p in bench.PLACEMENTS[op] if placement in ("both", p)]
+    per_plan, _ = bench.run_plans(plans, mode="thread", progress=False)
+    return [row for rows in per_plan for row in rows]
 
 
-def test_there_are_notebooks_and_they_are_saved_without_outputs():
-    import nbformat
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("op", ["allreduce", "allgather", "reduce_scatter", "broadcast",
+                                "reduce", "alltoall"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool"])
+def test_every_op_checks_out_right(op, dtype):
+    rows = _run_thread_mode(op, dtype=dtype)
+    from numcoll.bench import PLACEMENTS
 
-    assert NOTEBOOKS, "notebooks/*.ipynb: none found"
-    for path in NOTEBOOKS:
-        nb = nbformat.read(path, as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type == "code":
-                assert not cell.outputs and cell.execution_count is None, \
-                    f"{path.name}: clear the outputs before saving"
+    assert {r["placement"] for r in rows} == set(PLACEMENTS[op])
+    assert [r["wrong"] for r in rows] == [0] * len(rows)
 
 
-@pytest.mark.timeout(330)
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_executes(path, kernel_name, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
+class _Corrupted:
+    """A Work whose wait() also spoils the result, as a buggy collective would."""
 
-    monkeypatch.setenv("NUMCOLL_NOTEBOOK_MAX_NBYTES", "65536")
-    nb = nbformat.read(path, as_version=4)
-    # A failing cell raises CellExecutionError naming the cell and the error.
-    NotebookClient(nb, kernel_name=kernel_name, timeout=300,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
-    assert not errors, errors
+    def __init__(self, work, spoil):
+        self.work, self.spoil = work, spoil
+
+    def wait(self, *args, **kwargs):
+        done = self.work.wait(*args, **kwargs)
+        self.spoil()
+        return done
+
+
+@pytest.mark.timeout(60)
+def test_wrong_counts_a_corrupted_allreduce(monkeypatch, tmp_path, capsys):
+    """Rank 1 adds 1 to the first three elements of every allreduce result:
+    the table says 3 wrong elements per size and the exit status is 1."""
+    from numcoll import bench
+    from numcoll.process_group import ProcessGroup
+
+    real = ProcessGroup.allreduce
+
+    def allreduce(self, arrays, *args, **kwargs):
+        work = real(self, arrays, *args, **kwargs)
+        if self.rank() != 1:
+            return work
+
+        def spoil():
+            arrays.reshape(-1)[:3] += 1
+        return _Corrupted(work, spoil)
+
+    monkeypatch.setattr(ProcessGroup, "allreduce", allreduce)
+    path = tmp_path / "out.json"
+    status = bench.main(["--mode", "thread", "-n", "3", "--sizes", "64,4K", "--iters", "2",
+                         "--warmup", "1", "--json", str(path), "--quiet"])
+    out = capsys.readouterr()
+    assert status == 1
+    assert "6 wrong result elements" in out.err
+    assert [int(c[-1]) for c in table_rows(out.out)] == [3, 3]
+    assert [r["wrong"] for r in json.loads(path.read_text())["rows"]] == [3, 3]
+
+
+@pytest.mark.timeout(60)
+def test_wrong_counts_blocks_in_the_wrong_place(monkeypatch):
+    """An allgather that delivers every block, but rotated by one rank, is
+    wrong everywhere: the check looks at offsets, not only at values."""
+    import numpy as np
+
+    from numcoll.process_group import ProcessGroup
+
+    real = ProcessGroup.allgather_into_tensor
+
+    def allgather(self, out, inp, *args, **kwargs):
+        work = real(self, out, inp, *args, **kwargs)
+        return _Corrupted(work, lambda: out.__setitem__(Ellipsis, np.roll(out, inp.size)))
+
+    monkeypatch.setattr(ProcessGroup, "allgather_into_tensor", allgather)
+    rows = _run_thread_mode("allgather", world_size=2)
+    assert [r["wrong"] for r in rows] == [r["count"] * 2 for r in rows]
+
+
+# -- benchmark suites --------------------------------------------------------------------
+def _pytest(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _table_line(stdout: str, name: str, source: str = "") -> str:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(name + " ") and source in ln]
+    assert len(lines) == 1, (name, source, lines)
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_benchmark_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
+    """--quick runs every suite in seconds (timing on), and the tables show
+    each case's bandwidth computed from its own median, in a run and in a
+    --benchmark-compare against a saved run."""
+    storage = f"--benchmark-storage=file://{tmp_path / 'storage'}"
+    started = time.monotonic()
+    out = _pytest("benchmarks", "--quick", f"--benchmark-json={tmp_path / 'run.json'}",
+                  "--benchmark-columns=median", "--benchmark-autosave", storage, timeout=190)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    # well under 30 s on an idle 2-core machine; the bound leaves room for a busy one
+    assert elapsed < 60, f"quick benchmarks took {elapsed:.0f} s"
+    doc = json.loads((tmp_path / "run.json").read_text())
+    runs = doc["benchmarks"]
+    collectives = [b for b in runs if b["name"].startswith("test_collective")]
+    assert {b["params"]["transport"] for b in collectives} == {"inproc", "ipc"}
+    assert {b["params"]["world_size"] for b in collectives} == {2}
+    assert {b["params"]["nbytes"] for b in collectives} == {8, 1 << 20}
+    assert all(b["options"]["max_time"] == 0.02 for b in runs)
+    for b in collectives:
+        info, median = b["extra_info"], b["stats"]["median"]
+        assert info["busbw_gbps"] == pytest.approx(info["nbytes"] * info["bus_factor"]
+                                                   / median / 1e9)
+        busbw = info["nbytes"] * info["bus_factor"] / median / 1e9
+        _table_line(out.stdout, f"{b['name']} busbw {busbw:.3g} GB/s")
+    kernel = next(b for b in runs if b["name"].startswith("test_reduce_into")
+                  and b["extra_info"]["nbytes"] == 1 << 20)
+    _table_line(out.stdout, f"{kernel['name']} "
+                f"{(1 << 20) / kernel['stats']['median'] / 1e9:.3g} GB/s")
+
+    again = _pytest("benchmarks/bench_kernels.py", "--quick", "-k", kernel["param"],
+                    "--benchmark-compare", "--benchmark-columns=median", storage,
+                    f"--benchmark-json={tmp_path / 'again.json'}", timeout=120)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
+    now = json.loads((tmp_path / "again.json").read_text())["benchmarks"][0]
+    saved = f"{kernel['name']} {(1 << 20) / kernel['stats']['median'] / 1e9:.3g} GB/s"
+    current = f"{now['name']} {(1 << 20) / now['stats']['median'] / 1e9:.3g} GB/s"
+    _table_line(again.stdout, saved, "(0001_")
+    _table_line(again.stdout, current, "(NOW)")

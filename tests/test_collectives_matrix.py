@@ -1,7 +1,8 @@
 """Every collective against a plain-NumPy reference: world sizes 1, 2, 3, 4, 7
-(ranks as threads), counts 0, 1, non-divisible and larger, every dtype, op and
-root, both algorithm choices, with tiny segments forcing the multi-segment
-paths."""
+(ranks as threads; ``--world-sizes`` or ``NUMCOLL_TEST_WORLD_SIZES`` choose
+others) over the in-process transport, and a slice (3 ranks) over tcp and
+ipc; counts 0, 1, non-divisible and larger, every dtype, op and root, every
+algorithm, with tiny segments forcing the multi-segment paths."""
 
 import numpy as np
 import pytest
@@ -11,16 +12,16 @@ from reference import DTYPES, OPS, assert_reduced, make_input, reduce_reference,
 
 pytestmark = pytest.mark.timeout(300)
 
-WORLD_SIZES = [1, 2, 3, 4, 7]
 COUNTS = [0, 1, 13, 300]
 
 
-def _run(fn, world_size):
-    return nc.launch(fn, world_size, mode="thread", timeout=240)
+def _run(fn, placement):
+    transport, world_size = placement
+    return nc.launch(fn, world_size, mode="thread", transport=transport, timeout=240)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_allreduce_every_dtype_op_count_algorithm(world_size, tiny_segments):
+def test_allreduce_every_dtype_op_count_algorithm(placement, tiny_segments):
+    world_size = placement[1]
     def body():
         pg, rank = nc.get_default_group(), nc.get_rank()
         checked = 0
@@ -39,12 +40,12 @@ def test_allreduce_every_dtype_op_count_algorithm(world_size, tiny_segments):
                         checked += 1
         return checked
 
-    counts = _run(body, world_size)
+    counts = _run(body, placement)
     assert len(set(counts)) == 1 and counts[0] > 500
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reduce_every_root_and_algorithm(world_size, tiny_segments):
+def test_reduce_every_root_and_algorithm(placement, tiny_segments):
+    world_size = placement[1]
     ops = [nc.ReduceOp.SUM, nc.ReduceOp.MAX, nc.ReduceOp.PRODUCT, nc.ReduceOp.BXOR]
     dtypes = [np.float32, np.float16, nc.bfloat16, np.int64, np.uint8, np.bool_, np.complex64]
 
@@ -70,11 +71,11 @@ def test_reduce_every_root_and_algorithm(world_size, tiny_segments):
                             else:
                                 np.testing.assert_array_equal(x, before)
 
-    _run(body, world_size)
+    _run(body, placement)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_broadcast_every_root_dtype_and_algorithm(world_size, tiny_segments):
+def test_broadcast_every_root_dtype_and_algorithm(placement, tiny_segments):
+    world_size = placement[1]
     def body():
         pg, rank = nc.get_default_group(), nc.get_rank()
         for root in range(world_size):
@@ -87,11 +88,11 @@ def test_broadcast_every_root_dtype_and_algorithm(world_size, tiny_segments):
                         np.testing.assert_array_equal(
                             x, make_input(dtype, count, root, None, salt=root))
 
-    _run(body, world_size)
+    _run(body, placement)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_allgather_gather_scatter_alltoall(world_size, tiny_segments):
+def test_allgather_gather_scatter_alltoall(placement, tiny_segments):
+    world_size = placement[1]
     def body():
         pg, rank = nc.get_default_group(), nc.get_rank()
         for dtype in DTYPES:
@@ -131,11 +132,11 @@ def test_allgather_gather_scatter_alltoall(world_size, tiny_segments):
                     np.testing.assert_array_equal(o, make_input(dtype, count, r, None,
                                                                 salt=rank))
 
-    _run(body, world_size)
+    _run(body, placement)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reduce_scatter_family(world_size, tiny_segments):
+def test_reduce_scatter_family(placement, tiny_segments):
+    world_size = placement[1]
     ops = [nc.ReduceOp.SUM, nc.ReduceOp.AVG, nc.ReduceOp.MIN, nc.ReduceOp.BOR]
     dtypes = [np.float32, np.float64, np.float16, nc.bfloat16, np.int32, np.uint16,
               np.bool_, np.complex128]
@@ -167,7 +168,7 @@ def test_reduce_scatter_family(world_size, tiny_segments):
                                                        for r in range(world_size)])
                     assert_reduced(out, ref, op, dtype, f"rs {dtype} {op} {count}")
 
-    _run(body, world_size)
+    _run(body, placement)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -188,7 +189,7 @@ def test_large_arrays_default_segments(world_size):
         assert np.array_equal(out, np.repeat(np.arange(world_size, dtype=np.int16), n))
         return True
 
-    assert all(_run(body, world_size))
+    assert all(_run(body, ("inproc", world_size)))
 
 
 def test_float16_sums_do_not_drift():
@@ -206,7 +207,7 @@ def test_float16_sums_do_not_drift():
         pg.allreduce(x, nc.AllreduceOptions(algorithm="ring")).wait()
         return x
 
-    results = _run(body, world_size)
+    results = _run(body, ("inproc", world_size))
     exact = np.sum([data(r).astype(np.float64) for r in range(world_size)], axis=0)
     once = exact.astype(np.float32).astype(np.float16)
     for x in results:

@@ -47,7 +47,7 @@ new_stream = _numba_cuda.stream
 del _numba_cuda
 
 import numcoll as nc  # noqa: E402
-from numcoll.cuda import staging  # noqa: E402
+from numcoll.cuda import pinned_pool as staging  # noqa: E402
 from numcoll.cuda.buffer import _Ranges  # noqa: E402
 from reference import OPS, assert_reduced, make_input, reduce_reference, valid  # noqa: E402
 
@@ -580,16 +580,20 @@ def test_concurrent_device_collectives_and_a_failed_one():
 
     def failing():
         pg = nc.get_default_group()
+        # What only the arguments can tell is refused at the call: the rank
+        # would send itself 3 rows and expect 2.
+        with pytest.raises(ValueError, match=r"sends itself 4 elements but expects [26]\b"):
+            pg.alltoall_base(to_device(np.zeros((4, 2), np.float32)),
+                             to_device(np.zeros((4, 2), np.float32)), [3, 1], [2, 2])
+        # Ranks that disagree (30 vs 31 elements) fail at run time, through the Work.
         idle = staging.POOL._idle_nbytes
-        # Consistent at the call, but the rank would send itself 3 rows and expect 2.
-        work = pg.alltoall_base(to_device(np.zeros((2, 2), np.float32)),
-                                to_device(np.zeros((3, 2), np.float32)), [2], [3])
-        with pytest.raises(ValueError, match="sends itself 6 elements but expects 4"):
+        work = pg.allreduce(to_device(np.zeros(30 + nc.get_rank(), np.float32)))
+        with pytest.raises(nc.NumcollError):
             work.wait()
         assert staging.POOL._idle_nbytes <= idle
         return True
 
-    assert all(_run(failing, 1))
+    assert all(_run(failing, 2))
 
 
 def test_mirror_freshness_ranges():

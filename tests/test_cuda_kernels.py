@@ -1,4 +1,4 @@
-"""numcoll.kernels.cuda against NumPy references, under Numba's CUDA simulator.
+"""numcoll.cuda.kernels against NumPy references, under Numba's CUDA simulator.
 
 The simulator is switched on here, before numba.cuda is first imported, unless
 the environment already says otherwise: ``NUMBA_ENABLE_CUDASIM=0 pytest
@@ -44,7 +44,7 @@ if not SIMULATED and not cuda.is_available():
 import ml_dtypes  # noqa: E402
 
 from numcoll.dtypes import SUPPORTED_DTYPES, bfloat16, dtype_name, is_half  # noqa: E402
-from numcoll.kernels import cuda as K  # noqa: E402
+from numcoll.cuda import kernels as K  # noqa: E402
 from numcoll.ops import ReduceOp  # noqa: E402
 
 F16 = np.dtype(np.float16)
@@ -505,7 +505,7 @@ import numba.cuda.dispatcher as dispatcher
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(8, 0))
 from numba import cuda, from_dtype, types
 from numcoll.dtypes import SUPPORTED_DTYPES, bfloat16, is_half
-from numcoll.kernels import cuda_device, cuda_loops
+from numcoll.cuda import device as cuda_device, loops as cuda_loops
 from numcoll.ops import ReduceOp
 assert not cuda_device._SIMULATED
 
@@ -563,6 +563,7 @@ print("OK", len(done))
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_to_ptx_for_a_real_gpu():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

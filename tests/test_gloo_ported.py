@@ -8,7 +8,7 @@ import numcoll as nc
 from gloo_scenarios import SCENARIOS, run_all
 
 WORLD_SIZE = 4
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -252,3 +252,14 @@ def test_set_timeout_does_not_leak_into_shared_options():
         a.set_timeout(timedelta(seconds=23))
         assert a.options.timeout == timedelta(seconds=23)
         assert b.options.timeout == timedelta(seconds=50) == opts.timeout
+
+
+def test_shutdown_returns_promptly_while_a_peer_stalls(no_leaked_threads):
+    pgs = groups(2, timeout=timedelta(minutes=5))
+    work = pgs[0].allreduce(np.ones(4))  # rank 1 never joins it
+    start = time.monotonic()
+    pgs[0].shutdown()
+    assert time.monotonic() - start < 3.5
+    with pytest.raises(nc.NumcollError):
+        work.wait()
+    pgs[1].shutdown()

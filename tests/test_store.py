@@ -239,6 +239,7 @@ def _file_store_worker(path: str, increments: int) -> None:
     store.close()
 
 
+@pytest.mark.slow
 def test_file_store_shared_by_processes(tmp_path):
     path = str(tmp_path / "shared")
     store = FileStore(path, world_size=3)

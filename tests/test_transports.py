@@ -27,6 +27,7 @@ from transports import (
     Transport,
     TransportClosed,
     TransportTimeout,
+    TransportOptions,
     create,
 )
 
@@ -94,7 +95,7 @@ def connect(kind: str, size: int, **kwargs) -> list[Transport]:
 
     def make(rank):
         try:
-            made[rank] = create(kind, rank, size, store, **kwargs)
+            made[rank] = create(kind, rank, size, store, TransportOptions(**kwargs))
         except BaseException as exc:  # re-raised below, on the test thread
             errors.append(exc)
 
@@ -157,6 +158,54 @@ def payload(*values: int, nbytes: int = 64) -> np.ndarray:
 def test_create_rejects_unknown_kind():
     with pytest.raises(ValueError, match="inproc, tcp, ipc"):
         create("udp", 0, 1, DictStore())
+
+
+def test_registry_makes_a_new_kind_one_call(no_leaked_threads):
+    import numcoll as nc
+
+    made = []
+
+    def counting(rank, size, store, options):
+        made.append(rank)
+        return transports.create("inproc", rank, size, store, options)
+
+    transports.register("counting-inproc", counting)
+    try:
+        assert "counting-inproc" in transports.KINDS
+        with pytest.raises(ValueError, match="already registered"):
+            transports.register("counting-inproc", counting)
+        # by kind, and by factory, through the ProcessGroup
+        for transport in ("counting-inproc", counting):
+            store = nc.HashStore()
+            pgs = [None, None]
+
+            def make(r):
+                pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(transport=transport))
+
+            threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(WAIT_S)
+            x = [np.ones(3), np.full(3, 2.0)]
+            works = [pg.allreduce(a) for pg, a in zip(pgs, x)]
+            for w in works:
+                w.wait()
+            assert np.array_equal(x[0], np.full(3, 3.0))
+            for pg in pgs:
+                pg.shutdown()
+        assert made.count(0) == 2 and made.count(1) == 2
+    finally:
+        transports._REGISTRY.pop("counting-inproc")
+        transports.KINDS = tuple(transports._REGISTRY)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        nc.ProcessGroup(nc.HashStore(), 0, 1, nc.ProcessGroup.Options(transport="counting-inproc"))
+
+
+def test_choose_kind_policy():
+    assert transports.choose_kind("h:1", ["h:1", "h:1"]) == "inproc"
+    assert transports.choose_kind("h:1", ["h:1", "h:2"]) == "ipc"
+    assert transports.choose_kind("h:1", ["h:1", "g:2"]) == "tcp"
 
 
 def test_exports():

@@ -6,8 +6,12 @@ This package never imports :mod:`numcoll`, and it is the only one that imports z
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from .base import (
     ANY_SOURCE,
+    CALL_SHIFT,
     MAX_TAG,
     MAX_STAMP_NBYTES,
     MessageSizeError,
@@ -23,6 +27,7 @@ from .base import (
 
 __all__ = [
     "ANY_SOURCE",
+    "CALL_SHIFT",
     "MAX_TAG",
     "Request",
     "Transport",
@@ -35,36 +40,24 @@ __all__ = [
     "StampMismatch",
     "MAX_STAMP_NBYTES",
     "KINDS",
+    "TransportOptions",
+    "TransportFactory",
+    "register",
     "create",
+    "choose_kind",
 ]
 
-#: The transports :func:`create` makes.
-KINDS = ("inproc", "tcp", "ipc")
+#: A transport factory: ``factory(rank, size, store, options) -> Transport``.
+TransportFactory = Callable[[int, int, Rendezvous, "TransportOptions"], Transport]
 
 
-def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "127.0.0.1",
-           timeout_s: float = 300.0, peer_grace_s: float = 0.25,
-           zero_copy_nbytes: int = 65536, shm_slot_nbytes: int = 1 << 20,
-           shm_slots: int = 8) -> Transport:
-    """Connect this rank to the other ranks of a group.
+@dataclasses.dataclass(frozen=True)
+class TransportOptions:
+    """What a group tells its transport. Every field has a default; a factory
+    reads the fields that concern it.
 
-    Every rank of the group calls this (concurrently) with the same ``kind``
-    and a ``store`` already prefixed for the group.
-
-    Parameters
-    ----------
-    kind : {"inproc", "tcp", "ipc"}
-        ``inproc``: ranks are threads of this process. ``tcp``: any hosts.
-        ``ipc``: processes on one host (Unix domain sockets).
-    rank, size : int
-        This rank and the group size.
-    store : Rendezvous
-        ``set``/``get`` of bytes; addresses are exchanged through it.
     host : str
-        Interface the tcp transport listens on.
-    timeout_s : float
-        The group's timeout in seconds, kept on the transport as ``timeout_s``;
-        each wait takes its own deadline.
+        Interface a network transport (tcp) listens on.
     peer_grace_s : float
         After a peer's connection drops, how long to keep draining what it sent
         before its pending receives fail (ZeroMQ transports).
@@ -74,24 +67,103 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
         ``ipc`` only: payloads from ``zero_copy_nbytes`` up to ``shm_slot_nbytes``
         travel through ``shm_slots`` shared-memory slots per peer (one copy on
         each side instead of a socket's); ``shm_slots=0`` turns this off.
+    """
 
-    Returns
-    -------
-    Transport
+    host: str = "127.0.0.1"
+    peer_grace_s: float = 0.25
+    zero_copy_nbytes: int = 65536
+    shm_slot_nbytes: int = 1 << 20
+    shm_slots: int = 8
+
+
+_REGISTRY: dict[str, TransportFactory] = {}
+#: The registered kinds, in registration order (kept current by :func:`register`).
+KINDS: tuple[str, ...] = ()
+
+
+def register(kind: str, factory: TransportFactory, *, replace: bool = False) -> None:
+    """Make ``create(kind, ...)`` (and ``ProcessGroup.Options(transport=kind)``)
+    build transports with ``factory(rank, size, store, options)``.
+
+    A new transport is one module and one call of this. ``ValueError`` if the
+    kind exists already (unless ``replace``) or is not a non-empty str.
+    """
+    global KINDS
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"register: kind must be a non-empty str, got {kind!r}")
+    if not callable(factory):
+        raise TypeError(f"register: factory for {kind!r} must be callable")
+    if kind in _REGISTRY and not replace:
+        raise ValueError(f"register: transport kind {kind!r} is already registered")
+    _REGISTRY[kind] = factory
+    KINDS = tuple(_REGISTRY)
+
+
+def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous,
+           options: TransportOptions | None = None) -> Transport:
+    """Connect this rank to the other ranks of a group.
+
+    Every rank of the group calls this (concurrently) with the same ``kind``
+    and a ``store`` already prefixed for the group.
+
+    Parameters
+    ----------
+    kind : str or factory
+        A registered kind (see :data:`KINDS`): ``inproc`` (ranks are threads of
+        this process), ``tcp`` (any hosts), ``ipc`` (processes on one host:
+        Unix domain sockets plus shared-memory slots); or a factory.
+    rank, size : int
+        This rank and the group size.
+    store : Rendezvous
+        ``set``/``get`` of bytes; addresses are exchanged through it.
+    options : TransportOptions
 
     Raises
     ------
     ValueError
         For an unknown ``kind`` or a rank outside ``[0, size)``.
     """
-    if kind == "inproc":
-        from .inproc import InprocTransport
+    options = options if options is not None else TransportOptions()
+    if callable(kind):
+        return kind(rank, size, store, options)
+    try:
+        factory = _REGISTRY[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown transport {kind!r}; valid kinds are "
+                         f"{', '.join(KINDS)}") from None
+    return factory(rank, size, store, options)
 
-        return InprocTransport(rank, size, store, timeout_s=timeout_s)
-    if kind in ("tcp", "ipc"):
+
+def choose_kind(here: str, places: list[str]) -> str:
+    """The transport for a group whose ranks run at ``places`` ("host:pid" each,
+    this rank's being ``here``): ``inproc`` when every rank is a thread of this
+    process, ``ipc`` when all share this host, else ``tcp``."""
+    if all(p == here for p in places):
+        return "inproc"
+    host = here.rsplit(":", 1)[0]
+    return "ipc" if all(p.rsplit(":", 1)[0] == host for p in places) else "tcp"
+
+
+def _inproc(rank, size, store, options):
+    from .inproc import InprocTransport
+
+    return InprocTransport(rank, size, store)
+
+
+def _zmq(scheme):
+    def factory(rank, size, store, options):
         from .zmq_transport import ZmqTransport  # zmq is imported only when used
 
-        return ZmqTransport(kind, rank, size, store, host=host, timeout_s=timeout_s,
-                            peer_grace_s=peer_grace_s, zero_copy_nbytes=zero_copy_nbytes,
-                            shm_slot_nbytes=shm_slot_nbytes, shm_slots=shm_slots)
-    raise ValueError(f"unknown transport {kind!r}; valid kinds are {', '.join(KINDS)}")
+        return ZmqTransport(scheme, rank, size, store, host=options.host,
+                            peer_grace_s=options.peer_grace_s,
+                            zero_copy_nbytes=options.zero_copy_nbytes,
+                            shm_slot_nbytes=options.shm_slot_nbytes,
+                            shm_slots=options.shm_slots)
+
+    factory.__name__ = f"zmq_{scheme}"
+    return factory
+
+
+register("inproc", _inproc)
+register("tcp", _zmq("tcp"))
+register("ipc", _zmq("ipc"))

@@ -27,6 +27,7 @@ __all__ = [
     "MessageSizeError",
     "StampMismatch",
     "MAX_STAMP_NBYTES",
+    "CALL_SHIFT",
 ]
 
 #: Pass as ``peer`` to :meth:`Transport.irecv` to match a message from any rank.
@@ -35,6 +36,9 @@ ANY_SOURCE = -1
 MAX_TAG = (1 << 64) - 1
 #: A message's stamp (see :meth:`Transport.isend`) is at most this many bytes.
 MAX_STAMP_NBYTES = 255
+#: Tags whose high bits (``tag >> CALL_SHIFT``) agree belong to one call: a
+#: receive posted with ``whole_call=True`` checks the stamps of all of them.
+CALL_SHIFT = 32
 
 
 class TransportError(Exception):
@@ -123,7 +127,8 @@ class Transport(Protocol):
         """
         ...
 
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> Request:
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> Request:
         """Post a receive of the message ``(peer, tag)``.
 
         ``buf``: a writable C-contiguous buffer whose size must equal the
@@ -131,7 +136,11 @@ class Transport(Protocol):
         it. ``None``: the message is returned by ``wait``. ``peer`` may be
         :data:`ANY_SOURCE`. A non-empty ``stamp`` must equal the matched
         message's stamp, else the receive fails with :class:`StampMismatch`
-        and the payload is dropped, never written into ``buf``.
+        and the payload is dropped, never written into ``buf``. With
+        ``whole_call``, any stamped message from ``peer`` whose tag belongs to
+        the same call (see :data:`CALL_SHIFT`) but carries another stamp fails
+        the receive too: a peer running another call may use other tags
+        altogether, and must still be caught rather than waited for.
         """
         ...
 

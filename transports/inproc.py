@@ -89,8 +89,9 @@ class InprocTransport:
             req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
         return req
 
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf, stamp)
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> PendingRequest:
+        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
 
     def close(self) -> None:
         with self._close_lock:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from .base import (
     ANY_SOURCE,
+    CALL_SHIFT,
     RECV,
     MessageSizeError,
     PeerClosed,
@@ -45,17 +46,18 @@ class PendingRequest:
     (ZeroMQ's tracker event) fires when ZeroMQ releases the buffer.
     """
 
-    __slots__ = ("what", "rank", "peer", "tag", "buf", "stamp", "source", "seq",
+    __slots__ = ("what", "rank", "peer", "tag", "buf", "stamp", "whole_call", "source", "seq",
                  "_finished", "_lock", "_after", "_result", "_error")
 
     def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None,
-                 stamp: bytes = b""):
+                 stamp: bytes = b"", whole_call: bool = False):
         self.what = what
         self.rank = rank
         self.peer = peer
         self.tag = tag
         self.buf = buf
         self.stamp = stamp
+        self.whole_call = whole_call and bool(stamp) and peer != ANY_SOURCE
         self.source = None if peer == ANY_SOURCE else peer
         self.seq = 0
         # Completion is a lock held until the request finishes (as threading.Thread
@@ -164,6 +166,10 @@ class Mailbox:
         self._posted: dict[tuple[int, int], deque[PendingRequest]] = {}
         # tag -> src -> (arrival number, payload, stamp), oldest first
         self._unexpected: dict[int, dict[int, deque[tuple[int, memoryview, bytes]]]] = {}
+        # (src, call) -> posted whole-call receives / stamps of held messages
+        # (see CALL_SHIFT): a message of another call from the same peer fails them.
+        self._calls_posted: dict[tuple[int, int], list[PendingRequest]] = {}
+        self._calls_held: dict[tuple[int, int], dict[bytes, int]] = {}
         self._gone: dict[int, str] = {}  # peer -> why it left
         self._closed: str | None = None
         # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
@@ -171,11 +177,12 @@ class Mailbox:
 
     # --- receiving side -----------------------------------------------------
 
-    def receive(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> PendingRequest:
+    def receive(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+                whole_call: bool = False) -> PendingRequest:
         """A transport's ``irecv``: check the arguments, then :meth:`post`."""
         check_peer(RECV, self.rank, self.size, peer, tag)
         view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view, check_stamp(stamp))
+        req = PendingRequest(RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
         self.post(req)
         return req
 
@@ -184,10 +191,13 @@ class Mailbox:
         with self._lock:
             found = self._take_unexpected(req.peer, req.tag)
             if found is None:
-                exc = self._refusal(req)
+                exc = self._refusal(req) or self._held_conflict(req)
                 if exc is None:
                     req.seq = next(self._counter)
                     self._posted.setdefault((req.peer, req.tag), deque()).append(req)
+                    if req.whole_call:
+                        self._calls_posted.setdefault(
+                            (req.peer, req.tag >> CALL_SHIFT), []).append(req)
                     return
         if found is None:
             req.fail(exc)
@@ -221,6 +231,11 @@ class Mailbox:
             if self._closed is not None:
                 return False
             req = self._claim(src, tag)
+            if req is None:
+                victims = self._posted_conflicts(src, tag, stamp)
+                if victims:
+                    self._fail_conflicts(victims, src, stamp)
+                    return True  # the payload belongs to another call: dropped
             if req is None and private:
                 self._hold(src, tag, data, stamp)
                 return True
@@ -251,6 +266,11 @@ class Mailbox:
         with self._lock:
             req = self._claim(src, tag)
             if req is None:
+                victims = self._posted_conflicts(src, tag, stamp)
+                if victims:
+                    read(DISCARD)  # the payload belongs to another call
+                    self._fail_conflicts(victims, src, stamp)
+                    return
                 # Read under the lock so a receive posted now cannot miss the message.
                 if self._closed is None:
                     self._hold(src, tag, read(None), stamp)
@@ -276,6 +296,8 @@ class Mailbox:
             victims = []
             for key in [k for k in self._posted if k[0] == peer or (all_gone and k[0] == ANY_SOURCE)]:
                 victims.extend(self._posted.pop(key))
+            for req in victims:
+                self._forget_whole_call(req)
         for req in victims:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
 
@@ -288,6 +310,8 @@ class Mailbox:
             victims = [req for queue in self._posted.values() for req in queue]
             self._posted.clear()
             self._unexpected.clear()
+            self._calls_posted.clear()
+            self._calls_held.clear()
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
@@ -305,11 +329,57 @@ class Mailbox:
         req = queue.popleft()
         if not queue:
             del self._posted[key]
+        if req.whole_call:
+            self._forget_whole_call(req)
         return req
+
+    def _forget_whole_call(self, req: PendingRequest) -> None:
+        key = (req.peer, req.tag >> CALL_SHIFT)
+        reqs = self._calls_posted.get(key)
+        if reqs is not None:
+            reqs.remove(req)
+            if not reqs:
+                del self._calls_posted[key]
+
+    def _posted_conflicts(self, src: int, tag: int, stamp: bytes) -> list[PendingRequest]:
+        """Unpost and return the whole-call receives from ``src`` that a
+        message (``tag``, ``stamp``) of the same call contradicts."""
+        reqs = self._calls_posted.get((src, tag >> CALL_SHIFT))
+        if not reqs or not stamp or all(r.stamp == stamp for r in reqs):
+            return []
+        victims = list(reqs)
+        for req in victims:
+            queue = self._posted[(req.peer, req.tag)]
+            queue.remove(req)
+            if not queue:
+                del self._posted[(req.peer, req.tag)]
+        del self._calls_posted[(src, tag >> CALL_SHIFT)]
+        return victims
+
+    def _fail_conflicts(self, victims, src: int, stamp: bytes) -> None:
+        for req in victims:
+            req.fail(StampMismatch(
+                f"{req.describe()}: rank {src} sent a message of another call "
+                "at the same sequence number", src, req.stamp, stamp))
+
+    def _held_conflict(self, req: PendingRequest) -> StampMismatch | None:
+        """A held message of ``req``'s call from its peer with another stamp, if any."""
+        if not req.whole_call:
+            return None
+        stamps = self._calls_held.get((req.peer, req.tag >> CALL_SHIFT))
+        for stamp in stamps or ():
+            if stamp and stamp != req.stamp:
+                return StampMismatch(
+                    f"{req.describe()}: rank {req.peer} sent a message of another call "
+                    "at the same sequence number", req.peer, req.stamp, stamp)
+        return None
 
     def _hold(self, src: int, tag: int, payload: memoryview, stamp: bytes) -> None:
         by_src = self._unexpected.setdefault(tag, {})
         by_src.setdefault(src, deque()).append((next(self._counter), payload, stamp))
+        if stamp:
+            stamps = self._calls_held.setdefault((src, tag >> CALL_SHIFT), {})
+            stamps[stamp] = stamps.get(stamp, 0) + 1
 
     def _take_unexpected(self, peer: int, tag: int) -> tuple[int, memoryview, bytes] | None:
         by_src = self._unexpected.get(tag)
@@ -325,6 +395,14 @@ class Mailbox:
             del by_src[peer]
             if not by_src:
                 del self._unexpected[tag]
+        if stamp:
+            key = (peer, tag >> CALL_SHIFT)
+            stamps = self._calls_held[key]
+            stamps[stamp] -= 1
+            if not stamps[stamp]:
+                del stamps[stamp]
+                if not stamps:
+                    del self._calls_held[key]
         return peer, payload, stamp
 
     def _refusal(self, req: PendingRequest) -> TransportError | None:

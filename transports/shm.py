@@ -1,7 +1,7 @@
 """Shared-memory payload slots between the processes of one host.
 
 The ``ipc`` transport sends every message header over ZeroMQ, in order, but a
-payload of ``[shm_min_nbytes, slot_nbytes]`` bytes can travel through shared
+payload of ``[zero_copy_nbytes, slot_nbytes]`` bytes can travel through shared
 memory instead: the sender copies it into a free slot of the slab it owns for
 that peer and sends a header naming the slot; the receiver copies it out
 (straight into the posted buffer when there is one) and sends a credit back,

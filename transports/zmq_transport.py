@@ -270,8 +270,9 @@ class ZmqTransport:
             req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
         return req
 
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf, stamp)
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> PendingRequest:
+        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
 
     def _header(self, kind: int, tag: int, nbytes: int, stamp: bytes = b"") -> bytes:
         return HEADER.pack(kind, self.rank, tag, nbytes, len(stamp)) + stamp

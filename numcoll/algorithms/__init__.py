@@ -30,10 +30,22 @@ __all__ = [
     "scatter_direct",
 ]
 
-#: Algorithms selectable by name per collective (config ``algorithm`` or a
-#: per-call/per-group override); the first is not necessarily the default.
+#: The one table of algorithms: for every collective family, the algorithms
+#: selectable by name (config ``algorithm``, ``Options(algorithm=...)`` per
+#: group, ``opts.algorithm`` per call). Which one runs by default is decided
+#: in :mod:`numcoll.collectives.choice`; the bench reads this table too.
+#: The coalesced and ``*_tensor`` variants use their family's entry
+#: (``allreduce_coalesced`` -> "allreduce", ``allgather_into_tensor`` ->
+#: "allgather", ``reduce_scatter_tensor`` -> "reduce_scatter", ``alltoall_base``
+#: -> "alltoall").
 CHOICES = {
     "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring},
+    "allgather": {"ring": allgather_ring},
+    "gather": {"direct": gather_direct},
+    "scatter": {"direct": scatter_direct},
+    "reduce_scatter": {"ring": reduce_scatter_ring},
+    "alltoall": {"pairwise": alltoall_pairwise},
+    "barrier": {"dissemination": barrier_dissemination},
 }

@@ -10,11 +10,17 @@ From Python (a notebook, a script)::
     torch_rows, _ = bench.run_plan(plan, backend="torch")
     print(bench.format_table(bench.compare_rows(rows, torch_rows)))
 
-or launch the rank function yourself: ``nc.launch(bench.numcoll_rank, 2,
-args=(plan,))`` then ``bench.summarize(plan, [r["times"] for r in results])``.
+``bench.run_plans([plan, ...])`` runs several plans in one launch (a progress
+bar shows in a notebook or on a terminal). Or launch the rank function
+yourself: ``nc.launch(bench.numcoll_rank, 2, args=(plan,))`` then
+``bench.summarize(plan, [r["times"] for r in results])``.
+``bench.timeline`` draws the flight recorder's records as a per-rank Gantt chart;
+``bench.findings`` turns rows into sentences (crossovers, stragglers, noise).
 """
 
+from .check import count_wrong, expected, fill
 from .cli import main
+from .report import compare_rows, format_table
 from .runners import (
     DEFAULT_TIMEOUT_S,
     TorchUnavailableError,
@@ -22,19 +28,19 @@ from .runners import (
     numcoll_rank,
     rank_buffers,
     run_plan,
+    run_plans,
     torch_available,
     torch_rank,
     torch_version,
 )
 from .sweep import (
     OPS,
+    PLACEMENTS,
     Case,
     Plan,
     algorithm_name,
     bus_factor,
-    compare_rows,
     format_nbytes,
-    format_table,
     make_plan,
     metadata,
     parse_nbytes,
@@ -44,7 +50,8 @@ from .sweep import (
 )
 
 __all__ = [
-    "main", "OPS", "Case", "Plan", "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
+    "main", "OPS", "PLACEMENTS", "fill", "expected", "count_wrong", "run_plans", "Case", "Plan",
+    "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
     "sizes_between", "make_plan", "summarize", "compare_rows", "format_table", "metadata",
     "write_json", "rank_buffers", "numcoll_issue", "numcoll_rank", "torch_rank", "run_plan",
     "torch_available", "torch_version", "TorchUnavailableError", "DEFAULT_TIMEOUT_S",

@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+import transports
+
+from .report import compare_rows, format_table
 from .runners import (
     DEFAULT_TIMEOUT_S,
     TorchUnavailableError,
-    run_plan,
+    run_plans,
     torch_available,
     torch_version,
 )
 from .sweep import (
     OPS,
-    compare_rows,
-    format_table,
+    PLACEMENTS,
     make_plan,
     metadata,
     parse_nbytes,
@@ -30,8 +32,15 @@ size is the per-rank buffer as nccl-tests define it (allgather: the output;
 reduce_scatter: the input; alltoall: the send buffer); count = size / itemsize.
 algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
 reduce_scatter, alltoall), 1 (broadcast, reduce). time = median over iterations
-of the slowest rank. With --compare torch: "busbw x" = numcoll/gloo busbw
-(>1: numcoll faster), "time x" = numcoll/gloo time (<1: numcoll faster).
+of the slowest rank (min and max over iterations beside it). place: "out" of
+place or "in" place (allgather: the input is this rank's block of the output;
+reduce_scatter: the output is this rank's block of the input; allreduce,
+broadcast and reduce always write into their input). #wrong: after timing a
+size, inputs are filled with rank-dependent values, the collective runs once
+more, and the result elements that differ from the expected ones are counted
+over all ranks (0 is the only right answer; the exit status is 1 otherwise).
+With --compare torch: "busbw x" = numcoll/gloo busbw (>1: numcoll faster),
+"time x" = numcoll/gloo time (<1: numcoll faster).
 
 examples:
   python -m numcoll.bench --op allreduce --world-size 4 --sizes 8,1M,64M
@@ -72,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--mode", choices=("process", "thread"), default="process",
                    help="ranks as processes (default) or threads of one process")
-    p.add_argument("--transport", choices=("tcp", "ipc", "inproc"), default=None,
+    p.add_argument("--transport", choices=transports.KINDS, default=None,
                    help="numcoll transport (default: numcoll chooses; ipc for local processes, "
                         "inproc for threads)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
@@ -95,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed barrier before every timed iteration (default: once per size, "
                         "as nccl-tests; then a broadcast/reduce root whose sends complete "
                         "eagerly can run ahead, which flatters their small-size times)")
+    p.add_argument("--placement", choices=("both", "out-of-place", "in-place"), default="both",
+                   help="out-of-place and/or in-place forms (default both, where the op has "
+                        "both: allgather, reduce_scatter)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="count wrong result elements after each size (the #wrong column; "
+                        "default on)")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="write metadata and every row as JSON to PATH ('-' for stdout, "
                         "which then replaces the table)")
@@ -102,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run torch.distributed (backend gloo) on the same sizes")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline of each sweep in seconds (default {DEFAULT_TIMEOUT_S:.0f})")
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                   help="progress on stderr: a bar on a terminal, one line per size "
+                        "otherwise (default auto)")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress and no notes on stderr (same as --progress none)")
     return p
 
 
@@ -120,17 +139,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     try:
         sizes = args.sizes or sizes_between(args.min_bytes, args.max_bytes, args.factor)
-        plan = make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype,
-                         iters=args.iters, warmup=args.warmup, algorithm=args.algorithm,
-                         progress=not args.quiet, sync_each_iter=args.sync_each_iter)
+        placements = [p for p in PLACEMENTS[args.op] if args.placement in ("both", p)]
+        if not placements:
+            raise ValueError(f"{args.op} has no {args.placement} form in numcoll; it is "
+                             f"{' or '.join(PLACEMENTS[args.op])}")
+        plans = [make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype,
+                           iters=args.iters, warmup=args.warmup, algorithm=args.algorithm,
+                           in_place=(p == "in-place"), sync_each_iter=args.sync_each_iter,
+                           check=args.check)
+                 for p in placements]
     except ValueError as exc:
         parser.error(str(exc))
+    progress = "none" if args.quiet else args.progress
+    plan = plans[0]
     if args.compare == "torch":
         if not torch_available():
             print("numcoll-bench: error: --compare torch needs PyTorch, which is not importable "
                   "in this environment (pip install torch)", file=sys.stderr)
             return 2
-        if args.mode == "thread":
+        if args.mode == "thread" and not args.quiet:
             print("numcoll-bench: note: torch gloo ranks always run as processes",
                   file=sys.stderr)
 
@@ -138,22 +165,27 @@ def main(argv: list[str] | None = None) -> int:
         print("numcoll-bench: note: without --sync-each-iter the root may run ahead of its "
               "receivers between iterations, which understates small-size latency",
               file=sys.stderr)
-    rows, info = run_plan(plan, backend="numcoll", mode=args.mode, transport=args.transport,
-                          timeout_s=args.timeout)
-    torch_rows, status = None, 0
+    per_plan, info = run_plans(plans, backend="numcoll", mode=args.mode,
+                               transport=args.transport, timeout_s=args.timeout,
+                               progress=progress)
+    torch_per_plan, status = None, 0
     if args.compare == "torch":
         try:
-            torch_rows, _ = run_plan(plan, backend="torch", timeout_s=args.timeout)
+            torch_per_plan, _ = run_plans(plans, backend="torch", timeout_s=args.timeout,
+                                          progress=progress)
         except TorchUnavailableError as exc:
             print(f"numcoll-bench: error: {exc}", file=sys.stderr)
             status = 2
         except Exception as exc:  # noqa: BLE001 - keep numcoll's results, report torch's failure
             print(f"numcoll-bench: error: the torch gloo run failed: {exc}", file=sys.stderr)
             status = 1
+    rows = _by_size([r for rows in per_plan for r in rows])
+    torch_rows = None if torch_per_plan is None else [r for rs in torch_per_plan for r in rs]
     rows = compare_rows(rows, torch_rows)
     meta = metadata(plan, mode=args.mode, transport=args.transport,
                     transport_used=info.get("transport"), compare=args.compare,
                     torch_version=torch_version())
+    meta["placements"] = [p.placement for p in plans]
 
     if args.json != "-":
         title = (f"# numcoll {plan.op}: world_size={plan.world_size} mode={args.mode} "
@@ -164,4 +196,16 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows, title=title), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows)
+    wrong = sum(r["wrong"] or 0 for r in rows) + sum(r.get("torch_wrong") or 0 for r in rows)
+    if wrong:
+        print(f"numcoll-bench: error: {wrong} wrong result elements (see #wrong)",
+              file=sys.stderr)
+        status = status or 1
     return status
+
+
+def _by_size(rows: list[dict]) -> list[dict]:
+    """Rows of several placements interleaved by size (out-of-place first), as
+    nccl-tests puts both forms of a size on one line."""
+    order = {"out-of-place": 0, "in-place": 1}
+    return sorted(rows, key=lambda r: (r["size"], order.get(r["placement"], 2)))

@@ -4,32 +4,41 @@ launcher that runs a :class:`~numcoll.bench.sweep.Plan` on local ranks.
 Both backends are timed the same way, in every rank: buffers are allocated
 once per size, ``warmup`` untimed iterations run, the ranks meet in a
 barrier, then each of ``iters`` iterations is timed on its own with
-``time.perf_counter`` (issue + wait). Every rank returns its per-iteration
-times; :func:`~numcoll.bench.sweep.summarize` takes, per iteration, the
-slowest rank, and reports the median over iterations.
+``time.perf_counter`` (issue + wait). Then, unless ``plan.check`` is off, the
+inputs are filled with rank-dependent values and the collective runs once
+more to count wrong elements (:mod:`numcoll.bench.check`). Every rank returns
+its per-iteration times and wrong counts;
+:func:`~numcoll.bench.sweep.summarize` takes, per iteration, the slowest rank,
+and reports the median over iterations (min, percentiles, max and each rank's
+median kept).
 
 The rank functions (:func:`numcoll_rank`, :func:`torch_rank`) run inside a
 rank started by :func:`numcoll.launch`, so a notebook can launch them itself::
 
     results = nc.launch(numcoll_rank, 2, args=(plan,), mode="process")
-    rows = summarize(plan, [r["times"] for r in results])
+    rows = summarize(plan, [r["times"] for r in results],
+                     rank_wrong=[r["wrong"] for r in results])
+
+:func:`run_plans` does that for several plans in one launch, with a progress bar.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import time
 from datetime import timedelta
 from typing import Callable
 
 import numpy as np
 
+from .check import count_wrong, prepare_check
+from .progress import ProgressDisplay, Reporter
 from .sweep import Case, Plan, format_nbytes, summarize
 
 __all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "run_plan",
-           "torch_available", "torch_version", "TorchUnavailableError", "DEFAULT_TIMEOUT_S"]
+           "run_plans", "torch_available", "torch_version", "TorchUnavailableError",
+           "DEFAULT_TIMEOUT_S"]
 
 #: Deadline of a whole sweep (and of each collective in it), in seconds.
 DEFAULT_TIMEOUT_S = 900.0
@@ -40,10 +49,15 @@ class TorchUnavailableError(RuntimeError):
 
 
 def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], object],
-               sync_each_iter: bool = False) -> np.ndarray:
-    """Per-iteration seconds of ``step`` (one complete collective: issue + wait)."""
-    for _ in range(case.warmup):
+               sync_each_iter: bool = False,
+               tick: Callable[[float], None] | None = None) -> np.ndarray:
+    """Per-iteration seconds of ``step`` (one complete collective: issue + wait);
+    ``tick(fraction done)`` after each iteration, warmup included."""
+    tick = tick or (lambda fraction: None)
+    total = case.warmup + case.iters
+    for k in range(case.warmup):
         step()
+        tick((k + 1) / total)
     # Ranks enter the timed loop together, so the first iteration does not
     # include another rank's warmup or allocation.
     barrier()
@@ -55,17 +69,41 @@ def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], obj
         start = clock()
         step()
         times[i] = clock() - start
+        tick((case.warmup + i + 1) / total)
     return times
 
 
-def _progress(plan: Plan, label: str, rank: int, index: int, case: Case) -> None:
-    if plan.progress and rank == 0:
-        print(f"[{label} {plan.op}] {format_nbytes(case.nbytes)} ({index + 1}/{len(plan.cases)})",
-              file=sys.stderr, flush=True)
+def _run_cases(plan: Plan, rank: int, make_step, barrier: Callable[[], object],
+               reporter: Reporter | None, first_case: int, label: str) -> dict:
+    """Time every case of ``plan`` on this rank, then check it (see the module
+    docstring). ``make_step(inp, out)`` -> a callable running one complete
+    collective on those buffers; ``first_case``: the number of this plan's
+    first case among all the cases of the launch (for the progress display)."""
+    all_times, all_wrong = [], []
+    for index, case in enumerate(plan.cases):
+        tick = None
+        if reporter is not None:
+            number = first_case + index
+            reporter.start_case(number, f"[{label} {plan.label}] {format_nbytes(case.nbytes)}")
+            tick = lambda fraction, number=number: reporter.tick(number, fraction)  # noqa: E731
+        inp, out = rank_buffers(plan, case, rank)
+        step = make_step(inp, out)
+        all_times.append(_time_case(step, case, barrier, plan.sync_each_iter, tick))
+        wrong = None
+        if plan.check:
+            prepare_check(plan, case, rank, inp, out)
+            barrier()  # the check starts once every rank has finished timing
+            step()
+            wrong = count_wrong(plan, case, rank, inp, out)
+        all_wrong.append(wrong)
+    return {"times": all_times, "wrong": all_wrong}
 
 
-def rank_buffers(plan: Plan, case: Case) -> tuple[np.ndarray, np.ndarray | None]:
-    """(input, output) of one rank for ``case``; output None for in-place ops.
+def rank_buffers(plan: Plan, case: Case, rank: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """(input, output) of rank ``rank`` for ``case``; output None for the ops that
+    write into their input. In the in-place forms the input is a view of this
+    rank's block of the output (allgather) or the output a view of this rank's
+    block of the input (reduce_scatter).
 
     Buffers are written once (zeros: repeated SUMs neither overflow nor reach
     inf or denormals), which also maps every page before the timing starts.
@@ -79,10 +117,13 @@ def rank_buffers(plan: Plan, case: Case) -> tuple[np.ndarray, np.ndarray | None]
 
     if plan.op in ("allreduce", "broadcast", "reduce"):
         return filled(case.count), None
+    block = case.count // n
     if plan.op == "allgather":
-        return filled(case.count // n), filled(case.count)
+        out = filled(case.count)
+        return (out[rank * block:(rank + 1) * block] if plan.in_place else filled(block)), out
     if plan.op == "reduce_scatter":
-        return filled(case.count), filled(case.count // n)
+        inp = filled(case.count)
+        return inp, (inp[rank * block:(rank + 1) * block] if plan.in_place else filled(block))
     return filled(case.count), filled(case.count)  # alltoall
 
 
@@ -110,23 +151,39 @@ def numcoll_issue(pg, plan: Plan, inp: np.ndarray,
     return lambda: pg.alltoall_base(out, inp)
 
 
-def numcoll_rank(plan: Plan) -> dict:
+def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int = 0) -> dict:
     """Run ``plan`` on this rank's default numcoll group (inside :func:`numcoll.launch`).
 
     Returns ``{"times": [per-iteration seconds, one array per case],
-    "transport": the group's transport}``.
+    "wrong": [wrong elements per case, None if unchecked],
+    "transport": the group's transport}``. ``reporter``: rank 0 reports its
+    progress there (see :mod:`numcoll.bench.progress`).
     """
     import numcoll as nc
 
     pg = nc.get_default_group()
     rank = pg.rank()
-    all_times = []
-    for index, case in enumerate(plan.cases):
-        _progress(plan, "numcoll", rank, index, case)
-        issue = numcoll_issue(pg, plan, *rank_buffers(plan, case))
-        all_times.append(_time_case(lambda: issue().wait(), case, lambda: pg.barrier().wait(),
-                                    plan.sync_each_iter))
-    return {"times": all_times, "transport": pg.transport_kind}
+
+    def make_step(inp, out):
+        issue = numcoll_issue(pg, plan, inp, out)
+        return lambda: issue().wait()
+
+    result = _run_cases(plan, rank, make_step, lambda: pg.barrier().wait(),
+                        reporter if rank == 0 else None, first_case, "numcoll")
+    return {**result, "transport": pg.transport_kind}
+
+
+def _numcoll_session(plans: list[Plan], reporter: Reporter | None) -> list[dict]:
+    firsts = _first_cases(plans)
+    return [numcoll_rank(plan, reporter, first) for plan, first in zip(plans, firsts)]
+
+
+def _first_cases(plans: list[Plan]) -> list[int]:
+    firsts, total = [], 0
+    for plan in plans:
+        firsts.append(total)
+        total += len(plan.cases)
+    return firsts
 
 
 # -- torch.distributed gloo -------------------------------------------------------------
@@ -197,12 +254,19 @@ def _torch_init(torch_dist, timeout: timedelta) -> None:
     return store
 
 
-def torch_rank(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def torch_rank(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S,
+               reporter: Reporter | None = None) -> dict:
     """Run ``plan`` on torch.distributed with backend "gloo" (inside
     :func:`numcoll.launch` in process mode; one intra-op thread per rank).
 
-    Returns ``{"times": [...], "transport": "gloo-tcp", "torch_version": ...}``.
+    Returns ``{"times": [...], "wrong": [...], "transport": "gloo-tcp",
+    "torch_version": ...}``.
     """
+    return _torch_session([plan], timeout_s, reporter)[0]
+
+
+def _torch_session(plans: list[Plan], timeout_s: float,
+                   reporter: Reporter | None) -> list[dict]:
     import numcoll as nc
 
     try:
@@ -213,46 +277,66 @@ def torch_rank(plan: Plan, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     torch.set_num_threads(1)  # fair on a small box: numcoll's kernels are single-threaded too
     store = _torch_init(dist, timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    all_times = []
+    info = {"transport": "gloo-tcp", "torch_version": torch.__version__}
+    results = []
     try:
-        for index, case in enumerate(plan.cases):
-            _progress(plan, "torch-gloo", rank, index, case)
-            inp, out = rank_buffers(plan, case)
-            step = _torch_step(dist, plan, _torch_tensor(torch, inp, plan.dtype),
-                               _torch_tensor(torch, out, plan.dtype))
-            all_times.append(_time_case(step, case, dist.barrier, plan.sync_each_iter))
+        for plan, first in zip(plans, _first_cases(plans)):
+            def make_step(inp, out, plan=plan):
+                return _torch_step(dist, plan, _torch_tensor(torch, inp, plan.dtype),
+                                   _torch_tensor(torch, out, plan.dtype))
+
+            result = _run_cases(plan, rank, make_step, dist.barrier,
+                                reporter if rank == 0 else None, first, "torch-gloo")
+            results.append({**result, **info})
     finally:
         dist.destroy_process_group()
         # Rank 0 hosts the torch store: keep it until every rank has left gloo.
         nc.barrier()
         del store
-    return {"times": all_times, "transport": "gloo-tcp", "torch_version": torch.__version__}
+    return results
 
 
 # -- launching ---------------------------------------------------------------------------
-def run_plan(plan: Plan, *, backend: str = "numcoll", mode: str = "process",
-             transport: str | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[dict], dict]:
-    """Run ``plan`` on ``plan.world_size`` local ranks; return (rows, info).
+def run_plans(plans: list[Plan], *, backend: str = "numcoll", mode: str = "process",
+              transport: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              progress: str | bool = "auto") -> tuple[list[list[dict]], dict]:
+    """Run every plan, one after the other, in one launch of local ranks (the
+    plans' world sizes must agree); return (rows of each plan, info).
 
     backend "numcoll" runs in ``mode`` over ``transport``; backend "torch"
     always runs in processes (gloo's default group is one per process).
-    ``info`` has the transport used (and torch's version).
+    ``info`` has the transport used (and torch's version). ``progress``:
+    "auto" (a bar in a notebook or on a terminal, one line per size otherwise),
+    "bar", "lines", or False.
     """
     from ..launch import launch
 
-    if backend == "numcoll":
-        results = launch(numcoll_rank, plan.world_size, args=(plan,), mode=mode,
-                         transport=transport, timeout=timeout_s)
-    elif backend == "torch":
-        if not torch_available():
-            raise TorchUnavailableError(
-                "--compare torch needs PyTorch, which is not importable in this environment "
-                "(install it, e.g. pip install torch)")
-        results = launch(torch_rank, plan.world_size, args=(plan, timeout_s), mode="process",
-                         timeout=timeout_s)
-    else:
+    plans = list(plans)
+    sizes = {plan.world_size for plan in plans}
+    if len(sizes) != 1:
+        raise ValueError(f"run_plans: the plans must share one world size, got {sorted(sizes)}")
+    world_size = sizes.pop()
+    if backend == "torch" and not torch_available():
+        raise TorchUnavailableError(
+            "--compare torch needs PyTorch, which is not importable in this environment "
+            "(install it, e.g. pip install torch)")
+    if backend not in ("numcoll", "torch"):
         raise ValueError(f"unknown backend {backend!r}; choose 'numcoll' or 'torch'")
-    rows = summarize(plan, [r["times"] for r in results], backend=backend)
-    info = {k: v for k, v in results[0].items() if k != "times"}
+    with ProgressDisplay(sum(len(p.cases) for p in plans), progress) as reporter:
+        if backend == "numcoll":
+            per_rank = launch(_numcoll_session, world_size, args=(plans, reporter), mode=mode,
+                              transport=transport, timeout=timeout_s)
+        else:
+            per_rank = launch(_torch_session, world_size, args=(plans, timeout_s, reporter),
+                              mode="process", timeout=timeout_s)
+    rows = [summarize(plan, [r[i]["times"] for r in per_rank], backend=backend,
+                      rank_wrong=[r[i]["wrong"] for r in per_rank])
+            for i, plan in enumerate(plans)]
+    info = {k: v for k, v in per_rank[0][0].items() if k not in ("times", "wrong")}
     return rows, info
+
+
+def run_plan(plan: Plan, **kwargs) -> tuple[list[dict], dict]:
+    """:func:`run_plans` for one plan: (rows, info)."""
+    rows, info = run_plans([plan], **kwargs)
+    return rows[0], info

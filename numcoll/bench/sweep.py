@@ -27,6 +27,7 @@ import numpy as np
 
 __all__ = [
     "OPS",
+    "PLACEMENTS",
     "Case",
     "Plan",
     "bus_factor",
@@ -36,8 +37,6 @@ __all__ = [
     "make_plan",
     "algorithm_name",
     "summarize",
-    "compare_rows",
-    "format_table",
     "metadata",
     "write_json",
 ]
@@ -47,6 +46,14 @@ OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "allto
 #: Collectives whose buffer is split into world_size equal blocks: their size
 #: is rounded down to a multiple of world_size elements (as nccl-tests does).
 _SPLIT_OPS = frozenset({"allgather", "reduce_scatter", "alltoall"})
+#: The placements each collective has (in numcoll and torch alike): allreduce,
+#: broadcast and reduce write into their input; alltoall_base does not take
+#: aliased buffers.
+PLACEMENTS = {
+    "allreduce": ("in-place",), "broadcast": ("in-place",), "reduce": ("in-place",),
+    "allgather": ("out-of-place", "in-place"), "reduce_scatter": ("out-of-place", "in-place"),
+    "alltoall": ("out-of-place",),
+}
 
 #: Default iteration policy: about this many bytes of buffer per size (so the
 #: large sizes run few iterations), clamped to [MIN_ITERS, MAX_ITERS].
@@ -128,10 +135,16 @@ class Plan:
     """A sweep: ``op`` on ``world_size`` ranks over ``cases``.
 
     algorithm: forced numcoll algorithm (None: numcoll chooses per size).
-    progress: rank 0 prints one line per size on stderr.
+    in_place: the result overwrites the input (allgather: each rank's input is
+        its block of the output; reduce_scatter: the output is this rank's
+        block of the input, as in nccl-tests). allreduce, broadcast and reduce
+        are always in place (numcoll's and torch's calls write into the input);
+        alltoall never is.
     sync_each_iter: an untimed barrier before every timed iteration (by default
         the ranks meet once per size, as in nccl-tests; then a broadcast root
         whose sends complete eagerly can run ahead of its receivers).
+    check: after timing each size, run it once more on rank-dependent inputs
+        and count the wrong elements (the ``#wrong`` column).
     """
 
     op: str
@@ -139,14 +152,25 @@ class Plan:
     world_size: int
     cases: tuple[Case, ...]
     algorithm: str | None = None
-    progress: bool = False
+    in_place: bool = False
     sync_each_iter: bool = False
+    check: bool = True
 
     @property
     def numpy_dtype(self) -> np.dtype:
         from ..dtypes import bfloat16
 
         return bfloat16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+
+    @property
+    def placement(self) -> str:
+        return "in-place" if self.in_place else "out-of-place"
+
+    @property
+    def label(self) -> str:
+        """``allreduce``, ``allgather in-place``: what a progress bar calls it."""
+        both = self.op in PLACEMENTS and len(PLACEMENTS[self.op]) > 1
+        return f"{self.op} {self.placement}" if both else self.op
 
 
 def _default_iters(nbytes: int) -> int:
@@ -159,15 +183,16 @@ def _default_warmup(iters: int) -> int:
 
 def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str = "float32",
               iters: int | None = None, warmup: int | None = None,
-              algorithm: str | None = None, progress: bool = False,
-              sync_each_iter: bool = False) -> Plan:
+              algorithm: str | None = None, in_place: bool | None = None,
+              sync_each_iter: bool = False, check: bool = True) -> Plan:
     """Validate the arguments and build a :class:`Plan`.
 
     Sizes are rounded down to whole elements (to a multiple of ``world_size``
     elements for allgather, reduce_scatter and alltoall; at least one element
     per rank); sizes that round to the same value are measured once.
     ``iters``/``warmup`` None: fewer iterations for larger sizes
-    (about 2 GiB of buffer per size, 5 to 200 iterations).
+    (about 2 GiB of buffer per size, 5 to 200 iterations). ``in_place`` None:
+    the op's first placement in :data:`PLACEMENTS`.
     """
     from ..dtypes import SUPPORTED_DTYPES, dtype_name
 
@@ -184,6 +209,12 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
         raise ValueError(f"warmup must be at least 0, got {warmup}")
     if algorithm is not None:
         _check_algorithm(op, algorithm)
+    if in_place is None:
+        in_place = PLACEMENTS[op][0] == "in-place"
+    placement = "in-place" if in_place else "out-of-place"
+    if placement not in PLACEMENTS[op]:
+        raise ValueError(f"{op} has no {placement} form in numcoll; it is "
+                         f"{' or '.join(PLACEMENTS[op])}")
     itemsize = names[dtype].itemsize
     per = world_size if op in _SPLIT_OPS else 1
     cases, seen = [], set()
@@ -198,15 +229,13 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
         cases.append(Case(nbytes, count, n_iters, n_warmup))
     if not cases:
         raise ValueError("no sizes to measure")
-    return Plan(op, dtype, world_size, tuple(cases), algorithm, progress, sync_each_iter)
+    return Plan(op, dtype, world_size, tuple(cases), algorithm, bool(in_place), sync_each_iter,
+                check)
 
 
 def _check_algorithm(op: str, algorithm: str) -> None:
     from ..algorithms import CHOICES
 
-    if op not in CHOICES:
-        raise ValueError(f"--algorithm: {op} has a single algorithm in numcoll; algorithms can "
-                         f"be chosen for {', '.join(sorted(CHOICES))}")
     if algorithm not in CHOICES[op]:
         raise ValueError(f"unknown {op} algorithm {algorithm!r}; choose one of "
                          f"{', '.join(sorted(CHOICES[op]))}")
@@ -214,42 +243,47 @@ def _check_algorithm(op: str, algorithm: str) -> None:
 
 def algorithm_name(plan: Plan, case: Case) -> str:
     """The numcoll algorithm that runs ``case`` (forced, or chosen by size)."""
-    from ..algorithms import CHOICES
     from ..collectives.choice import choose
     from ..config import current
     from ..dtypes import is_half
 
-    fixed = {"allgather": "ring", "reduce_scatter": "ring", "alltoall": "pairwise"}
-    if plan.op not in CHOICES:
-        return fixed[plan.op]
     cfg = current()
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
-    fn = choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size)
-    return fn.__name__.removeprefix(plan.op + "_")
+    return choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size).name
 
 
 def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
-              backend: str = "numcoll") -> list[dict]:
+              backend: str = "numcoll",
+              rank_wrong: Sequence[Sequence[int | None]] | None = None) -> list[dict]:
     """One row per case from every rank's per-iteration times (seconds).
 
     ``rank_times[r][i]`` holds rank r's iteration times for case i. The time
-    of an iteration is the slowest rank's; a case's time is the median over
-    its iterations (min and max are kept too).
+    of an iteration is the slowest rank's; a case's ``time_us`` is the median
+    over its iterations, with ``time_us_min``/``_max`` and the 10th/90th
+    percentiles (``time_us_p10``/``_p90``) beside it. ``rank_time_us`` keeps each
+    rank's own median (a rank that arrives late waits least, so the *shortest*
+    one is the rank the others waited for). ``rank_wrong[r][i]``: rank r's wrong
+    elements in case i (None: not checked); ``wrong`` is their sum.
     """
     if len(rank_times) != plan.world_size:
         raise ValueError(f"expected times from {plan.world_size} ranks, got {len(rank_times)}")
     factor = bus_factor(plan.op, plan.world_size)
     rows = []
     for i, case in enumerate(plan.cases):
-        per_iter = np.max(np.stack([np.asarray(t[i], dtype=np.float64) for t in rank_times]),
-                          axis=0)
+        per_rank = np.stack([np.asarray(t[i], dtype=np.float64) for t in rank_times])
+        per_iter = per_rank.max(axis=0)
         median_s = float(np.median(per_iter))
+        p10_s, p90_s = (float(v) for v in np.percentile(per_iter, [10, 90]))
         algbw = case.nbytes / median_s / 1e9 if median_s > 0 else None
-        row = {
+        wrong = None
+        if rank_wrong is not None and all(w[i] is not None for w in rank_wrong):
+            wrong = int(sum(w[i] for w in rank_wrong))
+        rows.append({
             "backend": backend,
             "op": plan.op,
+            "placement": plan.placement,
             "algorithm": algorithm_name(plan, case) if backend == "numcoll" else "gloo",
             "world_size": plan.world_size,
             "size": case.nbytes,
@@ -259,77 +293,15 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
             "warmup": case.warmup,
             "time_us": median_s * 1e6,
             "time_us_min": float(per_iter.min()) * 1e6,
+            "time_us_p10": p10_s * 1e6,
+            "time_us_p90": p90_s * 1e6,
             "time_us_max": float(per_iter.max()) * 1e6,
+            "rank_time_us": [float(v) * 1e6 for v in np.median(per_rank, axis=1)],
             "algbw_gbps": algbw,
             "busbw_gbps": None if algbw is None else algbw * factor,
-        }
-        rows.append(row)
+            "wrong": wrong,
+        })
     return rows
-
-
-def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
-    """Add ``torch_*`` columns and the numcoll/torch ratios to ``rows`` (by size).
-
-    ``busbw_ratio`` > 1 and ``time_ratio`` < 1 mean numcoll is faster.
-    """
-    if torch_rows is None:
-        return rows
-    by_size = {r["size"]: r for r in torch_rows}
-    out = []
-    for row in rows:
-        row = dict(row)
-        t = by_size.get(row["size"])
-        if t is not None:
-            row.update(torch_time_us=t["time_us"], torch_time_us_min=t["time_us_min"],
-                       torch_time_us_max=t["time_us_max"], torch_algbw_gbps=t["algbw_gbps"],
-                       torch_busbw_gbps=t["busbw_gbps"],
-                       busbw_ratio=_ratio(row["busbw_gbps"], t["busbw_gbps"]),
-                       time_ratio=_ratio(row["time_us"], t["time_us"]))
-        out.append(row)
-    return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-_COLUMNS = [  # (key, header, format)
-    ("size", "size(B)", "{:>12d}"),
-    ("count", "count", "{:>12d}"),
-    ("dtype", "type", "{:>8s}"),
-    ("algorithm", "algo", "{:>18s}"),
-    ("time_us", "time(us)", "{:>11.1f}"),
-    ("algbw_gbps", "algbw(GB/s)", "{:>11.3f}"),
-    ("busbw_gbps", "busbw(GB/s)", "{:>11.3f}"),
-]
-_TORCH_COLUMNS = [
-    ("torch_time_us", "gloo(us)", "{:>11.1f}"),
-    ("torch_busbw_gbps", "gloo busbw", "{:>11.3f}"),
-    ("busbw_ratio", "busbw x", "{:>8.2f}"),
-    ("time_ratio", "time x", "{:>8.2f}"),
-]
-
-
-def format_table(rows: list[dict], *, title: str | None = None) -> str:
-    """The rows as an nccl-tests-like text table (torch columns when present).
-
-    ``busbw x`` = numcoll busbw / gloo busbw (> 1: numcoll faster);
-    ``time x`` = numcoll time / gloo time (< 1: numcoll faster).
-    """
-    columns = list(_COLUMNS)
-    if any("torch_time_us" in r for r in rows):
-        columns += _TORCH_COLUMNS
-    widths = [len(fmt.format(0 if "d}" in fmt else ("" if "s}" in fmt else 0.0)))
-              for _, _, fmt in columns]
-    lines = [] if title is None else [title]
-    lines.append(" ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
-    for row in rows:
-        cells = []
-        for (key, _, fmt), w in zip(columns, widths):
-            value = row.get(key)
-            cells.append("-".rjust(w) if value is None else fmt.format(value))
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
 
 
 def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: str | None,
@@ -350,6 +322,7 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "dtype": plan.dtype,
         "algorithm": plan.algorithm,
         "sync_each_iter": plan.sync_each_iter,
+        "check": plan.check,
         "numcoll_version": __version__,
         "torch_version": torch_version,
         "compare": compare,
@@ -359,7 +332,9 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "host_cpu_count": os.cpu_count(),
         "host_cpus_usable": affinity,
         "timing": ("per iteration: issue + wait, time.perf_counter; iteration time = max over "
-                   "ranks; reported time = median over iterations"),
+                   "ranks; reported time = median over iterations (min, p10, p90, max kept)"),
+        "wrong": ("after timing, one more run on rank-dependent inputs; wrong = elements that "
+                  "differ from the NumPy-computed result, summed over ranks"),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
     }

@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from ..arrays import _describe
 
 __all__ = ["check_root_rank", "check_root_tensor", "check_same_dtype", "originals",
-           "root_list", "check_pairs", "check_peer"]
+           "root_list", "check_pairs", "check_peer", "timeout_seconds"]
+
+
+def timeout_seconds(timeout, op: str) -> float:
+    """A positive ``timedelta`` as seconds; ``TypeError``/``ValueError`` otherwise."""
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"{op}: timeout must be a datetime.timedelta, got "
+                        f"{type(timeout).__name__}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"{op}: timeout must be positive, got {timeout}")
+    return timeout.total_seconds()
 
 
 def check_root_rank(root: int, size: int, op: str) -> None:
-    if not isinstance(root, int) or not 0 <= root < size:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
         raise ValueError(f"{op}: invalid root rank: {root} (world size {size})")
 
 
 def check_root_tensor(index: int, count: int, op: str) -> None:
-    if not isinstance(index, int) or not 0 <= index < count:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
         raise ValueError(f"{op}: invalid root tensor: {index} (the list has {count} arrays)")
 
 
 def check_peer(peer: int, size: int, rank: int, op: str, role: str) -> None:
-    if not isinstance(peer, int) or not 0 <= peer < size:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size:
         raise ValueError(f"{op}: invalid {role} rank {peer} (world size {size})")
     if peer == rank:
         raise ValueError(f"{op}: invalid {role} rank {peer}: should not be the same as the "

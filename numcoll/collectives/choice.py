@@ -1,26 +1,54 @@
 """Which algorithm runs a collective: by message size and world size, unless
 forced per call (``opts.algorithm``), per group (``Options.algorithm``) or by
-``NUMCOLL_ALGORITHM``."""
+``NUMCOLL_ALGORITHM``. Every collective goes through :func:`choose`, at the
+call, so an unknown name is a ``ValueError`` before anything is queued."""
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 from ..algorithms import CHOICES
 from ..config import Config, forced_algorithm
 
-__all__ = ["choose", "segment_count"]
+__all__ = ["Choice", "choose", "check_forced", "segment_count"]
 
 
-def choose(cfg: Config, collective: str, requested: str | None, nbytes: int, size: int):
-    """The algorithm function for ``collective`` on ``nbytes`` bytes over ``size`` ranks."""
+class Choice(NamedTuple):
+    """The algorithm chosen for a call: its name (for the flight recorder and
+    messages) and the function that runs it."""
+
+    name: str
+    run: Callable
+
+
+def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
+           size: int) -> Choice:
+    """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
+    on ``nbytes`` bytes over ``size`` ranks."""
     options = CHOICES[collective]
+    if requested is not None and not isinstance(requested, str):
+        raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
     if name is None:
         name = _automatic(cfg, collective, nbytes, size)
     try:
-        return options[name]
+        return Choice(name, options[name])
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
+
+
+def check_forced(cfg: Config) -> None:
+    """``ValueError`` unless every ``collective:algorithm`` forced by
+    ``cfg.algorithm`` names a known collective family and one of its algorithms."""
+    for item in filter(None, (s.strip() for s in cfg.algorithm.split(","))):
+        collective, _, name = (part.strip() for part in item.partition(":"))
+        if collective not in CHOICES:
+            raise ValueError(f"algorithm {item!r}: unknown collective {collective!r}; choose "
+                             f"one of {sorted(CHOICES)}")
+        if name not in CHOICES[collective]:
+            raise ValueError(f"algorithm {item!r}: unknown algorithm {name!r} for "
+                             f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
 def _automatic(cfg: Config, collective: str, nbytes: int, size: int) -> str:
@@ -30,7 +58,9 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int) -> str:
         return "binomial" if nbytes <= cfg.broadcast_small_nbytes else "chain"
     if collective == "reduce":
         return "binomial" if nbytes <= cfg.allreduce_small_nbytes else "ring"
-    raise KeyError(collective)
+    # One algorithm each: the table's only entry.
+    (only,) = CHOICES[collective]
+    return only
 
 
 def segment_count(cfg: Config, itemsize: int) -> int:

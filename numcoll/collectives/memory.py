@@ -60,7 +60,8 @@ class HostArrays:
 
     @staticmethod
     def steps(red):
-        return red
+        """The plan's steps on host memory (:class:`numcoll.reduction.HostSteps`)."""
+        return red.host_steps
 
     @staticmethod
     def wrap(run):

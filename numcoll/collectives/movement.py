@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ..algorithms import allgather_ring, alltoall_pairwise, gather_direct, scatter_direct
 from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
+from ..call import Call, nbytes_of, shapes
 from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
@@ -39,16 +39,19 @@ class DataMovement:
         algorithm = choose(self._cfg, name, opts.algorithm, src.size * itemsize, self._size)
         seg = self._segment(itemsize)
         is_root = self._rank == root_rank
+        call = Call(name, self._timeout_for(opts, name), src.dtype, src.size, root=root_rank,
+                    algorithm=algorithm.name, input_sizes=shapes(arrays),
+                    output_sizes=shapes(arrays), nbytes=src.size * itemsize)
 
         def run(comm, work):
             flat = xp.flat(src, copy_in=is_root)
-            algorithm(comm, xp.buffer(flat), root_rank, seg)
+            algorithm.run(comm, xp.buffer(flat), root_rank, seg)
             for i, a in enumerate(arrays):
                 if i != opts.root_tensor or not xp.contiguous(src):
                     xp.write(a, flat)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     # -- allgather family ----------------------------------------------------------------
     def allgather(self, output_lists, input_list, opts: AllgatherOptions | None = None):
@@ -85,18 +88,20 @@ class DataMovement:
         per_rank = sum(a.size for a in inputs)
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
         seg = self._segment(inputs[0].dtype.itemsize)
+        algorithm, call = self._gather_call(name, opts, inputs, [a for lst in outputs for a in lst],
+                                            per_rank)
 
         def run(comm, work):
             buf = xp.empty(per_rank * self._size, inputs[0].dtype)
             xp.pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, xp.buffer(buf), chunks, seg)
+            algorithm.run(comm, xp.buffer(buf), chunks, seg)
             gathered = _unpack_like(buf, [inputs[0]] * expected)
             for lst in outputs:
                 for a, g in zip(lst, gathered):
                     xp.assign(a, g)
             return value
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def allgather_coalesced(self, output_lists, input_list, opts: AllgatherOptions | None = None):
         """``output_lists[r][j]`` receives rank r's ``input_list[j]``; inputs may
@@ -132,17 +137,19 @@ class DataMovement:
         per_rank = sum(a.size for a in inputs)
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
         seg = self._segment(inputs[0].dtype.itemsize)
+        algorithm, call = self._gather_call(name, opts, inputs, [a for lst in outputs for a in lst],
+                                            per_rank)
 
         def run(comm, work):
             buf = xp.empty(per_rank * self._size, inputs[0].dtype)
             xp.pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, xp.buffer(buf), chunks, seg)
+            algorithm.run(comm, xp.buffer(buf), chunks, seg)
             for r, lst in enumerate(outputs):
                 for a, g in zip(lst, _unpack_like(buf[r * per_rank:], lst)):
                     xp.assign(a, g)
             return value
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def allgather_into_tensor(self, output, input, opts: AllgatherOptions | None = None):
         """``output`` (``world_size`` times ``input``'s size) gets every rank's
@@ -169,13 +176,14 @@ class DataMovement:
         chunks = [(r * per_rank, per_rank) for r in range(self._size)]
         seg = self._segment(inputs[0].dtype.itemsize)
         direct = len(outputs) == 1 and xp.contiguous(outputs[0])
+        algorithm, call = self._gather_call(name, opts, inputs, outputs, per_rank)
 
         def run(comm, work):
             # One pair with a contiguous output: gather straight into it.
             buf = (xp.flat(outputs[0], copy_in=False) if direct
                    else xp.empty(per_rank * self._size, inputs[0].dtype))
             xp.pack(inputs, buf[self._rank * per_rank:])
-            allgather_ring(comm, xp.buffer(buf), chunks, seg)
+            algorithm.run(comm, xp.buffer(buf), chunks, seg)
             if not direct:
                 rows = buf.reshape(self._size, per_rank)
                 col = 0
@@ -188,7 +196,7 @@ class DataMovement:
                     col += i.size
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     # -- gather / scatter ------------------------------------------------------------
     def gather(self, output_lists, input_list, opts: GatherOptions | None = None):
@@ -219,11 +227,12 @@ class DataMovement:
         else:
             xp = memory_of(name, inputs)
         seg = self._segment(src.dtype.itemsize)
+        algorithm, call = self._rooted_call(name, opts, src, root, inputs, outputs)
 
         def run(comm, work):
             send = xp.flat(src, copy_in=True)
             targets = [xp.flat(o, copy_in=False) for o in outputs]
-            gather_direct(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
+            algorithm.run(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
             if is_root:
                 xp.assign(targets[root], send)
                 for o, t in zip(outputs, targets):
@@ -231,7 +240,7 @@ class DataMovement:
                         xp.write(o, t)
             return value
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def scatter(self, output_list, input_lists, opts: ScatterOptions | None = None):
         """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``.
@@ -260,19 +269,20 @@ class DataMovement:
         else:
             xp = memory_of(name, outputs)
         seg = self._segment(out.dtype.itemsize)
+        algorithm, call = self._rooted_call(name, opts, out, root, inputs, outputs)
 
         def run(comm, work):
             target = xp.flat(out, copy_in=False)
             sources = [xp.flat(a, copy_in=True) for a in inputs]
             sends = [xp.buffer(a) for a in sources]
-            scatter_direct(comm, sends, xp.buffer(target), root, seg)
+            algorithm.run(comm, sends, xp.buffer(target), root, seg)
             if is_root:
                 xp.assign(target, sources[root])
             if not xp.contiguous(out):
                 xp.write(out, target)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     # -- alltoall ---------------------------------------------------------------------
     def alltoall(self, output_list, input_list, opts: AllToAllOptions | None = None):
@@ -293,24 +303,22 @@ class DataMovement:
         check_writable(outputs, name)
         send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
         seg = self._segment(inputs[0].dtype.itemsize)
+        algorithm, call = self._alltoall_call(name, opts, inputs, outputs, send_chunks,
+                                              recv_chunks)
 
         def run(comm, work):
             send = xp.empty(sum(a.size for a in inputs), inputs[0].dtype)
             recv = xp.empty(sum(a.size for a in outputs), inputs[0].dtype)
             xp.pack(inputs, send)
-            alltoall_pairwise(comm, xp.buffer(send), send_chunks, xp.buffer(recv),
-                              recv_chunks, seg)
+            algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
             s, n = send_chunks[self._rank]
             r, m = recv_chunks[self._rank]
-            if n != m:
-                raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
-                                 f"expects {m}")
             xp.assign(recv[r:r + m], send[s:s + n])
             for a, g in zip(outputs, _unpack_like(recv, outputs)):
                 xp.assign(a, g)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
                       opts: AllToAllOptions | None = None):
@@ -333,20 +341,52 @@ class DataMovement:
             raise ValueError(f"{name}: input and output tensors must have the same size "
                              f"({inp.size} vs {out.size} elements)")
         seg = self._segment(inp.dtype.itemsize)
+        algorithm, call = self._alltoall_call(name, opts, [inp], [out], send_chunks, recv_chunks)
 
         def run(comm, work):
             send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
-            alltoall_pairwise(comm, xp.buffer(send), send_chunks, xp.buffer(recv),
-                              recv_chunks, seg)
+            algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
             s, n = send_chunks[self._rank]
             r, m = recv_chunks[self._rank]
-            if n != m:
-                raise ValueError(f"{name}: rank {self._rank} sends itself {n} elements but "
-                                 f"expects {m}")
             xp.assign(recv[r:r + m], send[s:s + n])
             return [output]
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
+
+    def _rooted_call(self, name, opts, share, root, inputs, outputs):
+        """The algorithm and call descriptor of gather/scatter; ``share`` is the
+        array every rank sends (gather) or receives (scatter)."""
+        algorithm = choose(self._cfg, name, opts.algorithm, share.size * share.dtype.itemsize,
+                           self._size)
+        call = Call(name, self._timeout_for(opts, name), share.dtype, share.size, root=root,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        return algorithm, call
+
+    def _gather_call(self, name, opts, inputs, outputs, per_rank):
+        """The algorithm and call descriptor of the allgather family."""
+        dtype = inputs[0].dtype
+        algorithm = choose(self._cfg, "allgather", opts.algorithm,
+                           per_rank * self._size * dtype.itemsize, self._size)
+        call = Call(name, self._timeout_for(opts, name), dtype, per_rank,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        return algorithm, call
+
+    def _alltoall_call(self, name, opts, inputs, outputs, send_chunks, recv_chunks):
+        """The algorithm and call descriptor of alltoall(_base), after the check
+        that needs only the arguments: what this rank sends itself must fit."""
+        n, m = send_chunks[self._rank][1], recv_chunks[self._rank][1]
+        if n != m:
+            raise ValueError(f"{name}: invalid tensor size: rank {self._rank} sends itself "
+                             f"{n} elements but expects {m}")
+        algorithm = choose(self._cfg, "alltoall", opts.algorithm, nbytes_of(inputs), self._size)
+        # Ranks may send each other different amounts, so no element count is
+        # stamped: each message's size is checked exactly instead.
+        call = Call(name, self._timeout_for(opts, name), inputs[0].dtype, 0,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+        return algorithm, call
 
 
 def _unpack_like(buf, like):

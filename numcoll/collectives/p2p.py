@@ -7,14 +7,14 @@ from datetime import timedelta
 
 from transports import ANY_SOURCE
 
-from ..algorithms import barrier_dissemination
 from ..algorithms.partition import segments
 from ..arrays import as_array_list, check_writable
+from ..call import Call, shapes
 from ..comm import p2p_tag
 from ..errors import CollectiveTimeoutError, NumcollError
 from ..options import BarrierOptions
-from .checks import check_peer, originals
-from .choice import segment_count
+from .checks import check_peer, originals, timeout_seconds
+from .choice import choose, segment_count
 from .memory import memory_of
 
 __all__ = ["PointToPoint"]
@@ -30,14 +30,23 @@ class PointToPoint:
             raise ValueError(f"{name}: requires a single-element tensor list (got {len(arrays)})")
         return outs, arrays[0], memory_of(name, arrays)
 
+    def _p2p_call(self, name, arr, peer) -> Call:
+        # Sends and receives stamp their messages alike ("p2p", dtype, count),
+        # so a receive never takes another dtype's or size's bytes.
+        return Call(name, self._timeout_s, arr.dtype, arr.size, root=-1,
+                    input_sizes=shapes([arr]) if name == "send" else (),
+                    output_sizes=shapes([arr]) if name != "send" else (),
+                    nbytes=arr.size * arr.dtype.itemsize)
+
     def send(self, arrays, dst: int, tag: int = 0):
         """Send one array to rank ``dst``; matched by the receiver's (source, tag).
         Sends and receives take no collective sequence number."""
         name = "send"
         outs, arr, xp = self._single(arrays, name)
         check_peer(dst, self._size, self._rank, name, "destination")
-        full_tag = p2p_tag(tag)
+        full_tag = p2p_tag(_check_tag(tag, name))
         seg = segment_count(self._cfg, arr.dtype.itemsize)
+        call = self._p2p_call(name, arr, dst)
 
         def run(comm, work):
             buf = xp.buffer(xp.flat(arr, copy_in=True))
@@ -45,7 +54,7 @@ class PointToPoint:
                            for s, n in segments(0, buf.count, seg)])
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_s, collective=False)
+        return self._enqueue(call, xp.wrap(run), collective=False)
 
     def recv(self, arrays, src: int, tag: int = 0):
         """Receive one array from rank ``src`` into ``arrays``."""
@@ -63,8 +72,9 @@ class PointToPoint:
 
     def _recv(self, name, outs, arr, xp, src, tag):
         check_writable([arr], name)
-        full_tag = p2p_tag(tag)
+        full_tag = p2p_tag(_check_tag(tag, name))
         seg = segment_count(self._cfg, arr.dtype.itemsize)
+        call = self._p2p_call(name, arr, src)
 
         def run(comm, work):
             flat = xp.flat(arr, copy_in=False)
@@ -88,13 +98,15 @@ class PointToPoint:
                 xp.write(arr, flat)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_s, collective=False)
+        return self._enqueue(call, xp.wrap(run), collective=False)
 
     # -- barriers -----------------------------------------------------------------
     def barrier(self, opts: BarrierOptions | None = None):
         """Complete once every rank has entered the barrier and every collective
         this rank queued before it has completed. The future's value is ``[]``."""
         opts = opts or BarrierOptions()
+        algorithm = choose(self._cfg, "barrier", opts.algorithm, 0, self._size)
+        call = Call("barrier", self._timeout_for(opts, "barrier"), algorithm=algorithm.name)
 
         def run(comm, work):
             for earlier in self._earlier_work(work):
@@ -108,10 +120,10 @@ class PointToPoint:
                         "finish") from None
                 except Exception:  # noqa: BLE001 - reported by that op's own Work
                     pass
-            barrier_dissemination(comm)
+            algorithm.run(comm)
             return []
 
-        return self._enqueue("barrier", run, self._timeout_for(opts))
+        return self._enqueue(call, run)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False):
         """A barrier that names the ranks that did not arrive.
@@ -122,7 +134,8 @@ class PointToPoint:
         others.
         """
         name = "monitored_barrier"
-        timeout_s = self._timeout_s if timeout is None else timeout.total_seconds()
+        timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, name)
+        call = Call(name, timeout_s, algorithm="gather_release")
         arrive, release = 0, 1
 
         def run(comm, work):
@@ -152,4 +165,11 @@ class PointToPoint:
             comm.wait_all([comm.isend(r, release, b"") for r in range(1, self._size)])
             return []
 
-        return self._enqueue(name, run, timeout_s)
+        return self._enqueue(call, run)
+
+
+def _check_tag(tag, op: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"{op}: tag must be an int, got {type(tag).__name__} ({tag!r})")
+    return tag
+

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..algorithms import reduce_scatter_ring
 from ..arrays import as_array_list, check_same_type_and_size, check_writable
+from ..call import Call, nbytes_of, op_fields, shapes
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from ..reduction import Reduction
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
 from .choice import choose, segment_count
 from .memory import memory_of
+from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["Reductions"]
 
@@ -38,6 +39,8 @@ class Reductions:
         """
         name = "allreduce"
         opts = _with_op(opts or AllreduceOptions(), op)
+        if is_sparse_call(arrays):
+            return allreduce_sparse(self, arrays, opts)
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
         if not arrays:
@@ -49,22 +52,26 @@ class Reductions:
         nbytes = arrays[0].size * red.wire_dtype.itemsize
         algorithm = choose(self._cfg, name, opts.algorithm, nbytes, self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
+        call = Call(name, self._timeout_for(opts, name), arrays[0].dtype, arrays[0].size,
+                    root=-1, algorithm=algorithm.name, input_sizes=shapes(arrays),
+                    output_sizes=shapes(arrays), nbytes=nbytes, **op_fields(opts.reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
             buf, in_place = steps.load(arrays)
-            algorithm(comm, xp.buffer(buf, steps.reduce), seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), seg)
             steps.finish(buf)
             for a in arrays if not in_place else ():
                 steps.store(buf, a)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def allreduce_coalesced(self, arrays, opts: AllreduceCoalescedOptions | None = None):
         """Allreduce a list of arrays of one dtype and any shapes as one message."""
         name = "allreduce_coalesced"
         opts = opts or AllreduceCoalescedOptions()
+        check_coalesced_layouts(arrays, name)
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
         if not arrays:
@@ -77,18 +84,22 @@ class Reductions:
         algorithm = choose(self._cfg, "allreduce", opts.algorithm,
                            total * red.wire_dtype.itemsize, self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
+        call = Call(name, self._timeout_for(opts, name), arrays[0].dtype, total,
+                    algorithm=algorithm.name, input_sizes=shapes(arrays),
+                    output_sizes=shapes(arrays), nbytes=nbytes_of(arrays),
+                    **op_fields(opts.reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
             buf = xp.empty(total, red.wire_dtype)
             offsets = _pack(steps, arrays, buf)
-            algorithm(comm, xp.buffer(buf, steps.reduce), seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), seg)
             steps.finish(buf)
             for a, (start, n) in zip(arrays, offsets):
                 steps.store(buf[start:start + n], a)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def reduce(self, arrays, opts: ReduceOptions | None = None, *, op=None, root=None):
         """Reduce into ``arrays[opts.root_tensor]`` of rank ``opts.root_rank``.
@@ -115,18 +126,22 @@ class Reductions:
         algorithm = choose(self._cfg, name, opts.algorithm, arr.size * red.wire_dtype.itemsize,
                            self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
+        call = Call(name, self._timeout_for(opts, name), arr.dtype, arr.size,
+                    root=opts.root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
+                    output_sizes=shapes(arrays) if is_root else (), nbytes=nbytes_of(arrays),
+                    **op_fields(opts.reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
             buf, in_place = steps.load(arrays) if is_root else (steps.to_wire(arr), False)
-            algorithm(comm, xp.buffer(buf, steps.reduce), opts.root_rank, seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), opts.root_rank, seg)
             if is_root:
                 steps.finish(buf)
                 if not in_place:
                     steps.store(buf, arr)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def reduce_scatter(self, output_list, input_lists, opts: ReduceScatterOptions | None = None):
         """Rank r gets the reduction over ranks of ``input_lists[0][r]`` in
@@ -153,18 +168,25 @@ class Reductions:
                              f"{inputs[self._rank].size} elements, the output {out.size}")
         red = self._reduction(opts.reduce_op, out.dtype, name, xp)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
+        total = sum(a.size for a in inputs)
+        algorithm = choose(self._cfg, "reduce_scatter", opts.algorithm,
+                           total * red.wire_dtype.itemsize, self._size)
+        call = Call(name, self._timeout_for(opts, name), out.dtype, total,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                    **op_fields(opts.reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
-            buf = xp.empty(sum(a.size for a in inputs), red.wire_dtype)
+            buf = xp.empty(total, red.wire_dtype)
             chunks = _pack(steps, inputs, buf)
-            reduce_scatter_ring(comm, xp.buffer(buf, steps.reduce), chunks, seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), chunks, seg)
             mine = _slice(buf, chunks[self._rank])
             steps.finish(mine)
             steps.store(mine, out)
             return outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
     def reduce_scatter_tensor(self, output, input, opts: ReduceScatterOptions | None = None):
         """Rank r gets the reduction of the r-th of ``world_size`` equal slices of
@@ -191,6 +213,12 @@ class Reductions:
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
         share = sum(o.size for o in outputs)
         chunks = [(r * share, share) for r in range(self._size)]
+        algorithm = choose(self._cfg, "reduce_scatter", opts.algorithm,
+                           share * self._size * red.wire_dtype.itemsize, self._size)
+        call = Call(name, self._timeout_for(opts, name), outputs[0].dtype, share * self._size,
+                    algorithm=algorithm.name, input_sizes=shapes(inputs),
+                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                    **op_fields(opts.reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
@@ -205,7 +233,7 @@ class Reductions:
                     xp.assign(buf.reshape(self._size, share)[:, col:col + o.size],
                               steps.to_wire(i).reshape(self._size, o.size))
                     col += o.size
-            reduce_scatter_ring(comm, xp.buffer(buf, steps.reduce), chunks, seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), chunks, seg)
             mine = buf[self._rank * share:(self._rank + 1) * share]
             steps.finish(mine)
             col = 0
@@ -214,7 +242,7 @@ class Reductions:
                 col += o.size
             return [outs] if single else outs
 
-        return self._enqueue(name, xp.wrap(run), self._timeout_for(opts))
+        return self._enqueue(call, xp.wrap(run))
 
 
 def _with_op(opts, op):

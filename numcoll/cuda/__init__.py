@@ -4,9 +4,22 @@ Every collective accepts CUDA arrays -- anything with
 ``__cuda_array_interface__`` (Numba device arrays, CuPy arrays, torch CUDA
 tensors) -- in place of NumPy arrays; one call takes host arrays only or
 device arrays only. Reductions run in numba.cuda kernels on the device
-(:mod:`numcoll.kernels.cuda`); the bytes cross ZeroMQ through pinned host
-staging memory (:mod:`.staging`, pooled per process), segment by segment, so
+(:mod:`.kernels`); the bytes cross ZeroMQ through pinned host
+staging memory (:mod:`.pinned_pool`, pooled per process), segment by segment, so
 device <-> host copies overlap the network (:mod:`.buffer`).
+
+Everything about CUDA lives in this package:
+
+- :mod:`.arrays`: is an object CUDA memory, and its Numba device-array view
+  (no numba.cuda import until a device array is seen);
+- :mod:`.device`: numba.cuda behind one door (its import, the simulator flag,
+  the one view of a foreign ``__cuda_array_interface__``, layout checks);
+- :mod:`.loops` and :mod:`.kernels`: the reduction and conversion kernels and
+  their validating wrappers (the GPU twins of :mod:`numcoll.kernels.cpu`);
+- :mod:`.copies`: asynchronous host <-> device staging copies;
+- :mod:`.pinned_pool`: the process's pool of pinned host memory;
+- :mod:`.buffer` and :mod:`.memory`: the work buffer and the memory kind the
+  collectives use for device arrays.
 
 Streams and completion -- what numcoll does, exactly:
 
@@ -38,9 +51,15 @@ process), strided (non-contiguous) arrays compile Numba's copy kernel once
 per number of dimensions, and device temporaries come from Numba's
 allocator (plug in a pooling one, e.g. RMM, for many small calls).
 
-Imported only once device arrays are seen: it imports numba.cuda.
+Importing this package does not import numba.cuda; its modules do, and
+they are imported only once device arrays are seen.
 """
 
-from .staging import release_idle
-
 __all__ = ["release_idle"]
+
+
+def release_idle() -> int:
+    """Free the idle pinned staging memory of this process; returns the bytes freed."""
+    from .pinned_pool import release_idle as release
+
+    return release()

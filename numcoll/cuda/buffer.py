@@ -21,7 +21,7 @@ the algorithms rewrite a range only after, causally, every send of it
 completed. A ring of slots would need its own reasoning about which zero-copy
 send still reads which slot. The cost is host memory equal to the buffer,
 as Gloo's pinned copies of CUDA tensors; it comes from a process-wide pool
-(:mod:`numcoll.cuda.staging`), so it is pinned once, not per call.
+(:mod:`numcoll.cuda.pinned_pool`), so it is pinned once, not per call.
 
 Overlap: every copy and kernel is queued on the collective's own stream;
 the host thread waits for the stream only where it needs bytes on the host
@@ -39,7 +39,7 @@ from bisect import bisect_right, insort
 import numpy as np
 from numba import cuda as _cuda
 
-from ..kernels import cuda as cuda_kernels
+from . import kernels as cuda_kernels
 
 __all__ = ["DeviceBuffer"]
 

@@ -15,14 +15,13 @@ import numpy as np
 from numba import cuda as _cuda
 
 from ..dtypes import is_half
-from ..kernels import cuda as cuda_kernels
-from ..ops import ReduceOp
+from . import kernels as cuda_kernels
 from .buffer import DeviceBuffer
-from .staging import POOL
+from .pinned_pool import POOL
 
 __all__ = ["DeviceArrays", "DeviceSteps"]
 
-_SIMULATED = _cuda.jit.__module__.startswith("numba.cuda.simulator")
+from .device import _SIMULATED
 # Bound once (see buffer.py): host code never goes through the numba.cuda module.
 _device_array = _cuda.device_array
 _new_stream = _cuda.stream
@@ -191,7 +190,7 @@ class DeviceSteps:
         self._red = red
         self._xp = xp
         self.wire_dtype = red.wire_dtype
-        self._kernel = cuda_kernels.compile_op(red.kernel_op, red.wire_dtype)  # memoised
+        self._kernel = red.kernel
         self._factors = None
 
     def reduce(self, acc, x) -> None:
@@ -250,5 +249,4 @@ class DeviceSteps:
             return
         if self._factors is None or self._factors.size < work.size:
             self._factors = self._xp.filled(work.size, self._red.factor, self.wire_dtype)
-        product = cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
-        product(work, self._factors[:work.size], stream=self._xp.stream)
+        self._red.multiply(work, self._factors[:work.size], stream=self._xp.stream)

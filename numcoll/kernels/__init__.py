@@ -2,11 +2,11 @@
 
 Kernels work on arrays only; they never see ranks or sockets. :mod:`.cpu`
 holds the validating wrappers of the CPU kernels (re-exported here), and
-:mod:`.cpu_loops` the Numba loops themselves. :mod:`.cuda` is the GPU twin,
-with its kernels in :mod:`.cuda_loops`, the ``numba.cuda`` import and
-device-array checks in :mod:`.cuda_device` and pinned staging buffers in
-:mod:`.cuda_staging`; all ``cuda*`` modules are imported on demand so that
-``import numcoll`` never loads ``numba.cuda``.
+:mod:`.cpu_loops` the Numba loops themselves; :mod:`.selection` is the rule,
+shared with the GPU kernels, for which compiled loop reduces an op on a
+dtype. The GPU twins live with everything else about CUDA in
+:mod:`numcoll.cuda` (imported on demand, so ``import numcoll`` never loads
+``numba.cuda``).
 """
 
 from .cpu import (

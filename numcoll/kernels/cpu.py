@@ -43,7 +43,7 @@ from numbers import Real
 import numpy as np
 from numba import from_dtype, types
 
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half
+from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
 from ..ops import ReduceOp
 from .cpu_loops import (
     _NARROW,
@@ -146,7 +146,7 @@ class ReduceKernel:
     def __call__(self, acc: np.ndarray, x: np.ndarray) -> None:
         # The fast path checks, in a few attribute reads, everything the entry
         # point relies on (it unboxes without checking); the rest goes through
-        # _checked, which explains what is wrong. Mirrored in reduce_into.
+        # _checked, which explains what is wrong.
         try:
             fx = x.flags
             fast = (acc.flags.carray and fx.c_contiguous and fx.aligned
@@ -307,23 +307,12 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, x: np.ndarray) -> None:
     ValueError
         Mismatched sizes, non-contiguous arrays, read-only ``acc``.
     """
-    # Per-call overhead matters for small messages, so this inlines
-    # ReduceKernel.__call__'s fast path rather than calling it.
     try:
         kernel = _by_op_id[id(op)][acc.dtype]
-        fx = x.flags
-        fast = (acc.flags.carray and fx.c_contiguous and fx.aligned
-                and acc.ndim == 1 == x.ndim and len(acc) == len(x)
-                and (x.dtype is acc.dtype or x.dtype == acc.dtype))
     except (KeyError, AttributeError, TypeError):
-        fast = False
-    if not fast:
         _check_arrays("reduce_into", acc=acc, x=x)
-        compile_op(op, acc.dtype)._checked(acc, x)
-    elif kernel._view is None:
-        kernel._entry(acc, x)
-    else:
-        kernel._entry(acc.view(kernel._view), x.view(kernel._view))
+        kernel = compile_op(op, acc.dtype)
+    kernel(acc, x)
 
 
 def _is_plain(out, src) -> bool:
@@ -371,11 +360,9 @@ def scale_into(acc: np.ndarray, divisor: Real) -> None:
     if divisor == 0:
         raise ValueError("scale_into: divisor must be non-zero")
     dtype = _check_dtype("scale_into", acc.dtype)
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise TypeError(
-            f"scale_into: cannot divide {dtype_name(dtype)} in place (an integer average "
-            "would have to round); AVG needs a floating point or complex dtype"
-        )
+    why = op_dtype_refusal("AVG", dtype)
+    if why is not None:
+        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
     if is_half(dtype):
         entry, view, scalar = _entry(_SCALE_HALF[dtype], (_U16, False), _F32), _U16, np.float32
     else:

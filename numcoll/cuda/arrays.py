@@ -13,19 +13,9 @@ imported, so ``import numcoll`` stays fast on machines without CUDA.
 
 from __future__ import annotations
 
-import numpy as np
+from ..dtypes import dtype_name, is_supported
 
-from .dtypes import dtype_name, is_supported
-
-__all__ = ["as_device_array", "is_device"]
-
-
-def is_device(obj) -> bool:
-    """True for CUDA memory: an object with ``__cuda_array_interface__`` or a
-    Numba device array (the simulator's have only the latter)."""
-    if isinstance(obj, np.ndarray):
-        return False
-    return hasattr(obj, "__cuda_array_interface__") or bool(getattr(obj, "__cuda_ndarray__", False))
+__all__ = ["as_device_array"]
 
 
 def as_device_array(obj, op: str):
@@ -37,36 +27,20 @@ def as_device_array(obj, op: str):
     refuses it as an output.
     """
     try:
-        from numba import cuda
-    except Exception as exc:  # noqa: BLE001 - depends on the installation
+        from . import device
+    except ImportError as exc:
         raise TypeError(f"{op}: invalid tensor type: {type(obj).__name__} is a CUDA array "
-                        f"but numba.cuda cannot be imported ({exc}); install numba-cuda") from None
-    desc = getattr(obj, "__cuda_array_interface__", None)
-    if getattr(obj, "__cuda_ndarray__", False):
-        dev = obj                                   # Numba's own (or the simulator's)
-    elif desc is None:
+                        f"but numba.cuda cannot be imported ({exc.__cause__ or exc}); install "
+                        "numba-cuda") from None
+    dev = device.view(obj)
+    if dev is None:
         raise TypeError(f"{op}: invalid tensor type: {type(obj).__name__} is not a CUDA array")
-    elif hasattr(cuda, "as_cuda_array"):
-        # Synchronises the stream the producer exported (CUDA array interface v3).
-        dev = cuda.as_cuda_array(obj)
-    else:
-        dev = _simulated_foreign(obj, desc)
     if not is_supported(dev.dtype):
         raise TypeError(f"{op}: invalid tensor type: dtype {dtype_name(dev.dtype)} is not "
                         "supported")
-    if desc is not None and desc["data"][1]:
+    if device.is_read_only(obj):
         try:
             dev._numcoll_readonly = True
         except AttributeError:  # pragma: no cover - a device array without __dict__
             pass
     return dev
-
-
-def _simulated_foreign(obj, desc):
-    """Under Numba's CUDA simulator "device" memory is host memory, so a foreign
-    interface can only point at host memory: wrap it as a simulated device array."""
-    from numba.cuda.cudadrv.devicearray import FakeCUDAArray
-
-    from .kernels.cuda_device import _SimulatedForeign
-
-    return FakeCUDAArray(np.asarray(_SimulatedForeign(obj, desc)))

@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from .cuda_device import _SIMULATED, _as_device, _flat, _pinned_array, _reason
+from .device import _SIMULATED, _as_device, _flat, _pinned_array, _reason
 
 __all__ = ["pinned_empty", "to_device_async", "to_host_async"]
 

@@ -19,11 +19,11 @@ import numpy as np
 
 from ..dtypes import bfloat16, is_half
 from ..ops import ReduceOp
-from .selection import pick_builtin
+from ..kernels.selection import loop_tables, pick_builtin
 
 # cuda: for the kernels and device functions, and swapped by the simulator while
-# they run; host code here calls numba.cuda only through _jit (see cuda_device).
-from .cuda_device import _SIMULATED, _jit, cuda
+# they run; host code here calls numba.cuda only through _jit (see device).
+from .device import _SIMULATED, _jit, cuda
 
 # cache=True: the PTX of the built-in kernels is kept on disk, so only the
 # first process on a machine pays the compile (ignored by the simulator).
@@ -298,28 +298,7 @@ def _bf16_scale_kernel(acc, divisor):
         acc[i] = _f32_to_bf16(_bf16_to_f32(acc[i]) / divisor)
 
 
-_HALF_KERNELS = {
-    (np.dtype(np.float16), "SUM"): _f16_sum_kernel,
-    (np.dtype(np.float16), "PRODUCT"): _f16_prod_kernel,
-    (np.dtype(np.float16), "MIN"): _f16_min_kernel,
-    (np.dtype(np.float16), "MAX"): _f16_max_kernel,
-    (bfloat16, "SUM"): _bf16_sum_kernel,
-    (bfloat16, "PRODUCT"): _bf16_prod_kernel,
-    (bfloat16, "MIN"): _bf16_min_kernel,
-    (bfloat16, "MAX"): _bf16_max_kernel,
-}
-_BOOL_KERNELS = {  # bool: SUM/MAX are logical or, PRODUCT/MIN logical and
-    "SUM": _bor_kernel, "MAX": _bor_kernel, "BOR": _bor_kernel,
-    "PRODUCT": _band_kernel, "MIN": _band_kernel, "BAND": _band_kernel,
-    "BXOR": _bxor_kernel,
-}
-_KERNELS = {
-    "SUM": _sum_kernel, "PRODUCT": _prod_kernel, "MIN": _min_kernel, "MAX": _max_kernel,
-    "BAND": _band_kernel, "BOR": _bor_kernel, "BXOR": _bxor_kernel,
-}
-_WIDEN = {np.dtype(np.float16): _f16_widen_kernel, bfloat16: _bf16_widen_kernel}
-_NARROW = {np.dtype(np.float16): _f16_narrow_kernel, bfloat16: _bf16_narrow_kernel}
-_SCALE_HALF = {np.dtype(np.float16): _f16_scale_kernel, bfloat16: _bf16_scale_kernel}
+_KERNELS, _HALF_KERNELS, _BOOL_KERNELS, _WIDEN, _NARROW, _SCALE_HALF = loop_tables(globals())
 
 
 def _builtin_kernel(op: ReduceOp, dtype: np.dtype):

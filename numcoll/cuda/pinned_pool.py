@@ -17,29 +17,23 @@ concurrent collectives never share one.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 
-from ..kernels import cuda as cuda_kernels
+from .. import config
+from . import kernels as cuda_kernels
 
 __all__ = ["IDLE_NBYTES", "StagingPool", "POOL", "release_idle"]
 
 #: Idle pinned bytes the pool keeps (beyond the most recent block).
-IDLE_NBYTES = 1 << 30
+IDLE_NBYTES = config.Config.cuda_staging_idle_nbytes
 #: Smallest block: small collectives share a few blocks rather than pin many tiny ones.
 MIN_BLOCK_NBYTES = 64 << 10
 
 
 def _idle_limit() -> int:
-    raw = os.environ.get("NUMCOLL_CUDA_STAGING_IDLE_NBYTES")
-    if raw is None:
-        return IDLE_NBYTES
-    try:
-        return max(0, int(raw, 0))
-    except ValueError:
-        raise ValueError(f"NUMCOLL_CUDA_STAGING_IDLE_NBYTES={raw!r} is not an integer") from None
+    return config.get("cuda_staging_idle_nbytes")
 
 
 def block_nbytes(nbytes: int) -> int:

@@ -1,6 +1,6 @@
 """numba.cuda behind one door: its import, the simulator, and device-array checks.
 
-Every CUDA module of numcoll (``kernels/cuda*.py``) reaches ``numba.cuda``
+Every CUDA module of numcoll (``numcoll/cuda/*.py``) reaches ``numba.cuda``
 through this one, so that a missing CUDA target fails with one clear
 ImportError and the simulator's quirks are handled in one place. Like the rest
 of the CUDA side, import it lazily: ``import numcoll`` must not load
@@ -23,7 +23,7 @@ try:
     from numba.cuda.cudadrv import error as _cuda_errors
 except Exception as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
-        "numcoll.kernels.cuda needs Numba's CUDA target (numba.cuda); "
+        "numcoll.cuda needs Numba's CUDA target (numba.cuda); "
         f"it failed to import: {exc}. Install it with `pip install numba-cuda`."
     ) from exc
 
@@ -31,7 +31,7 @@ except Exception as exc:  # pragma: no cover - depends on the installation
 _SIMULATED = cuda.jit.__module__.startswith("numba.cuda.simulator")
 # Host code calls numba.cuda only through these names, never through the
 # module: while a simulated kernel runs, the simulator swaps every module-level
-# reference to numba.cuda in the kernel's module (cuda_loops) for its
+# reference to numba.cuda in the kernel's module (loops) for its
 # per-launch fake, which would break a host call made at that moment on
 # another thread.
 _jit = cuda.jit
@@ -80,25 +80,43 @@ class _SimulatedForeign:
         }
 
 
-def _as_device(where: str, name: str, obj, writable: bool = False):
-    """``obj`` as a Numba device array (a view, never a copy)."""
+def view(obj):
+    """``obj`` as a Numba device array: itself, or a view of a foreign
+    ``__cuda_array_interface__`` (never a copy); None if it is not CUDA memory.
+
+    The one place a foreign array is viewed: converting it synchronises the
+    stream its producer exported (the interface's v3 rule).
+    """
     if _devicearray.is_cuda_ndarray(obj):
         return obj                               # Numba's own: never read-only
-    if not hasattr(obj, "__cuda_array_interface__"):
+    desc = getattr(obj, "__cuda_array_interface__", None)
+    if desc is None:
+        return None
+    if not _SIMULATED:
+        return _as_cuda_array(obj)
+    # The simulator has no as_cuda_array; its "device" memory is host memory,
+    # so a foreign interface there can only point at host memory too.
+    return _devicearray.FakeCUDAArray(np.asarray(_SimulatedForeign(obj, desc)))
+
+
+def is_read_only(obj) -> bool:
+    """True if ``obj``'s CUDA array interface says its memory is read-only."""
+    desc = getattr(obj, "__cuda_array_interface__", None)
+    return bool(desc is not None and not _devicearray.is_cuda_ndarray(obj) and desc["data"][1])
+
+
+def _as_device(where: str, name: str, obj, writable: bool = False):
+    """``obj`` as a Numba device array (a view, never a copy), checked."""
+    if writable and is_read_only(obj):
+        raise ValueError(f"{where}: {name} is read-only")
+    dev = view(obj)
+    if dev is None:
         raise TypeError(
             f"{where}: {name} must be a CUDA device array (an object with "
             f"__cuda_array_interface__: Numba device array, CuPy, torch CUDA tensor), got "
             f"{type(obj).__name__}; host arrays go to numcoll.kernels.cpu"
         )
-    desc = obj.__cuda_array_interface__
-    if writable and desc["data"][1]:
-        raise ValueError(f"{where}: {name} is read-only")
-    if not _SIMULATED:
-        # Syncs the producer's stream if it exported one (the interface's v3 rule).
-        return _as_cuda_array(obj)
-    # The simulator has no as_cuda_array; its "device" memory is host memory,
-    # so a foreign interface there can only point at host memory too.
-    return _devicearray.FakeCUDAArray(np.asarray(_SimulatedForeign(obj, desc)))
+    return dev
 
 
 def _device_pointer(dev) -> int:

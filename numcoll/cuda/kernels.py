@@ -32,23 +32,23 @@ as Python threads on NumPy memory; CI uses it. It is slow (tens of
 microseconds an element), so keep arrays and launch shapes small there.
 
 This module validates, compiles, memoises and launches. The kernels are in
-:mod:`.cuda_loops`, the import of ``numba.cuda`` and the device-array checks
-in :mod:`.cuda_device`, and the pinned buffers and copies (re-exported here)
-in :mod:`.cuda_staging`.
+:mod:`.loops`, the import of ``numba.cuda`` and the device-array checks
+in :mod:`.device`, and the pinned buffers and copies (re-exported here)
+in :mod:`.copies`.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from numbers import Real
 
 import numpy as np
 
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half
+from .. import config
+from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
 from ..ops import ReduceOp
-from .cuda_device import (
+from .device import (
     _DRIVER_ERRORS,
     _SIMULATED,
     _as_device,
@@ -57,7 +57,7 @@ from .cuda_device import (
     _to_device,
     is_available,
 )
-from .cuda_loops import (
+from .loops import (
     _NARROW,
     _SCALE_HALF,
     _WIDEN,
@@ -65,7 +65,7 @@ from .cuda_loops import (
     _custom_kernel,
     _scale_kernel,
 )
-from .cuda_staging import pinned_empty, to_device_async, to_host_async
+from .copies import pinned_empty, to_device_async, to_host_async
 
 __all__ = [
     "MAX_BLOCKS",
@@ -82,13 +82,9 @@ __all__ = [
     "widen_into",
 ]
 
-#: Threads per block (override: ``NUMCOLL_CUDA_THREADS``, read at each launch).
-#: 256 keeps several blocks resident per SM for these memory-bound loops.
-THREADS_PER_BLOCK = 256
-#: Most blocks in a grid (override: ``NUMCOLL_CUDA_BLOCKS``). Beyond what the
-#: device keeps resident more blocks only add scheduling; the grid-stride loop
-#: covers the rest. Not tuned on hardware yet: see benchmarks/bench_cuda.py.
-MAX_BLOCKS = 1024
+#: The default launch shape (config ``cuda_threads`` / ``cuda_blocks``, read at each launch).
+THREADS_PER_BLOCK = config.Config.cuda_threads
+MAX_BLOCKS = config.Config.cuda_blocks
 
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
@@ -104,23 +100,10 @@ _SIM_LAUNCH_LOCK = threading.Lock()
 # Launching
 # --------------------------------------------------------------------------
 
-def _env_count(var: str, default: int, most: int) -> int:
-    raw = os.environ.get(var)
-    if raw is None:
-        return default
-    try:
-        value = int(raw, 0)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not an integer") from None
-    if not 1 <= value <= most:
-        raise ValueError(f"{var}={value} is out of range: expected 1..{most}")
-    return value
-
-
 def _launch_shape(count: int) -> tuple[int, int]:
-    """(blocks, threads) for ``count`` elements, with the env overrides applied."""
-    threads = _env_count("NUMCOLL_CUDA_THREADS", THREADS_PER_BLOCK, 1024)  # CUDA's block limit
-    max_blocks = _env_count("NUMCOLL_CUDA_BLOCKS", MAX_BLOCKS, 2**31 - 1)
+    """(blocks, threads) for ``count`` elements (config ``cuda_threads``, ``cuda_blocks``)."""
+    threads = config.get("cuda_threads")
+    max_blocks = config.get("cuda_blocks")
     return min(max_blocks, -(-count // threads)), threads
 
 
@@ -136,7 +119,7 @@ def _launch(kernel, count: int, stream, *args) -> None:
 
 
 # --------------------------------------------------------------------------
-# Validation (device-array views: cuda_device)
+# Validation (device-array views: device)
 # --------------------------------------------------------------------------
 
 def _check_dtype(where: str, dtype) -> np.dtype:
@@ -338,11 +321,9 @@ def scale_into(acc, divisor: Real, stream=0) -> None:
     if divisor == 0:
         raise ValueError("scale_into: divisor must be non-zero")
     dtype = _check_dtype("scale_into", dev.dtype)
-    if dtype.kind not in "fc" and not is_half(dtype):
-        raise TypeError(
-            f"scale_into: cannot divide {dtype_name(dtype)} in place (an integer average "
-            "would have to round); AVG needs a floating point or complex dtype"
-        )
+    why = op_dtype_refusal("AVG", dtype)
+    if why is not None:
+        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
     work = _flat("scale_into", "acc", dev)
     if is_half(dtype):
         _launch(_SCALE_HALF[dtype], work.size, stream, work.view(_U16), np.float32(divisor))

@@ -1,0 +1,83 @@
+"""How sweep rows are shown: the nccl-tests-like table, and numcoll beside gloo."""
+
+from __future__ import annotations
+
+__all__ = ["compare_rows", "format_table"]
+
+
+def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
+    """Add ``torch_*`` columns and the numcoll/torch ratios to ``rows`` (matched
+    by size and placement).
+
+    ``busbw_ratio`` > 1 and ``time_ratio`` < 1 mean numcoll is faster.
+    """
+    if torch_rows is None:
+        return rows
+    by_key = {(r["size"], r.get("placement")): r for r in torch_rows}
+    out = []
+    for row in rows:
+        row = dict(row)
+        t = by_key.get((row["size"], row.get("placement")))
+        if t is not None:
+            row.update(torch_time_us=t["time_us"], torch_time_us_min=t["time_us_min"],
+                       torch_time_us_max=t["time_us_max"], torch_algbw_gbps=t["algbw_gbps"],
+                       torch_busbw_gbps=t["busbw_gbps"], torch_wrong=t.get("wrong"),
+                       busbw_ratio=_ratio(row["busbw_gbps"], t["busbw_gbps"]),
+                       time_ratio=_ratio(row["time_us"], t["time_us"]))
+        out.append(row)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+_PLACE = {"in-place": "in", "out-of-place": "out"}
+_COLUMNS = [  # (key, header, format)
+    ("size", "size(B)", "{:>12d}"),
+    ("count", "count", "{:>12d}"),
+    ("dtype", "type", "{:>8s}"),
+    ("placement", "place", "{:>5s}"),
+    ("algorithm", "algo", "{:>18s}"),
+    ("time_us", "time(us)", "{:>11.1f}"),
+    ("time_us_min", "min(us)", "{:>11.1f}"),
+    ("time_us_max", "max(us)", "{:>11.1f}"),
+    ("algbw_gbps", "algbw(GB/s)", "{:>11.3f}"),
+    ("busbw_gbps", "busbw(GB/s)", "{:>11.3f}"),
+    ("wrong", "#wrong", "{:>7d}"),
+]
+_TORCH_COLUMNS = [
+    ("torch_time_us", "gloo(us)", "{:>11.1f}"),
+    ("torch_busbw_gbps", "gloo busbw", "{:>11.3f}"),
+    ("torch_wrong", "gloo#wrong", "{:>10d}"),
+    ("busbw_ratio", "busbw x", "{:>8.2f}"),
+    ("time_ratio", "time x", "{:>8.2f}"),
+]
+
+
+def format_table(rows: list[dict], *, title: str | None = None) -> str:
+    """The rows as an nccl-tests-like text table (torch columns when present).
+
+    time = median over iterations of the slowest rank, min/max beside it;
+    ``place`` is ``in`` or ``out`` (of place); ``#wrong`` counts the wrong
+    result elements over all ranks ("-": not checked). ``busbw x`` = numcoll
+    busbw / gloo busbw (> 1: numcoll faster); ``time x`` = numcoll time / gloo
+    time (< 1: numcoll faster).
+    """
+    columns = list(_COLUMNS)
+    if any("torch_time_us" in r for r in rows):
+        columns += _TORCH_COLUMNS
+    widths = [max(len(header), len(fmt.format(0 if "d}" in fmt else
+                                              ("" if "s}" in fmt else 0.0))))
+              for _, header, fmt in columns]
+    lines = [] if title is None else [title]
+    lines.append(" ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    for row in rows:
+        cells = []
+        for (key, _, fmt), w in zip(columns, widths):
+            value = row.get(key)
+            if key == "placement" and value is not None:
+                value = _PLACE.get(value, value)
+            cells.append("-".rjust(w) if value is None else fmt.format(value).rjust(w))
+        lines.append(" ".join(cells))
+    return "\n".join(lines)

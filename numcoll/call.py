@@ -1,0 +1,127 @@
+"""The call descriptor: what one collective call is, built once at the call.
+
+Every collective builds a :class:`Call` on the caller's thread, after its
+arguments are checked and before it is queued. The Work keeps it, and
+everything that must describe or verify the call reads it instead of the
+collective's own parameters:
+
+- the messages' **stamp** (:meth:`Call.stamp`): every message of a collective
+  carries the fields that all ranks must agree on (collective, dtype, op,
+  root, element count), and a receiver compares them with its own before
+  touching the data, so ranks that disagree fail instead of exchanging
+  wrong bytes (:func:`describe_stamp` renders the other side's call for the
+  error message);
+- timeout and mismatch messages (:meth:`Call.summary`);
+- the flight recorder (:mod:`numcoll.diagnostics.flight_recorder`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+from .dtypes import SUPPORTED_DTYPES, dtype_name
+
+__all__ = ["Call", "describe_stamp", "COLLECTIVES", "shapes", "nbytes_of", "op_fields"]
+
+#: Names of the calls, in a fixed order: a call's index is its code in the stamp.
+#: Append only (codes travel between processes of possibly different versions).
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "allgather_coalesced", "allgather_into_tensor", "allgather_into_tensor_coalesced",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "barrier",
+    "monitored_barrier", "p2p", "sparse_allreduce", "broadcast_coalesced",
+)
+_CODE = {name: i for i, name in enumerate(COLLECTIVES)}
+# A send and the receive that matches it stamp alike.
+_CODE.update(send=_CODE["p2p"], recv=_CODE["p2p"], recv_anysource=_CODE["p2p"])
+_OPS = ("", "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+_OP_CODE = {name: i for i, name in enumerate(_OPS)}
+_CUSTOM_OP = 255
+_NO_DTYPE = 255
+_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+#: version, collective, dtype, op, root (-1: none), element count.
+_STAMP = struct.Struct("<BBBBiQ")
+_STAMP_VERSION = 1
+
+
+class Call(NamedTuple):
+    """One collective call, as every rank must agree on it, plus what this rank passed.
+
+    ``name`` is the collective; ``op`` the reduce op's name (or None);
+    ``dtype`` the element type; ``count`` the elements per rank that every
+    rank must agree on (0 where ranks may legitimately differ, e.g. alltoall);
+    ``root`` the root rank (-1 if none); ``algorithm`` the algorithm chosen;
+    ``timeout_s`` its deadline in seconds. ``input_sizes``/``output_sizes``
+    (shapes) and ``nbytes`` (bytes this rank contributes) are for the flight
+    recorder. The sequence number is the Work's: it is taken when the call
+    is queued. A NamedTuple: immutable, and cheap to build on every call.
+    """
+
+    name: str
+    timeout_s: float
+    dtype: np.dtype | None = None
+    count: int = 0
+    op: str | None = None
+    root: int = -1
+    algorithm: str = ""
+    input_sizes: tuple = ()
+    output_sizes: tuple = ()
+    nbytes: int = 0
+    custom_op: bool = False
+
+    def stamp(self) -> bytes:
+        """The bytes every message of this call carries (see :func:`describe_stamp`)."""
+        dtype = _DTYPE_CODE.get(self.dtype, _NO_DTYPE) if self.dtype is not None else _NO_DTYPE
+        op = _CUSTOM_OP if self.custom_op else _OP_CODE.get(self.op or "", 0)
+        return _STAMP.pack(_STAMP_VERSION, _CODE[self.name], dtype, op, self.root,
+                           self.count)
+
+    def summary(self, seq: int | None = None) -> str:
+        """``allreduce(float32, 4 elements, SUM) #12``: how messages name the call."""
+        return _render(self.name, self.dtype, self.count, self.op, self.root, seq)
+
+
+def describe_stamp(stamp: bytes, seq: int | None = None) -> str:
+    """Render a stamp received from another rank as :meth:`Call.summary` would."""
+    try:
+        version, code, dtype, op, root, count = _STAMP.unpack(stamp)
+        if version != _STAMP_VERSION:
+            raise ValueError
+        name = COLLECTIVES[code]
+    except (struct.error, ValueError, IndexError):
+        return f"an unknown call (stamp {stamp.hex()})"
+    dt = SUPPORTED_DTYPES[dtype] if dtype < len(SUPPORTED_DTYPES) else None
+    op_name = "custom" if op == _CUSTOM_OP else (_OPS[op] if op < len(_OPS) else "?") or None
+    return _render(name, dt, count, op_name, root, seq)
+
+
+def _render(name, dtype, count, op, root, seq) -> str:
+    parts = []
+    if dtype is not None:
+        parts.append(dtype_name(dtype))
+    if count or dtype is not None:
+        parts.append(f"{count} element{'s' if count != 1 else ''}")
+    if op:
+        parts.append(op)
+    if root >= 0:
+        parts.append(f"root {root}")
+    text = f"{name}({', '.join(parts)})"
+    return text if seq is None else f"{text} #{seq}"
+
+
+def shapes(arrays) -> tuple:
+    """The shapes of ``arrays``, for :attr:`Call.input_sizes` / ``output_sizes``."""
+    return tuple(tuple(a.shape) for a in arrays)
+
+
+def nbytes_of(arrays) -> int:
+    return sum(a.size * a.dtype.itemsize for a in arrays)
+
+
+def op_fields(op) -> dict:
+    """The :class:`Call` fields of a reduce op."""
+    return {"op": op.name, "custom_op": op.is_custom}

@@ -1,0 +1,1 @@
+"""Seeing what collectives did: the flight recorder and its analyser."""

@@ -1,0 +1,209 @@
+"""The flight recorder: the last N collectives of this process, with their state.
+
+Like torch's (``TORCH_FR_BUFFER_SIZE``, ``_dump_fr_trace``), it keeps a ring of
+records — one per collective, created when the call is queued and updated when
+it starts, while it waits for a peer, and when it ends — so that after a hang
+or a failure each rank can say what it was doing and whom it waited for.
+
+``NUMCOLL_FR_BUFFER_SIZE=N`` (read when the first group is created) keeps the
+last N records per process (default 2000; 0 turns the recorder off). When a
+group is poisoned (a timeout, a dead peer, a mismatch) and
+``NUMCOLL_FR_DUMP_DIR`` is set, the rank writes its records there as
+``numcoll_fr_rank{rank}.json``; ``python -m numcoll.fr DIR`` merges the ranks'
+dumps and says which rank is missing from which collective.
+
+Times are ``time.time_ns()`` (wall clock), so records of ranks in different
+processes line up on one timeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import os
+import threading
+import time
+
+from .. import config
+
+__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record"]
+
+VERSION = "1.0"
+
+
+class Record:
+    """One collective's entry. Fields are written by the thread running it."""
+
+    __slots__ = ("record_id", "pg_id", "rank", "seq", "call", "state", "time_created_ns",
+                 "time_started_ns", "time_completed_ns", "waiting_for", "error")
+
+    def __init__(self, record_id: int, pg_id: int, rank: int, seq: int, call):
+        self.record_id = record_id
+        self.pg_id = pg_id
+        self.rank = rank
+        self.seq = seq
+        self.call = call
+        self.state = "scheduled"
+        self.time_created_ns = time.time_ns()
+        self.time_started_ns = None
+        self.time_completed_ns = None
+        self.waiting_for = None
+        self.error = None
+
+    def as_dict(self) -> dict:
+        call = self.call
+        dtype = [] if call.dtype is None else [_dtype_name(call.dtype)]
+        return {
+            "record_id": self.record_id,
+            "pg_id": self.pg_id,
+            "rank": self.rank,
+            # torch numbers a group's collectives from 1; point-to-point ops have none.
+            "collective_seq_id": self.seq + 1 if self.seq >= 0 else None,
+            "profiling_name": f"numcoll:{call.name}",
+            "input_sizes": [list(s) for s in call.input_sizes],
+            "input_dtypes": dtype * len(call.input_sizes),
+            "output_sizes": [list(s) for s in call.output_sizes],
+            "output_dtypes": dtype * len(call.output_sizes),
+            "state": self.state,
+            "time_created_ns": self.time_created_ns,
+            "time_started_ns": self.time_started_ns,
+            "time_completed_ns": self.time_completed_ns,
+            "timeout_ms": round(call.timeout_s * 1000),
+            "algorithm": call.algorithm or None,
+            "waiting_for": self.waiting_for,
+            "nbytes": call.nbytes,
+            "root": call.root if call.root >= 0 else None,
+            "op": call.op,
+            "error": self.error,
+        }
+
+
+def _dtype_name(dtype) -> str:
+    from ..dtypes import dtype_name
+
+    return dtype_name(dtype)
+
+
+class FlightRecorder:
+    """A bounded ring of :class:`Record` plus each group's configuration and progress."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._records: collections.deque[Record] = collections.deque(maxlen=capacity)
+        self._ids = itertools.count()
+        self._pg_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pg_config: dict[int, dict] = {}
+        self._pg_status: dict[int, dict] = {}
+
+    def register_group(self, name: str, desc: str, ranks: list[int]) -> int:
+        """A new group's id (``pg_id`` in the records)."""
+        with self._lock:
+            pg_id = next(self._pg_ids)
+            self._pg_config[pg_id] = {"name": name, "desc": desc, "ranks": list(ranks)}
+            self._pg_status[pg_id] = {"last_enqueued_collective": -1,
+                                      "last_started_collective": -1,
+                                      "last_completed_collective": -1}
+        return pg_id
+
+    def record(self, pg_id: int, rank: int, seq: int, call) -> Record:
+        rec = Record(next(self._ids), pg_id, rank, seq, call)
+        with self._lock:
+            self._records.append(rec)
+            if seq >= 0:
+                self._pg_status[pg_id]["last_enqueued_collective"] = seq + 1
+        return rec
+
+    def started(self, rec: Record) -> None:
+        rec.state = "started"
+        rec.time_started_ns = time.time_ns()
+        if rec.seq >= 0:
+            status = self._pg_status[rec.pg_id]
+            status["last_started_collective"] = max(status["last_started_collective"],
+                                                    rec.seq + 1)
+
+    def ended(self, rec: Record, error: BaseException | None = None) -> None:
+        rec.time_completed_ns = time.time_ns()
+        rec.waiting_for = None
+        if error is None:
+            rec.state = "completed"
+            if rec.seq >= 0:
+                status = self._pg_status[rec.pg_id]
+                status["last_completed_collective"] = max(status["last_completed_collective"],
+                                                          rec.seq + 1)
+        else:
+            rec.state = "failed"
+            rec.error = str(error)
+
+    def dump(self, rank: int | None = None) -> dict:
+        """The records (of one global ``rank`` only, if given) as plain data."""
+        with self._lock:
+            records = list(self._records)
+            config = {str(k): dict(v) for k, v in self._pg_config.items()}
+            status = {str(k): dict(v) for k, v in self._pg_status.items()}
+        entries = [r.as_dict() for r in records if rank is None or r.rank == rank]
+        return {"version": VERSION, "pid": os.getpid(), "rank": rank, "pg_config": config,
+                "pg_status": status, "entries": entries}
+
+    def dump_to_dir(self, directory: str, rank: int) -> str:
+        """Write this rank's records to ``directory``; returns the file's path."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"numcoll_fr_rank{rank}.json")
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.dump(rank), f)
+        os.replace(tmp, path)  # a reader never sees half a file
+        return path
+
+
+_recorder: FlightRecorder | None = None
+_recorder_lock = threading.Lock()
+
+
+def recorder() -> FlightRecorder | None:
+    """The process's recorder (made on first use; None when turned off)."""
+    global _recorder
+    if _recorder is None:
+        with _recorder_lock:
+            if _recorder is None:
+                size = config.get("fr_buffer_size")
+                _recorder = FlightRecorder(size) if size > 0 else _OFF
+    return None if _recorder is _OFF else _recorder
+
+
+_OFF = FlightRecorder(0)
+
+
+def enabled() -> bool:
+    return recorder() is not None
+
+
+def dump(rank: int | None = None) -> dict:
+    """This process's records: ``{"version", "pg_config", "pg_status", "entries"}``.
+
+    Each entry has record_id, pg_id, rank (global), collective_seq_id,
+    profiling_name ("numcoll:allreduce"), input_sizes, input_dtypes,
+    output_sizes, output_dtypes, state (scheduled / started / completed /
+    failed), time_created_ns, time_started_ns, time_completed_ns, timeout_ms,
+    algorithm, waiting_for (the peer rank a started collective is blocked on,
+    or None), nbytes, root, op and error. ``rank`` keeps one rank's entries
+    (ranks that are threads share a process, and so a recorder).
+    """
+    rec = recorder()
+    if rec is None:
+        return {"version": VERSION, "pid": os.getpid(), "rank": rank, "pg_config": {},
+                "pg_status": {}, "entries": []}
+    return rec.dump(rank)
+
+
+def dump_json(rank: int | None = None) -> str:
+    """:func:`dump` as a JSON string."""
+    return json.dumps(dump(rank))
+
+
+def _reset_for_tests(capacity: int | None = None) -> None:
+    """Forget every record (and re-read the size unless ``capacity`` is given)."""
+    global _recorder
+    with _recorder_lock:
+        _recorder = None if capacity is None else (FlightRecorder(capacity) if capacity else _OFF)

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m numcoll.examples.data_parallel``."""

@@ -1,0 +1,335 @@
+"""Group bookkeeping of the module API: the default group, sub-groups, and the
+translation between global and group ranks (torch.distributed's names).
+
+The default group is per process — or per thread for ranks started by
+``numcoll.launch(..., mode="thread")``, so each thread-rank has its own.
+Every group made by :func:`new_group` (and its relatives) is registered
+with the global ranks it spans, in group-rank order.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import warnings
+from datetime import timedelta
+
+from .process_group import ProcessGroup
+
+__all__ = [
+    "GroupMember", "group", "get_default_group", "get_group_rank", "get_global_rank",
+    "get_process_group_ranks", "new_group", "new_subgroups", "new_subgroups_by_enumeration",
+    "split_group",
+]
+
+
+class _World:
+    """Default group state: the group, the store it owns (if any), sub-groups."""
+
+    def __init__(self):
+        self.pg: ProcessGroup | None = None
+        self.owned_store = None
+        self.store = None
+        self.backend = "gloo"
+        self.groups: dict[ProcessGroup, list[int]] = {}
+        self.group_count = 0
+        self.local_counts: dict[tuple, int] = {}
+
+
+_process_world = _World()
+_thread_state = threading.local()
+
+
+def _world() -> _World:
+    return getattr(_thread_state, "world", None) or _process_world
+
+
+def _use_thread_world() -> None:
+    """Give the calling thread a default group of its own (``launch`` thread mode)."""
+    _thread_state.world = _World()
+
+
+def _drop_thread_world() -> None:
+    _thread_state.world = None
+
+
+class _GroupMemberMeta(type):
+    @property
+    def WORLD(cls) -> ProcessGroup | None:  # noqa: N802 - torch's name
+        """The default group, or None before init_process_group."""
+        return _world().pg
+
+
+class GroupMember(metaclass=_GroupMemberMeta):
+    """``GroupMember.WORLD`` is the default group; ``GroupMember.NON_GROUP_MEMBER``
+    is what ``new_group`` returns on ranks outside the group. A collective
+    called with it does nothing, warns, and returns None (as in torch)."""
+
+    NON_GROUP_MEMBER = object()
+
+
+class _GroupNamespace:
+    @property
+    def WORLD(self) -> ProcessGroup:  # noqa: N802 - torch's name
+        """The default group (``numcoll.group.WORLD``)."""
+        return get_default_group()
+
+
+group = _GroupNamespace()
+
+
+def get_default_group() -> ProcessGroup:
+    """The default group made by ``init_process_group``."""
+    pg = _world().pg
+    if pg is None:
+        raise RuntimeError("Default process group has not been initialized, please make sure "
+                           "to call init_process_group.")
+    return pg
+
+
+def _check_group(group) -> None:
+    if group is not None and group is not GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup (from new_group), None or "
+                        f"GroupMember.NON_GROUP_MEMBER, got {type(group).__name__}")
+
+
+def _resolve(group, op_name: str | None = None) -> ProcessGroup | None:
+    """The group to run on, or None on a rank outside it (warning once per
+    call site, with torch's words, when ``op_name`` is given)."""
+    if group is None:
+        return get_default_group()
+    if group is GroupMember.NON_GROUP_MEMBER:
+        if op_name is not None:
+            pg = _world().pg
+            warnings.warn(f"Running {op_name} on global rank {-1 if pg is None else pg.rank()} "
+                          "which does not belong to the given group.", stacklevel=3)
+        return None
+    _check_group(group)
+    return group
+
+
+def _ranks_of(pg: ProcessGroup) -> list[int]:
+    world = _world()
+    ranks = world.groups.get(pg)
+    if ranks is None:
+        raise ValueError(f"Group {pg} is not registered, please create group with "
+                         "numcoll.new_group")
+    return ranks
+
+
+def _check_rank_arg(value, what: str) -> int:
+    """``value`` as an int: ints and NumPy integers pass; bools, floats, strings
+    and None are a TypeError (a rank of ``True`` or ``1.0`` is a mistake)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """Translate a global rank into ``group``'s rank.
+
+    Raises
+    ------
+    ValueError
+        If ``group`` was not made by ``new_group`` (``... is not registered``)
+        or ``global_rank`` is not in it.
+    """
+    global_rank = _check_rank_arg(global_rank, "global_rank")
+    if group is GroupMember.WORLD:
+        return global_rank
+    ranks = _ranks_of(group)
+    if global_rank not in ranks:
+        raise ValueError(f"Global rank {global_rank} is not part of group {group}")
+    return ranks.index(global_rank)
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """Translate ``group``'s rank ``group_rank`` into a global rank."""
+    group_rank = _check_rank_arg(group_rank, "group_rank")
+    if group is GroupMember.WORLD:
+        return group_rank
+    ranks = _ranks_of(group)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"Group rank {group_rank} is not part of group {group}")
+    return ranks[group_rank]
+
+
+def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (default: the default group), in group-rank order."""
+    return list(_ranks_of(group if group is not None else get_default_group()))
+
+
+def _group_rank(pg: ProcessGroup, global_rank, what: str) -> int:
+    """``src``/``dst`` of a module function (a global rank) as a rank of ``pg``."""
+    global_rank = _check_rank_arg(global_rank, what)
+    ranks = _world().groups.get(pg)
+    if ranks is None:
+        return global_rank
+    try:
+        return ranks.index(global_rank)
+    except ValueError:
+        raise ValueError(f"{what} rank {global_rank} is not part of the group {ranks}") from None
+
+
+def _check_timeout(timeout, what: str) -> None:
+    if timeout is None:
+        return
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"{what}: timeout must be a datetime.timedelta, got "
+                        f"{type(timeout).__name__}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"{what}: timeout must be positive, got {timeout}")
+
+
+def _check_ranks(ranks, size: int, what: str) -> list[int]:
+    ranks = [_check_rank_arg(r, f"{what}: rank") for r in ranks]
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < size for r in ranks):
+        raise ValueError(f"{what}: invalid ranks {ranks} for world size {size}")
+    return ranks
+
+
+def _make_group(ranks: list[int], timeout, name: str) -> ProcessGroup:
+    world = _world()
+    default = get_default_group()
+    opts = ProcessGroup.Options(timeout=timeout or default.options.timeout,
+                                threads=default.options.threads,
+                                transport=default.transport_kind,
+                                host=default.options.host,
+                                group_name=f"{default.options.group_name}/{name}")
+    pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts)
+    world.groups[pg] = ranks
+    return pg
+
+
+def new_group(ranks=None, timeout: timedelta | None = None, backend=None, pg_options=None,
+              use_local_synchronization: bool = False, group_desc: str | None = None,
+              device_id=None, sort_ranks: bool = True):
+    """A sub-group of ``ranks`` (global ranks; all of them if None).
+
+    Every rank of the default group must call it, in the same order as every
+    other ``new_group`` call — except with ``use_local_synchronization=True``,
+    where only the members call it (and must agree on the order of their own
+    calls for the same ranks). Ranks outside ``ranks`` get
+    ``GroupMember.NON_GROUP_MEMBER``. With ``sort_ranks=False`` group rank i is
+    ``ranks[i]``; otherwise ranks are sorted first. ``backend`` may be None,
+    "gloo" or "numcoll"; ``pg_options``/``device_id`` must be None (they are
+    for other backends). Unknown keyword arguments are a TypeError.
+    """
+    world = _world()
+    default = get_default_group()
+    _check_timeout(timeout, "new_group")
+    if backend not in (None, "gloo", "numcoll", "cpu:gloo"):
+        raise ValueError(f"new_group: unsupported backend {backend!r}")
+    if pg_options is not None or device_id is not None:
+        raise ValueError("new_group: pg_options and device_id are not supported by numcoll "
+                         "(they configure other backends)")
+    ranks = _check_ranks(range(default.size()) if ranks is None else ranks, default.size(),
+                         "new_group")
+    if sort_ranks:
+        ranks = sorted(ranks)
+    if use_local_synchronization:
+        # Only members call: name the group after its ranks, not a global count.
+        key = tuple(sorted(ranks))
+        if default.rank() not in ranks:
+            return GroupMember.NON_GROUP_MEMBER
+        n = world.local_counts[key] = world.local_counts.get(key, 0) + 1
+        return _make_group(ranks, timeout, f"local{'-'.join(map(str, key))}#{n}")
+    world.group_count += 1
+    if default.rank() not in ranks:
+        return GroupMember.NON_GROUP_MEMBER
+    return _make_group(ranks, timeout, f"sub{world.group_count}")
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=None,
+                                 pg_options=None, group_desc=None):
+    """One group per list of ranks (disjoint lists); every rank calls it.
+
+    Returns ``(the group containing this rank or None, [every group made
+    here])`` as torch does (a rank holds only its own group's object).
+    """
+    if not ranks_per_subgroup_list:
+        raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
+    seen: set[int] = set()
+    mine, made = None, []
+    for ranks in ranks_per_subgroup_list:
+        overlap = seen.intersection(ranks)
+        if overlap:
+            raise ValueError(f"Rank {min(overlap)} has appeared in both subgroup "
+                             f"{ranks} and an earlier one")
+        seen.update(ranks)
+        pg = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        if pg is not GroupMember.NON_GROUP_MEMBER:
+            mine = pg
+            made.append(pg)
+    return mine, made
+
+
+def new_subgroups(group_size: int | None = None, group=None, timeout=None, backend=None,
+                  pg_options=None, group_desc=None):
+    """Split ``group`` (default: the default group) into consecutive groups of
+    ``group_size`` ranks; returns ``(this rank's group, [groups made])``.
+
+    ``group_size`` defaults to ``LOCAL_WORLD_SIZE`` (the ranks on one host,
+    as set by ``numcoll run`` and torchrun) where torch uses the GPU count.
+    """
+    import os
+
+    if group_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if not local:
+            raise ValueError("Default group size only takes effect under a launcher that sets "
+                             "LOCAL_WORLD_SIZE; please pass in 'group_size' correctly.")
+        group_size = int(local)
+    group_size = _check_rank_arg(group_size, "group_size")
+    if group_size <= 0:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must be positive")
+    ranks = get_process_group_ranks(group)
+    world_size = len(ranks)
+    if world_size < group_size:
+        raise ValueError(f"The arg 'group_size' ({group_size}) must not exceed the world size "
+                         f"({world_size})")
+    if world_size % group_size != 0:
+        raise ValueError(f"The world size ({world_size}) must be divisible by "
+                         f"'group_size={group_size}'")
+    return new_subgroups_by_enumeration(
+        [ranks[i:i + group_size] for i in range(0, world_size, group_size)],
+        timeout=timeout, backend=backend, pg_options=pg_options)
+
+
+def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list | None = None,
+                timeout: timedelta | None = None, pg_options=None, group_desc=None,
+                backend=None) -> ProcessGroup | None:
+    """Split ``parent_pg`` (default: the default group) into disjoint groups.
+
+    ``split_ranks`` is a list of lists of global ranks. Every rank of the
+    parent calls it; each rank joins only the group listing it and gets it
+    back, or None if no list names it.
+    """
+    world = _world()
+    parent = parent_pg if parent_pg is not None else get_default_group()
+    _check_group(parent)
+    if parent is GroupMember.NON_GROUP_MEMBER:
+        return None
+    if parent not in world.groups:
+        raise ValueError(f"Group {parent} is not registered")
+    if not split_ranks or not all(isinstance(s, (list, tuple)) for s in split_ranks):
+        raise ValueError("split_ranks must be a non-empty list of lists of ranks")
+    _check_timeout(timeout, "split_group")
+    parent_ranks = world.groups[parent]
+    seen: set[int] = set()
+    for ranks in split_ranks:
+        _check_ranks(ranks, get_default_group().size(), "split_group")
+        if seen.intersection(ranks) or not set(ranks) <= set(parent_ranks):
+            raise ValueError(f"split_group: split_ranks {split_ranks} must be disjoint lists "
+                             f"of ranks of the parent group {parent_ranks}")
+        seen.update(ranks)
+    world.group_count += 1
+    me = get_default_group().rank()
+    for i, ranks in enumerate(split_ranks):
+        if me in ranks:
+            return _make_group(sorted(ranks), timeout, f"split{world.group_count}.{i}")
+    return None

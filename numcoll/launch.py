@@ -301,10 +301,11 @@ def _abort_groups(worlds, reason: str) -> None:
     collectives return at once."""
     for world in worlds:
         for pg in list(getattr(world, "groups", {}) or {}):
-            abort = getattr(pg, "abort", None) or getattr(pg, "_abort", None)
             try:
-                if abort is not None:
-                    abort(reason)
+                if hasattr(pg, "abort"):
+                    pg.abort(reason)
+                else:  # the rank aborts on its own behalf: no peer is to blame
+                    pg._abort(reason, pg.rank())
             except Exception:  # noqa: BLE001 - best effort; the threads are daemons
                 pass
 

@@ -1,0 +1,378 @@
+"""Fault injection: what the surviving ranks see when one rank dies, stalls or
+leaves early, when strangers connect and stay silent or crowd the store, and
+whether long runs of collectives stay correct without growing.
+
+``python -m numcoll.faults`` runs every scenario on ranks launched as processes
+and prints the fault table (scenario, detection time, message, leftovers);
+``tests/test_faults.py`` runs the same scenarios and asserts on the figures.
+
+Detection time is measured from the fault (the culprit writes the time, from
+the system-wide monotonic clock, just before it kills, stops or returns) to the
+moment each survivor's collective raised.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+
+from . import distributed as dist
+from .launch import LaunchTimeoutError, RankFailedError, launch
+from .tcpstore import TCPStore
+
+__all__ = ["Figures", "run_scenario", "SCENARIOS", "soak", "format_table", "main"]
+
+WORLD_SIZE = 4
+CULPRIT = WORLD_SIZE - 1
+BIG_COUNT = (16 << 20) // 4  # 16 MiB of float32
+_GROUP_KEYS = "numcoll/default/0/transport"  # where the default group's transport meets
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+@dataclasses.dataclass
+class Figures:
+    """What one scenario measured. Per survivor: ``detect_s`` (fault to error),
+    ``errors`` (type and message), ``named`` (the first rank other than itself
+    that its error names). ``leftovers`` lists what outlived the launch."""
+
+    scenario: str
+    culprit: int | None
+    detect_s: dict[int, float]
+    errors: dict[int, str]
+    named: dict[int, int | None]
+    hung: list[int]
+    wrong_results: int
+    leftovers: dict[str, list[str]]
+    wall_s: float
+    notes: dict = dataclasses.field(default_factory=dict)
+
+
+# -- inside the ranks --------------------------------------------------------------------
+def _store_client() -> TCPStore:
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                    is_master=False, timeout=timedelta(seconds=10))
+
+
+def _artifacts() -> dict[str, list[str]]:
+    """The files the default group made: ipc socket paths and shared-memory slabs."""
+    store, size = _store_client(), dist.get_world_size()
+    try:
+        addrs = [store.get(f"{_GROUP_KEYS}/addr/{r}").decode() for r in range(size)]
+        slabs = []
+        for r in range(size):
+            for p in range(size):
+                key = f"{_GROUP_KEYS}/shm/{r}/{p}"
+                if r != p and store.check([key]):
+                    slabs.append(store.get(key).decode())
+    finally:
+        store.close()
+    return {"addrs": addrs, "slabs": [s for s in slabs if s != "none"]}
+
+
+def _mark(workdir: str, name: str, text: str = "") -> None:
+    with open(os.path.join(workdir, name), "w") as f:
+        f.write(text)
+
+
+def _rank_in_fault(kind: str, workdir: str, rounds_before: int) -> dict:
+    """All ranks run 16 MiB allreduces; rank CULPRIT is killed ("kill"), stopped
+    ("stop") or returns ("early") in the middle; the others report what they saw."""
+    rank = dist.get_rank()
+    x = np.empty(BIG_COUNT, np.float32)
+    expected = float(sum(range(1, dist.get_world_size() + 1)))
+    dist.barrier()
+    info = {"pid": os.getpid(), "artifacts": _artifacts() if rank == 0 else None}
+    if rank == CULPRIT:
+        for _ in range(rounds_before):
+            x.fill(rank + 1)
+            dist.all_reduce(x)
+        if kind == "early":
+            _mark(workdir, "fault", f"{time.monotonic()} {os.getpid()}")
+            return info  # skips the collectives the others still call
+        x.fill(rank + 1)
+        dist.all_reduce(x, async_op=True)
+        time.sleep(0.005)  # let it get under way
+        _mark(workdir, "fault", f"{time.monotonic()} {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # a stopped rank is killed by the driver once the others are done
+    wrong = 0
+    for _ in range(rounds_before + 50):
+        x.fill(rank + 1)
+        try:
+            dist.all_reduce(x)
+        except Exception as exc:  # noqa: BLE001 - what this scenario measures
+            info.update(t_error=time.monotonic(), error=f"{type(exc).__name__}: {exc}",
+                        peer=getattr(exc, "peer", None))
+            break
+        wrong += int(not np.all(x == expected))
+    info["wrong"] = wrong
+    _mark(workdir, f"done-{rank}")
+    return info
+
+
+def _rank_among_strangers(silent: int, crowd: int, rounds: int) -> dict:
+    """Rank 0 opens ``silent`` raw connections that never speak to the store and
+    to every rank's transport endpoint, and ``crowd`` store clients at once that
+    each add 1; meanwhile every rank runs 1 MiB allreduces and makes a new group."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    info = {"pid": os.getpid(), "artifacts": _artifacts() if rank == 0 else None}
+    held = []
+    if rank == 0:
+        started = time.monotonic()
+        targets = ["tcp://" + os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"]]
+        targets += info["artifacts"]["addrs"]
+        held = [_silent_connection(t) for t in targets for _ in range(silent)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            clients = list(pool.map(lambda _: _store_client(), range(crowd)))
+            info["crowd_count"] = max(pool.map(lambda c: c.add("crowd", 1), clients),
+                                      default=0)
+        held += clients
+        info["strangers_s"] = time.monotonic() - started
+    dist.barrier()
+    x = np.empty(1 << 18, np.float32)
+    wrong, started = 0, time.monotonic()
+    for _ in range(rounds):
+        x.fill(rank + 1)
+        dist.all_reduce(x)
+        wrong += int(not np.all(x == size * (size + 1) / 2))
+    sub = dist.new_group(list(range(size)))  # the store still serves rendezvous
+    y = np.ones(4)
+    dist.all_reduce(y, group=sub)
+    wrong += int(not np.all(y == size))
+    info.update(wrong=wrong, collectives_s=time.monotonic() - started)
+    dist.barrier()
+    for h in held:
+        h.close()
+    return info
+
+
+def _silent_connection(endpoint: str) -> socket.socket:
+    scheme, _, where = endpoint.partition("://")
+    if scheme == "ipc":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(where)
+    else:
+        host, port = where.rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=5)
+    return s
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _rank_soak(n_async: int, n_sequential: int) -> dict:
+    """``n_async`` allreduces in flight at once (the group's worker threads run
+    them), then ``n_sequential`` small ones back to back; every result checked."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    base = size * (size - 1) // 2
+    wrong = 0
+    for i in range(200):  # warm up: kernels compiled, pools and buffers sized
+        x = np.full(8, i + rank, np.int64)
+        dist.all_reduce(x)
+    rss = [_rss_bytes()]
+    started = time.monotonic()
+    xs = [np.full(8, i + rank, np.int64) for i in range(n_async)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    for i, (w, x) in enumerate(zip(works, xs)):
+        w.wait()
+        wrong += int(not np.all(x == size * i + base))
+    async_s = time.monotonic() - started
+    rss.append(_rss_bytes())
+    started = time.monotonic()
+    x = np.empty(8, np.int64)
+    for i in range(n_sequential):
+        x.fill(i + rank)
+        dist.all_reduce(x)
+        wrong += int(not np.all(x == size * i + base))
+    sequential_s = time.monotonic() - started
+    rss.append(_rss_bytes())
+    return {"wrong": wrong, "rss": rss, "async_s": async_s, "sequential_s": sequential_s}
+
+
+# -- the driver --------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _child_pids() -> list[int]:
+    me, kids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _leftovers(artifacts: dict | None, pids: list[int]) -> dict[str, list[str]]:
+    artifacts = artifacts or {"addrs": [], "slabs": []}
+    sockets = [a.partition("://")[2] for a in artifacts["addrs"] if a.startswith("ipc://")]
+    return {
+        "shm": [p for p in artifacts["slabs"] if os.path.exists(p)],
+        "files": [p for p in sockets if os.path.exists(p)]
+        + sorted({os.path.dirname(p) for p in sockets if os.path.isdir(os.path.dirname(p))}),
+        "processes": [str(p) for p in pids if _alive(p)],
+    }
+
+
+def _first_rank_named(message: str, own: int) -> int | None:
+    for m in re.finditer(r"\brank (\d+)", message):
+        if int(m.group(1)) != own:
+            return int(m.group(1))
+    return None
+
+
+def _reap_when_done(workdir: str, survivors: list[int], limit_s: float) -> threading.Thread:
+    """Kill the culprit once every survivor has reported (a stopped rank would
+    otherwise hold the launch until its deadline), as an operator would."""
+    def reap():
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if all(os.path.exists(os.path.join(workdir, f"done-{r}")) for r in survivors):
+                break
+            time.sleep(0.05)
+        try:
+            with open(os.path.join(workdir, "fault")) as f:
+                pid = int(f.read().split()[1])
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            pass
+
+    t = threading.Thread(target=reap, name="numcoll-faults-reaper", daemon=True)
+    t.start()
+    return t
+
+
+def run_scenario(kind: str, *, group_timeout_s: float = 2.0,
+                 transport: str | None = None) -> Figures:
+    """Run one of :data:`SCENARIOS` on WORLD_SIZE process ranks; return its figures."""
+    survivors = [r for r in range(WORLD_SIZE) if r != CULPRIT]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="numcoll-faults-") as workdir:
+        reaper = _reap_when_done(workdir, survivors, 60) if kind == "stop" else None
+        try:
+            results = launch(_rank_in_fault, WORLD_SIZE, args=(kind, workdir, 2),
+                             transport=transport, timeout=90, group_timeout=group_timeout_s)
+        except (RankFailedError, LaunchTimeoutError) as exc:
+            results = getattr(exc, "results", None) or [None] * WORLD_SIZE
+        if reaper is not None:
+            reaper.join()
+        with open(os.path.join(workdir, "fault")) as f:
+            fault_at, culprit_pid = f.read().split()
+        fault_at = float(fault_at)
+    wall = time.monotonic() - started
+    detect, errors, named, hung, wrong = {}, {}, {}, [], 0
+    for r in survivors:
+        info = results[r] or {}
+        wrong += info.get("wrong", 0)
+        if "t_error" not in info:
+            hung.append(r)
+            continue
+        detect[r] = info["t_error"] - fault_at
+        errors[r] = info["error"]
+        named[r] = _first_rank_named(info["error"], r)
+    pids = [int(culprit_pid)] + [res["pid"] for res in results if res]
+    leftovers = _leftovers((results[0] or {}).get("artifacts"), pids)
+    leftovers["processes"] += [str(p) for p in _child_pids()]
+    return Figures(kind, CULPRIT, detect, errors, named, hung, wrong, leftovers, wall)
+
+
+def run_strangers(silent: int = 2, crowd: int = 200, rounds: int = 10,
+                  transport: str = "tcp") -> Figures:
+    """Strangers that connect and never speak, and a crowd of store clients,
+    while the ranks work; every result checked."""
+    started = time.monotonic()
+    results = launch(_rank_among_strangers, WORLD_SIZE, args=(silent, crowd, rounds),
+                     transport=transport, timeout=90, group_timeout=30)
+    wall = time.monotonic() - started
+    info = results[0]
+    leftovers = _leftovers(info["artifacts"], [r["pid"] for r in results])
+    leftovers["processes"] += [str(p) for p in _child_pids()]
+    notes = {"crowd_count": info["crowd_count"], "strangers_s": info["strangers_s"],
+             "collectives_s": max(r["collectives_s"] for r in results)}
+    return Figures(f"{silent} silent connections to the store and each {transport} endpoint, "
+                   f"{crowd} store clients at once", None, {}, {}, {}, [],
+                   sum(r["wrong"] for r in results), leftovers, wall, notes)
+
+
+def soak(world_size: int = 2, n_async: int = 1000, n_sequential: int = 10_000,
+         threads: int = 8) -> Figures:
+    """1,000 async allreduces on ``threads`` worker threads, then 10,000 small
+    ones back to back, on process ranks; RSS (bytes) per rank before/after."""
+    started = time.monotonic()
+    results = launch(_rank_soak, world_size, args=(n_async, n_sequential), threads=threads,
+                     timeout=300, group_timeout=60)
+    notes = {"rss": [r["rss"] for r in results],
+             "async_s": max(r["async_s"] for r in results),
+             "sequential_s": max(r["sequential_s"] for r in results)}
+    return Figures(f"soak {n_async} async on {threads} threads + {n_sequential} sequential",
+                   None, {}, {}, {}, [], sum(r["wrong"] for r in results),
+                   {"processes": [str(p) for p in _child_pids()]},
+                   time.monotonic() - started, notes)
+
+
+SCENARIOS = ("kill", "stop", "early")
+
+
+def format_table(figures: list[Figures]) -> str:
+    rows = ["| scenario | detection (s, per survivor) | message (first survivor) | "
+            "names the culprit | leftovers |", "|---|---|---|---|---|"]
+    for f in figures:
+        detect = ", ".join(f"r{r} {t:.2f}" for r, t in sorted(f.detect_s.items())) or "—"
+        if f.hung:
+            detect += f"; ranks {f.hung} never raised"
+        first = min(f.errors) if f.errors else None
+        message = f.errors[first].splitlines()[0][:160] if first is not None else \
+            ", ".join(f"{k} {_fmt(v)}" for k, v in f.notes.items())
+        culprit = "—" if f.culprit is None else ", ".join(
+            f"r{r}{'✓' if n == f.culprit else f'→{n}'}" for r, n in sorted(f.named.items()))
+        left = "; ".join(f"{k}: {len(v)}" for k, v in f.leftovers.items() if v) or "none"
+        wrong = f" ({f.wrong_results} wrong results)" if f.wrong_results else ""
+        rows.append(f"| {f.scenario}{wrong} | {detect} | {message} | {culprit} | {left} |")
+    return "\n".join(rows)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}s"
+    if isinstance(v, list) and v and isinstance(v[0], list):  # rss per rank
+        return "; ".join("→".join(f"{b / 2**20:.0f}MiB" for b in rank) for rank in v)
+    return str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the fault table (takes a minute or so)."""
+    figures = [run_scenario(kind) for kind in SCENARIOS]
+    figures += [run_strangers(silent=0, crowd=0, transport="tcp"),  # the baseline
+                run_strangers(transport="tcp"), run_strangers(transport="ipc"), soak()]
+    print(format_table(figures))
+    for f in figures:
+        for r, e in sorted(f.errors.items()):
+            print(f"\n[{f.scenario}] rank {r}: {e}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

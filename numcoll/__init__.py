@@ -81,7 +81,7 @@ from . import flight_recorder
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
                      NumcollError, PeerError)
 from .futures import Future
-from .launch import RankFailedError, launch
+from .launch import LaunchError, LaunchTimeoutError, RankFailedError, launch
 from .objects import (
     all_gather_object,
     broadcast_object_list,
@@ -121,6 +121,7 @@ __all__ = [
     # groups, work, futures, errors
     "ProcessGroup", "Work", "Future", "futures", "NumcollError", "CollectiveTimeoutError",
     "PeerError", "GroupPoisonedError", "RankFailedError", "CollectiveMismatchError",
+    "LaunchError", "LaunchTimeoutError",
     # diagnostics
     "flight_recorder",
     # module-level API

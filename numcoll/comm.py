@@ -63,6 +63,11 @@ class Pending:
         return self.request.source
 
 
+# After a timeout, how long to wait for the awaited peer's abort note (which
+# names the rank it was stuck on); only a failing collective pays it.
+_STALL_NOTE_WAIT_S = 1.0
+
+
 def abort_note(culprit: int, reason: str) -> bytes:
     """What an aborting rank publishes in the store: the rank that caused the
     failure (itself, or the peer it lost) and why, for its peers' errors."""
@@ -89,7 +94,8 @@ class Comm:
     """
 
     def __init__(self, transport, seq: int, call: Call,
-                 peer_note: Callable[[int], bytes | None] | None = None, record=None):
+                 peer_note: Callable[[int], bytes | None] | None = None, record=None,
+                 stall_note: Callable[[int, str], None] | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
@@ -100,6 +106,10 @@ class Comm:
         self.deadline = time.monotonic() + call.timeout_s
         self.stamp = call.stamp()
         self._peer_note = peer_note
+        self._stall_note = stall_note  # publishes "this rank is stuck waiting for peer"
+        #: Whether a timeout looks for the rank the peer was stuck on (a monitored
+        #: barrier's timeouts are its answer, not a failure to explain).
+        self.follow_stalls = True
         self._record = record  # the flight recorder's entry: waiting_for is kept current
 
     # -- posting ----------------------------------------------------------------
@@ -152,6 +162,36 @@ class Comm:
         self.wait(s)
         return data
 
+    def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None]:
+        """After a timeout on ``peer``: the stalled rank at the end of the chain
+        of ranks waiting for each other, if it is not ``peer`` itself.
+
+        Every rank whose wait times out first says whom it waited for (its
+        abort note), then follows the others' notes: rank 2 waited for 1, 1
+        for 0, 0 for 3, and 3 says nothing -- it is the one that stalled.
+        Deadlines along such a chain pass at about the same moment, so a note
+        is given :data:`_STALL_NOTE_WAIT_S` to appear.
+        """
+        if self._peer_note is None or peer is None or not self.follow_stalls:
+            return None, None
+        if self._stall_note is not None:
+            self._stall_note(peer, f"{self.op_name} (collective #{self.seq}) on rank "
+                                   f"{self.rank} timed out waiting for rank {peer}")
+        current, seen, reason = peer, {self.rank}, None
+        give_up = time.monotonic() + _STALL_NOTE_WAIT_S
+        while True:
+            culprit, why = _read_note(self._peer_note(current))
+            if culprit is None:
+                if time.monotonic() >= give_up:
+                    break  # ``current`` never said whom it waited for: it stalled
+                time.sleep(0.02)
+                continue
+            if culprit in seen or culprit == current:
+                break
+            seen.add(current)
+            current, reason = culprit, why
+        return (current, reason) if current != peer else (None, None)
+
     # -- the one place transport errors become numcoll errors ---------------------
     def _translate(self, exc: TransportError, peer: int | None, what: str) -> NumcollError:
         where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
@@ -167,6 +207,16 @@ class Comm:
                 "element count, op and root", peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
+            culprit, reason = self._stall_behind(peer)
+            if culprit is not None:
+                # The peer timed out too, waiting for someone further along: name
+                # the rank at the end of that chain, as the peer's note does.
+                err = CollectiveTimeoutError(
+                    f"Timed out waiting {ms}ms for {where}: rank {culprit} stalled, and rank "
+                    f"{peer}, which this rank waited for ({what} {direction} rank {peer}), "
+                    f"timed out waiting for it: {reason}", peer=culprit)
+                err.root_reason = reason
+                return err
             return CollectiveTimeoutError(
                 f"Timed out waiting {ms}ms for {where}: {what} {direction} rank {peer} "
                 f"did not complete (the peer may not have called {self.op_name}, "
@@ -176,8 +226,8 @@ class Comm:
             culprit, reason = _read_note(note)
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.
-                err = PeerError(f"{where}: rank {culprit} failed, and rank {peer} aborted the "
-                                f"group because of it: {reason}", peer=culprit)
+                err = PeerError(f"{where}: rank {culprit} left or failed, and rank {peer} "
+                                f"aborted the group because of it: {reason}", peer=culprit)
                 err.root_reason = reason  # passed on as it is if this rank aborts too
                 return err
             why = f"; rank {peer} had aborted the group: {reason}" if reason else ""

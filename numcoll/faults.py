@@ -68,7 +68,8 @@ def _artifacts() -> dict[str, list[str]]:
     """The files the default group made: ipc socket paths and shared-memory slabs."""
     store, size = _store_client(), dist.get_world_size()
     try:
-        addrs = [store.get(f"{_GROUP_KEYS}/addr/{r}").decode() for r in range(size)]
+        # Each rank publishes "endpoint nonce mode": the endpoint is the first word.
+        addrs = [store.get(f"{_GROUP_KEYS}/addr/{r}").decode().split()[0] for r in range(size)]
         slabs = []
         for r in range(size):
             for p in range(size):
@@ -162,7 +163,8 @@ def _silent_connection(endpoint: str) -> socket.socket:
     scheme, _, where = endpoint.partition("://")
     if scheme == "ipc":
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(where)
+        # ZeroMQ spells a Linux abstract socket "@name"; the kernel, "\0name".
+        s.connect("\0" + where[1:] if where.startswith("@") else where)
     else:
         host, port = where.rsplit(":", 1)
         s = socket.create_connection((host, int(port)), timeout=5)

@@ -302,10 +302,7 @@ def _abort_groups(worlds, reason: str) -> None:
     for world in worlds:
         for pg in list(getattr(world, "groups", {}) or {}):
             try:
-                if hasattr(pg, "abort"):
-                    pg.abort(reason)
-                else:  # the rank aborts on its own behalf: no peer is to blame
-                    pg._abort(reason, pg.rank())
+                pg.abort(reason)
             except Exception:  # noqa: BLE001 - best effort; the threads are daemons
                 pass
 

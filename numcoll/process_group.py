@@ -242,7 +242,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if record is not None:
                 self._recorder.started(record)
             comm = Comm(self._transport, work.seq, work.call, peer_note=self._abort_reason,
-                        record=record)
+                        record=record, stall_note=self._publish_stall)
             result = run(comm, work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
             exc = self._fail(work, exc)
@@ -297,8 +297,15 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 pass
 
     def _abort(self, reason: str, culprit: int) -> None:
-        note = abort_note(culprit, reason)
+        self._publish_note(abort_note(culprit, reason))
+        self._transport.close()
 
+    def _publish_stall(self, peer: int, reason: str) -> None:
+        """Say, before aborting, that this rank timed out waiting for ``peer``
+        (see :meth:`numcoll.comm.Comm._stall_behind`); the abort note replaces it."""
+        self._publish_note(abort_note(peer, reason))
+
+    def _publish_note(self, note: bytes) -> None:
         def publish():
             try:
                 self._store.set(f"abort/{self._rank}", note)
@@ -310,7 +317,6 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                                   daemon=True)
         writer.start()
         writer.join(_ABORT_PUBLISH_S)
-        self._transport.close()
 
     def _abort_reason(self, peer: int) -> bytes | None:
         """What ``peer`` published when it aborted the group (see
@@ -332,6 +338,16 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         return found[0] if found else None
 
     # -- lifecycle ---------------------------------------------------------------
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Abort the group now (torch: ``ProcessGroup.abort``): poison it, tell
+        the peers why, and fail pending work; peers blocked on this rank fail
+        at once naming it. ``shutdown()`` still releases the threads."""
+        with self._lock:
+            if self._closed or self._poisoned is not None:
+                return
+            self._poisoned = f"rank {self._rank} aborted the group: {reason}"
+        self._abort(self._poisoned, self._rank)
+
     def shutdown(self) -> None:
         """Finish queued work (bounded), then close the transport and join the
         worker threads. Leaves no thread, socket or file behind. Idempotent."""

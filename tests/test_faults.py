@@ -75,7 +75,6 @@ def test_the_neighbour_of_a_stalled_rank_names_it(stopped):
     assert stopped.named[0] == stopped.culprit, stopped.errors[0]  # rank 0 receives from 3
 
 
-@pytest.mark.xfail(strict=False, reason=STALL_NAMING)
 def test_every_survivor_names_the_stalled_rank_first(stopped):
     assert all(n == stopped.culprit for n in stopped.named.values()), stopped.errors
 
@@ -91,8 +90,6 @@ def test_a_rank_that_returns_early_leaves_no_files(early):
     assert early.leftovers["files"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="a SIGKILLed rank leaves its ipc socket directory "
-                                       "(transports/zmq_transport.py; issue 9 item 3)")
 @pytest.mark.parametrize("scenario", ["killed", "stopped"])
 def test_a_sigkilled_rank_leaves_no_files(scenario, request):
     assert request.getfixturevalue(scenario).leftovers["files"] == []

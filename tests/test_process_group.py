@@ -263,3 +263,19 @@ def test_shutdown_returns_promptly_while_a_peer_stalls(no_leaked_threads):
     with pytest.raises(nc.NumcollError):
         work.wait()
     pgs[1].shutdown()
+
+
+def test_abort_fails_the_peers_at_once_naming_this_rank(no_leaked_threads):
+    pgs = groups(2, timeout=timedelta(minutes=5))
+    try:
+        work = pgs[1].allreduce(np.ones(4))  # waits for rank 0
+        start = time.monotonic()
+        pgs[0].abort("giving up")
+        with pytest.raises(nc.PeerError, match="rank 0") as info:
+            work.wait()
+        assert info.value.peer == 0 and time.monotonic() - start < 3
+        with pytest.raises(nc.GroupPoisonedError, match="giving up"):
+            pgs[0].allreduce(np.ones(4))
+    finally:
+        for pg in pgs:
+            pg.shutdown()

@@ -14,6 +14,7 @@ import threading
 import warnings
 from datetime import timedelta
 
+from .logs import get_logger
 from .process_group import ProcessGroup
 
 __all__ = [
@@ -36,6 +37,7 @@ class _World:
         self.local_counts: dict[tuple, int] = {}
 
 
+_log = get_logger()
 _process_world = _World()
 _thread_state = threading.local()
 
@@ -202,6 +204,8 @@ def _make_group(ranks: list[int], timeout, name: str) -> ProcessGroup:
                                 group_name=f"{default.options.group_name}/{name}")
     pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts)
     world.groups[pg] = ranks
+    _log.debug("group %s ready: global ranks %s, this rank is %d in it", opts.group_name,
+               ranks, pg.rank())
     return pg
 
 

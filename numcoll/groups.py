@@ -309,31 +309,34 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list | None 
                 backend=None) -> ProcessGroup | None:
     """Split ``parent_pg`` (default: the default group) into disjoint groups.
 
-    ``split_ranks`` is a list of lists of global ranks. Every rank of the
-    parent calls it; each rank joins only the group listing it and gets it
-    back, or None if no list names it.
+    ``split_ranks`` is a list of lists of ranks *of the parent group* (as in
+    torch). Every rank of the parent calls it; each rank joins only the group
+    listing it and gets it back, or None if no list names it.
     """
     world = _world()
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    if not all(isinstance(s, (list, tuple)) for s in split_ranks):
+        raise ValueError("split_ranks must be a list of lists of ranks")
     parent = parent_pg if parent_pg is not None else get_default_group()
     _check_group(parent)
-    if parent is GroupMember.NON_GROUP_MEMBER:
-        return None
-    if parent not in world.groups:
+    if parent is GroupMember.NON_GROUP_MEMBER or parent not in world.groups:
         raise ValueError(f"Group {parent} is not registered")
-    if not split_ranks or not all(isinstance(s, (list, tuple)) for s in split_ranks):
-        raise ValueError("split_ranks must be a non-empty list of lists of ranks")
     _check_timeout(timeout, "split_group")
     parent_ranks = world.groups[parent]
     seen: set[int] = set()
+    splits = []
     for ranks in split_ranks:
-        _check_ranks(ranks, get_default_group().size(), "split_group")
-        if seen.intersection(ranks) or not set(ranks) <= set(parent_ranks):
-            raise ValueError(f"split_group: split_ranks {split_ranks} must be disjoint lists "
-                             f"of ranks of the parent group {parent_ranks}")
+        ranks = _check_ranks(ranks, len(parent_ranks), "split_group")
+        if seen.intersection(ranks):
+            raise ValueError(f"split_group: the splits {split_ranks} overlap")
         seen.update(ranks)
-    world.group_count += 1
+        splits.append(sorted(parent_ranks[g] for g in ranks))
+    # Only the parent's members call: count splits per parent, not globally.
+    key = ("split", parent.options.group_name)
+    n = world.local_counts[key] = world.local_counts.get(key, 0) + 1
     me = get_default_group().rank()
-    for i, ranks in enumerate(split_ranks):
+    for i, ranks in enumerate(splits):
         if me in ranks:
-            return _make_group(sorted(ranks), timeout, f"split{world.group_count}.{i}")
+            return _make_group(ranks, timeout, f"split({parent.options.group_name})#{n}.{i}")
     return None

@@ -186,3 +186,23 @@ def test_numpy_integer_ranks_and_tags_are_ints():
         return x[0]
 
     assert _run(body, 2) == [1.0, 1.0]
+
+
+def test_split_group_takes_ranks_of_the_parent():
+    def body():
+        r = nc.get_rank()
+        parent = nc.new_group([1, 2, 3])
+        if parent is nc.GroupMember.NON_GROUP_MEMBER:
+            with pytest.raises(ValueError, match="not registered"):
+                nc.split_group(parent, [[0], [1, 2]])
+            return None
+        child = nc.split_group(parent, [[1, 2]])      # parent ranks 1, 2: global 2, 3
+        if r == 1:
+            assert child is None
+            return None
+        assert nc.get_process_group_ranks(child) == [2, 3]
+        x = np.array([r])
+        nc.all_reduce(x, group=child)
+        return int(x[0])
+
+    assert _run(body) == [None, None, 5, 5]

@@ -90,8 +90,9 @@ def test_groups_and_rank_translation():
             assert split is None
         else:
             assert nc.get_process_group_ranks(split) == ([0, 2] if r != 1 else [1])
-        with pytest.raises(ValueError, match="not registered"):
-            nc.get_process_group_ranks(nc.ProcessGroup(nc.HashStore(), 0, 1))
+        with nc.ProcessGroup(nc.HashStore(), 0, 1) as stranger:
+            with pytest.raises(ValueError, match="not registered"):
+                nc.get_process_group_ranks(stranger)
         with pytest.raises(TypeError, match="unexpected keyword"):
             nc.new_group([0, 1], bogus=True)
         before = nc.get_default_group().sequence_number()

@@ -39,6 +39,7 @@ from .groups import (
     new_subgroups_by_enumeration,
     split_group,
 )
+from .arrays import as_array
 from .init_methods import rendezvous
 from .launcher_env import local_host_for
 from .logs import get_logger, set_rank
@@ -59,7 +60,8 @@ __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
     "is_initialized", "is_available", "is_gloo_available", "is_nccl_available",
     "is_mpi_available", "is_torchelastic_launched", "is_backend_available", "supports_complex",
-    "get_pg_count", "all_gather_single", "reduce_scatter_single", "get_backend", "get_rank",
+    "get_pg_count", "all_gather_single", "reduce_scatter_single", "gather_single",
+    "gather_into_tensor", "set_timeout", "get_backend", "get_rank",
     "get_world_size", "get_node_local_rank", "new_group", "new_subgroups",
     "new_subgroups_by_enumeration", "split_group", "get_default_group", "get_group_rank",
     "get_global_rank", "get_process_group_ranks", "P2POp", "batch_isend_irecv",
@@ -403,6 +405,50 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
                          "ranks.")
     outputs = [gather_list] if pg.rank() == root else []
     return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
+
+
+def gather_single(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
+                  group_dst=None):
+    """Every rank's ``tensor``, in rank order, into the one (contiguous)
+    ``gather_tensor`` on global rank ``dst`` (default 0); ``gather_tensor``
+    holds world size times ``tensor``'s elements, flat or stacked."""
+    pg = _resolve(group, "gather_single")
+    if pg is None:
+        return None
+    root = _peer(pg, dst, group_dst, "dst", default=0)
+    outputs = []
+    if pg.rank() == root:
+        if gather_tensor is None:
+            raise ValueError("gather_tensor must be specified on the destination rank")
+        _same_dtype(tensor, gather_tensor)
+        flat, part = as_array(gather_tensor, "gather_single"), as_array(tensor, "gather_single")
+        if not flat.flags.c_contiguous:
+            raise ValueError("gather_single: gather_tensor must be contiguous")
+        if flat.size != part.size * pg.size():
+            raise ValueError(f"gather_single: gather_tensor has {flat.size} elements; it must "
+                             f"hold world size ({pg.size()}) times the input's {part.size}")
+        flat = flat.reshape(-1)
+        outputs = [[flat[r * part.size:(r + 1) * part.size].reshape(part.shape)
+                    for r in range(pg.size())]]
+    return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
+
+
+def gather_into_tensor(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
+                       group_dst=None):
+    """torch's other name of :func:`gather_single`."""
+    return gather_single(tensor, gather_tensor, dst, group, async_op, group_dst)
+
+
+def set_timeout(timeout: timedelta, group: ProcessGroup | None = None) -> None:
+    """Set the default deadline of later collectives on ``group`` (default: the
+    default group)."""
+    _check_timeout(timeout, "set_timeout")
+    if timeout is None:
+        raise TypeError("set_timeout: timeout must be a datetime.timedelta, got None")
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    pg.set_timeout(timeout)
 
 
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):

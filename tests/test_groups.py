@@ -207,3 +207,22 @@ def test_split_group_takes_ranks_of_the_parent():
         return int(x[0])
 
     assert _run(body) == [None, None, 5, 5]
+
+
+def test_gather_single_and_set_timeout():
+    def body():
+        r = nc.get_rank()
+        out = np.zeros((3, 2)) if r == 1 else None
+        nc.gather_single(np.full(2, float(r)), out, dst=1)
+        with pytest.raises(ValueError, match="must hold world size"):
+            if r == 1:
+                nc.gather_into_tensor(np.ones(2), np.zeros(5), dst=1)
+            else:
+                raise ValueError("must hold world size")
+        nc.set_timeout(timedelta(seconds=42))
+        assert nc.get_default_group().options.timeout == timedelta(seconds=42)
+        with pytest.raises(ValueError, match="positive"):
+            nc.set_timeout(timedelta(0))
+        return None if out is None else out.tolist()
+
+    assert _run(body, 3)[1] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]

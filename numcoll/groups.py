@@ -177,6 +177,24 @@ def _group_rank(pg: ProcessGroup, global_rank, what: str) -> int:
         raise ValueError(f"{what} rank {global_rank} is not part of the group {ranks}") from None
 
 
+def _peer(pg: ProcessGroup, rank, group_rank, what: str, default=None) -> int:
+    """A global rank (``src``/``dst``/``peer``) or a group rank (``group_src``...)
+    as a rank of ``pg``; both given is an error, as in torch."""
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError("Can't specify both group_rank and global_rank")
+        return _check_rank_arg(group_rank, f"group_{what}")
+    if rank is None:
+        if default is None:
+            raise ValueError("Must specify global_rank or group_rank")
+        rank = default
+    return _group_rank(pg, rank, what)
+
+
+def _tag(tag) -> int:
+    return _check_rank_arg(tag, "tag")
+
+
 def _check_timeout(timeout, what: str) -> None:
     if timeout is None:
         return

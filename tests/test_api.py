@@ -21,7 +21,7 @@ def test_all_is_complete_and_importable():
     modules = {"algorithms", "arrays", "buffers", "collectives", "comm", "config", "distributed",
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
                "reduction", "init_methods", "store", "tcpstore", "work", "demo", "cuda_arrays", "bench",
-               "cuda", "groups", "objects", "logs", "launcher_env", "run", "torch_store"}
+               "cuda", "groups", "objects", "logs", "launcher_env", "run", "torch_store", "backend", "point_to_point"}
     assert public - set(nc.__all__) <= modules
 
 

@@ -8,8 +8,11 @@ otherwise it waits and returns None (``recv`` returns the sender's rank).
 The checks made here, before the process group sees the call, keep torch's
 words (``tensors with different dtypes``, ``Invalid function argument``).
 
-Group bookkeeping (``new_group``, rank translation) is in
-:mod:`numcoll.groups`; the object collectives in :mod:`numcoll.objects`.
+This module holds init/destroy and the collectives, and re-exports the rest
+of the API: group bookkeeping and rank translation (:mod:`numcoll.groups`),
+sends, receives and their batches (:mod:`numcoll.point_to_point`), backend
+queries (:mod:`numcoll.backend`); the object collectives are in
+:mod:`numcoll.objects`.
 """
 
 from __future__ import annotations

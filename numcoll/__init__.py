@@ -34,6 +34,8 @@ from .distributed import (
     broadcast,
     destroy_process_group,
     gather,
+    gather_into_tensor,
+    gather_single,
     get_backend,
     get_default_group,
     get_global_rank,
@@ -65,6 +67,7 @@ from .distributed import (
     reduce_scatter_tensor,
     scatter,
     send,
+    set_timeout,
     split_group,
     supports_complex,
 )
@@ -138,7 +141,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather_coalesced", "gather", "scatter", "reduce_scatter",
     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "monitored_barrier", "send", "recv", "isend", "irecv", "all_gather_single",
-    "reduce_scatter_single",
+    "reduce_scatter_single", "gather_single", "gather_into_tensor", "set_timeout",
     # data parallelism and sparse arrays
     "DEFAULT_FIRST_BUCKET_BYTES", "compute_bucket_assignment_by_size", "broadcast_coalesced",
     "Reducer", "GradBucket", "hooks", "SparseCOO",

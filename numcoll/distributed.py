@@ -8,8 +8,11 @@ otherwise it waits and returns None (``recv`` returns the sender's rank).
 The checks made here, before the process group sees the call, keep torch's
 words (``tensors with different dtypes``, ``Invalid function argument``).
 
-Group bookkeeping (``new_group``, rank translation) is in
-:mod:`numcoll.groups`; the object collectives in :mod:`numcoll.objects`.
+This module holds init/destroy and the collectives, and re-exports the rest
+of the API: group bookkeeping and rank translation (:mod:`numcoll.groups`),
+sends, receives and their batches (:mod:`numcoll.point_to_point`), backend
+queries (:mod:`numcoll.backend`); the object collectives are in
+:mod:`numcoll.objects`.
 """
 
 from __future__ import annotations
@@ -18,13 +21,29 @@ import os
 import warnings
 from datetime import timedelta
 
-from .groups import (
+from .arrays import as_array
+from .backend import (  # noqa: F401 - the module API re-exports them
+    BACKENDS,
+    Backend,
+    _make_nccl_premul_sum,
+    get_backend,
+    get_node_local_rank,
+    get_pg_count,
+    is_available,
+    is_backend_available,
+    is_gloo_available,
+    is_mpi_available,
+    is_nccl_available,
+    is_torchelastic_launched,
+    supports_complex,
+)
+from .groups import (  # noqa: F401 - the module API re-exports them
     GroupMember,
     _check_group,
     _check_rank_arg,
     _check_timeout,
     _drop_thread_world,  # noqa: F401 - used by launch
-    _group_rank,
+    _peer,
     _process_world,
     _resolve,
     _use_thread_world,  # noqa: F401 - used by launch
@@ -53,13 +72,22 @@ from .options import (
     ReduceScatterOptions,
     ScatterOptions,
 )
+from .point_to_point import (  # noqa: F401 - the module API re-exports them
+    P2POp,
+    batch_isend_irecv,
+    irecv,
+    isend,
+    recv,
+    send,
+)
 from .process_group import ProcessGroup
 
 __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
     "is_initialized", "is_available", "is_gloo_available", "is_nccl_available",
     "is_mpi_available", "is_torchelastic_launched", "is_backend_available", "supports_complex",
-    "get_pg_count", "all_gather_single", "reduce_scatter_single", "get_backend", "get_rank",
+    "get_pg_count", "all_gather_single", "reduce_scatter_single", "gather_single",
+    "gather_into_tensor", "set_timeout", "get_backend", "get_rank",
     "get_world_size", "get_node_local_rank", "new_group", "new_subgroups",
     "new_subgroups_by_enumeration", "split_group", "get_default_group", "get_group_rank",
     "get_global_rank", "get_process_group_ranks", "P2POp", "batch_isend_irecv",
@@ -70,75 +98,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-_BACKENDS = ("gloo", "numcoll", "cpu:gloo")
 _log = get_logger()
-
-
-class Backend(str):
-    """Backend names, as ``torch.distributed.Backend``: numcoll is gloo."""
-
-    GLOO = "gloo"
-    NUMCOLL = "numcoll"
-    UNDEFINED = "undefined"
-
-    def __new__(cls, name: str):
-        if not isinstance(name, str) or name.lower() not in _BACKENDS:
-            raise ValueError(f"Backend {name!r} is not supported by numcoll (it implements "
-                             "gloo's collectives: use 'gloo' or 'numcoll')")
-        return super().__new__(cls, name.lower())
-
-
-def is_available() -> bool:
-    """Always True: numcoll needs nothing beyond its dependencies."""
-    return True
-
-
-def is_gloo_available() -> bool:
-    """True: numcoll is a gloo backend."""
-    return True
-
-
-def is_nccl_available() -> bool:
-    """False: numcoll has no NCCL backend."""
-    return False
-
-
-def is_mpi_available() -> bool:
-    """False: numcoll has no MPI backend (it does run under mpirun)."""
-    return False
-
-
-def is_backend_available(backend: str) -> bool:
-    """Whether ``backend`` can be used here: "gloo" and "numcoll" can."""
-    return isinstance(backend, str) and backend.lower() in _BACKENDS
-
-
-def supports_complex(reduceOp: ReduceOp) -> bool:  # noqa: N803 - torch's name
-    """Whether ``reduceOp`` takes complex arrays (MIN/MAX and bitwise ops do not;
-    unlike gloo, numcoll's PRODUCT does)."""
-    return reduceOp not in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
-                            ReduceOp.BXOR)
-
-
-def get_pg_count() -> int:
-    """How many process groups this process made (the default group included)."""
-    world = _world()
-    return (world.pg is not None) + world.group_count + sum(world.local_counts.values())
-
-
-def is_torchelastic_launched() -> bool:
-    """Whether torchrun (or ``numcoll run``) started this process."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
-
-
-def get_node_local_rank(fallback_rank: int | None = None) -> int:
-    """``LOCAL_RANK`` from the launcher, else ``fallback_rank``."""
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    if fallback_rank is not None:
-        return int(fallback_rank)
-    raise RuntimeError("LOCAL_RANK is not in the environment. Consider passing fallback_rank "
-                       "to allow `get_node_local_rank` to work.")
 
 
 def init_process_group(backend: str | None = None, init_method: str | None = None,
@@ -175,7 +135,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                       stacklevel=2)
         backend, init_method = None, backend
     if backend is not None and (not isinstance(backend, str)
-                                or backend.lower() not in _BACKENDS):
+                                or backend.lower() not in BACKENDS):
         raise ValueError(f"init_process_group: unsupported backend {backend!r} "
                          "(numcoll implements gloo's collectives: use 'gloo' or 'numcoll')")
     if init_method is not None and store is not None:
@@ -248,15 +208,6 @@ def is_initialized() -> bool:
     return _world().pg is not None
 
 
-def get_backend(group: ProcessGroup | None = None) -> str:
-    """The backend's name: "gloo" (or "numcoll" if the group was made with it)."""
-    _check_group(group)
-    if group is GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("Invalid process group specified")
-    get_default_group()
-    return _world().backend
-
-
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (-1 if it is not a member)."""
     pg = _resolve(group)
@@ -304,10 +255,6 @@ def _tensor_list(param, name: str) -> list:
         raise TypeError(f"Invalid function argument. Expected parameter `{name}` of type "
                         f"List[array] but got {got} instead.")
     return list(param)
-
-
-def _tag(tag) -> int:
-    return _check_rank_arg(tag, "tag")
 
 
 # -- collectives ---------------------------------------------------------------------
@@ -405,6 +352,50 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
     return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
 
 
+def gather_single(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
+                  group_dst=None):
+    """Every rank's ``tensor``, in rank order, into the one (contiguous)
+    ``gather_tensor`` on global rank ``dst`` (default 0); ``gather_tensor``
+    holds world size times ``tensor``'s elements, flat or stacked."""
+    pg = _resolve(group, "gather_single")
+    if pg is None:
+        return None
+    root = _peer(pg, dst, group_dst, "dst", default=0)
+    outputs = []
+    if pg.rank() == root:
+        if gather_tensor is None:
+            raise ValueError("gather_tensor must be specified on the destination rank")
+        _same_dtype(tensor, gather_tensor)
+        flat, part = as_array(gather_tensor, "gather_single"), as_array(tensor, "gather_single")
+        if not flat.flags.c_contiguous:
+            raise ValueError("gather_single: gather_tensor must be contiguous")
+        if flat.size != part.size * pg.size():
+            raise ValueError(f"gather_single: gather_tensor has {flat.size} elements; it must "
+                             f"hold world size ({pg.size()}) times the input's {part.size}")
+        flat = flat.reshape(-1)
+        outputs = [[flat[r * part.size:(r + 1) * part.size].reshape(part.shape)
+                    for r in range(pg.size())]]
+    return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
+
+
+def gather_into_tensor(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
+                       group_dst=None):
+    """torch's other name of :func:`gather_single`."""
+    return gather_single(tensor, gather_tensor, dst, group, async_op, group_dst)
+
+
+def set_timeout(timeout: timedelta, group: ProcessGroup | None = None) -> None:
+    """Set the default deadline of later collectives on ``group`` (default: the
+    default group)."""
+    _check_timeout(timeout, "set_timeout")
+    if timeout is None:
+        raise TypeError("set_timeout: timeout must be a datetime.timedelta, got None")
+    pg = _resolve(group)
+    if pg is None:
+        raise ValueError("Invalid process group specified")
+    pg.set_timeout(timeout)
+
+
 def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
     """``scatter_list[r]`` of global rank ``src`` (default 0) into ``tensor`` on rank r."""
     pg = _resolve(group, "scatter")
@@ -492,114 +483,3 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     _check_timeout(timeout, "monitored_barrier")
     pg.monitored_barrier(timeout, wait_all_ranks).wait()
     return None
-
-
-def _peer(pg: ProcessGroup, rank, group_rank, what: str, default=None) -> int:
-    """A global rank (``src``/``dst``/``peer``) or a group rank (``group_src``...)
-    as a rank of ``pg``; both given is an error, as in torch."""
-    if group_rank is not None:
-        if rank is not None:
-            raise ValueError("Can't specify both group_rank and global_rank")
-        return _check_rank_arg(group_rank, f"group_{what}")
-    if rank is None:
-        if default is None:
-            raise ValueError("Must specify global_rank or group_rank")
-        rank = default
-    return _group_rank(pg, rank, what)
-
-
-def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    """Send ``tensor`` to global rank ``dst``; returns the Work."""
-    pg = _resolve(group, "isend")
-    if pg is None:
-        return None
-    return pg.send([tensor], _peer(pg, dst, group_dst, "dst"), _tag(tag))
-
-
-def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    """Receive into ``tensor`` from global rank ``src`` (any rank if None); returns the Work."""
-    pg = _resolve(group, "irecv")
-    if pg is None:
-        return None
-    if src is None and group_src is None:
-        return pg.recv_anysource([tensor], _tag(tag))
-    return pg.recv([tensor], _peer(pg, src, group_src, "src"), _tag(tag))
-
-
-def send(tensor, dst=None, group=None, tag=0, group_dst=None) -> None:
-    """Send ``tensor`` to global rank ``dst`` and wait until it is out."""
-    work = isend(tensor, dst, group, tag, group_dst)
-    if work is not None:
-        work.wait()
-
-
-def recv(tensor, src=None, group=None, tag=0, group_src=None) -> int:
-    """Receive into ``tensor``; returns the sender's (global) rank (-1 off-group)."""
-    pg = _resolve(group, "recv")
-    if pg is None:
-        return -1
-    work = irecv(tensor, src, pg, tag, group_src)
-    work.wait()
-    ranks = _world().groups.get(pg)
-    source = work.source_rank()
-    return ranks[source] if ranks else source
-
-
-# -- batched point-to-point ---------------------------------------------------------------
-class P2POp:
-    """One send or receive for :func:`batch_isend_irecv` (torch's class).
-
-    ``op`` is :func:`isend` or :func:`irecv`; ``peer`` a global rank (or
-    ``group_peer`` a rank of ``group``); ``tag`` matches sends with receives.
-    """
-
-    def __init__(self, op, tensor, peer: int | None = None, group=None, tag: int = 0,
-                 group_peer: int | None = None):
-        if op not in (isend, irecv):
-            raise ValueError("Invalid ``op``. Expected ``op`` to be of type "
-                             "``numcoll.isend`` or ``numcoll.irecv``.")
-        self.op = op
-        self.tensor = tensor
-        self.group = group if group is not None else get_default_group()
-        _check_group(self.group)
-        if group_peer is not None:
-            if peer is not None:
-                raise ValueError("Can't specify both group_rank and global_rank")
-            peer = get_global_rank(self.group, group_peer)
-        if peer is None:
-            raise ValueError("Must specify global_rank or group_rank")
-        self.peer = _check_rank_arg(peer, "peer")
-        self.tag = _tag(tag)
-
-    def __repr__(self):
-        return (f"P2POp({self.op.__name__} peer={self.peer}, tag={self.tag}, "
-                f"{getattr(self.tensor, 'shape', '?')}, {getattr(self.tensor, 'dtype', '?')})")
-
-
-def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list:
-    """Start every send and receive of ``p2p_op_list``; returns their Works, in
-    the list's order.
-
-    The sends are queued before the receives (each kind keeping its order, so
-    matching by (peer, tag) is unchanged): a receive holds a worker thread
-    while it waits, and receives queued ahead of sends could take every
-    worker and leave two ranks waiting on each other's sends.
-    """
-    if not isinstance(p2p_op_list, list) or not p2p_op_list or \
-            not all(isinstance(p, P2POp) for p in p2p_op_list):
-        raise ValueError("Invalid ``p2p_op_list``. Each op is expected to to be of type "
-                         "``numcoll.P2POp``.")
-    first_group = p2p_op_list[0].group
-    if not all(p.group is first_group for p in p2p_op_list):
-        raise ValueError("All ops need to use the same group.")
-    works: list = [None] * len(p2p_op_list)
-    for want in (isend, irecv):
-        for i, p in enumerate(p2p_op_list):
-            if p.op is want:
-                works[i] = p.op(p.tensor, p.peer, p.group, p.tag)
-    return works
-
-
-def _make_nccl_premul_sum(factor) -> ReduceOp:
-    """torch's spelling of :meth:`ReduceOp.premul_sum`."""
-    return ReduceOp.premul_sum(factor)

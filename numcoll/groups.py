@@ -14,6 +14,7 @@ import threading
 import warnings
 from datetime import timedelta
 
+from .logs import get_logger
 from .process_group import ProcessGroup
 
 __all__ = [
@@ -36,6 +37,7 @@ class _World:
         self.local_counts: dict[tuple, int] = {}
 
 
+_log = get_logger()
 _process_world = _World()
 _thread_state = threading.local()
 
@@ -175,6 +177,24 @@ def _group_rank(pg: ProcessGroup, global_rank, what: str) -> int:
         raise ValueError(f"{what} rank {global_rank} is not part of the group {ranks}") from None
 
 
+def _peer(pg: ProcessGroup, rank, group_rank, what: str, default=None) -> int:
+    """A global rank (``src``/``dst``/``peer``) or a group rank (``group_src``...)
+    as a rank of ``pg``; both given is an error, as in torch."""
+    if group_rank is not None:
+        if rank is not None:
+            raise ValueError("Can't specify both group_rank and global_rank")
+        return _check_rank_arg(group_rank, f"group_{what}")
+    if rank is None:
+        if default is None:
+            raise ValueError("Must specify global_rank or group_rank")
+        rank = default
+    return _group_rank(pg, rank, what)
+
+
+def _tag(tag) -> int:
+    return _check_rank_arg(tag, "tag")
+
+
 def _check_timeout(timeout, what: str) -> None:
     if timeout is None:
         return
@@ -202,6 +222,8 @@ def _make_group(ranks: list[int], timeout, name: str) -> ProcessGroup:
                                 group_name=f"{default.options.group_name}/{name}")
     pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts)
     world.groups[pg] = ranks
+    _log.debug("group %s ready: global ranks %s, this rank is %d in it", opts.group_name,
+               ranks, pg.rank())
     return pg
 
 
@@ -305,31 +327,34 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list | None 
                 backend=None) -> ProcessGroup | None:
     """Split ``parent_pg`` (default: the default group) into disjoint groups.
 
-    ``split_ranks`` is a list of lists of global ranks. Every rank of the
-    parent calls it; each rank joins only the group listing it and gets it
-    back, or None if no list names it.
+    ``split_ranks`` is a list of lists of ranks *of the parent group* (as in
+    torch). Every rank of the parent calls it; each rank joins only the group
+    listing it and gets it back, or None if no list names it.
     """
     world = _world()
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    if not all(isinstance(s, (list, tuple)) for s in split_ranks):
+        raise ValueError("split_ranks must be a list of lists of ranks")
     parent = parent_pg if parent_pg is not None else get_default_group()
     _check_group(parent)
-    if parent is GroupMember.NON_GROUP_MEMBER:
-        return None
-    if parent not in world.groups:
+    if parent is GroupMember.NON_GROUP_MEMBER or parent not in world.groups:
         raise ValueError(f"Group {parent} is not registered")
-    if not split_ranks or not all(isinstance(s, (list, tuple)) for s in split_ranks):
-        raise ValueError("split_ranks must be a non-empty list of lists of ranks")
     _check_timeout(timeout, "split_group")
     parent_ranks = world.groups[parent]
     seen: set[int] = set()
+    splits = []
     for ranks in split_ranks:
-        _check_ranks(ranks, get_default_group().size(), "split_group")
-        if seen.intersection(ranks) or not set(ranks) <= set(parent_ranks):
-            raise ValueError(f"split_group: split_ranks {split_ranks} must be disjoint lists "
-                             f"of ranks of the parent group {parent_ranks}")
+        ranks = _check_ranks(ranks, len(parent_ranks), "split_group")
+        if seen.intersection(ranks):
+            raise ValueError(f"split_group: the splits {split_ranks} overlap")
         seen.update(ranks)
-    world.group_count += 1
+        splits.append(sorted(parent_ranks[g] for g in ranks))
+    # Only the parent's members call: count splits per parent, not globally.
+    key = ("split", parent.options.group_name)
+    n = world.local_counts[key] = world.local_counts.get(key, 0) + 1
     me = get_default_group().rank()
-    for i, ranks in enumerate(split_ranks):
+    for i, ranks in enumerate(splits):
         if me in ranks:
-            return _make_group(sorted(ranks), timeout, f"split{world.group_count}.{i}")
+            return _make_group(ranks, timeout, f"split({parent.options.group_name})#{n}.{i}")
     return None

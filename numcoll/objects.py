@@ -19,7 +19,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from .groups import _resolve
+from .groups import _peer, _resolve, _world
 from .options import BroadcastOptions, GatherOptions, ScatterOptions
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object",
@@ -49,8 +49,6 @@ def _list_arg(value, name: str, min_len: int = 0) -> list:
 
 
 def _root(pg, rank, group_rank, what: str) -> int:
-    from .distributed import _peer   # the module layer owns rank translation
-
     return _peer(pg, rank, group_rank, what, default=0)
 
 
@@ -172,8 +170,6 @@ def send_object_list(object_list: list, dst: int | None = None, group=None, devi
                      group_dst: int | None = None) -> None:
     """Send ``object_list``'s objects to global rank ``dst`` (which calls
     :func:`recv_object_list` with a list of the same length)."""
-    from .distributed import _peer
-
     pg = _resolve(group, "send_object_list")
     if pg is None:
         return
@@ -190,9 +186,6 @@ def recv_object_list(object_list: list, src: int | None = None, group=None, devi
                      group_src: int | None = None) -> int:
     """Fill ``object_list`` with the objects sent by global rank ``src`` (any
     rank if None); returns the sender's global rank."""
-    from .distributed import _peer
-    from .groups import _world
-
     pg = _resolve(group, "recv_object_list")
     if pg is None:
         return -1

@@ -155,6 +155,8 @@ class _Ranks:
         prefix = b"" if self.ns.no_prefix else f"[rank{rank}]: ".encode()
         out = getattr(dst, "buffer", None)
         for line in iter(src.readline, b""):
+            if not line.endswith(b"\n"):   # a last line without one: keep lines apart
+                line += b"\n"
             with self.out_lock:
                 if out is not None:
                     out.write(prefix + line)
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 code = _exit_code(rc)
                 break
             if all(rc == 0 for rc in states):
+                _log.info("all %d local ranks exited with code 0", len(states))
                 break
             time.sleep(_POLL_S)
     finally:

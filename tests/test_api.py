@@ -22,7 +22,8 @@ def test_all_is_complete_and_importable():
                "dtypes", "errors", "kernels", "launch", "ops", "options", "process_group",
                "reduction", "init_methods", "store", "tcpstore", "work", "demo", "bench",
                "cuda", "call", "diagnostics", "data_parallel", "sparse", "examples", "groups",
-               "objects", "logs", "launcher_env", "run", "torch_store", "faults"}
+               "objects", "logs", "launcher_env", "run", "torch_store", "faults", "backend",
+               "point_to_point"}
     assert public - set(nc.__all__) <= modules
 
 

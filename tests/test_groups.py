@@ -90,8 +90,9 @@ def test_groups_and_rank_translation():
             assert split is None
         else:
             assert nc.get_process_group_ranks(split) == ([0, 2] if r != 1 else [1])
-        with pytest.raises(ValueError, match="not registered"):
-            nc.get_process_group_ranks(nc.ProcessGroup(nc.HashStore(), 0, 1))
+        with nc.ProcessGroup(nc.HashStore(), 0, 1) as stranger:
+            with pytest.raises(ValueError, match="not registered"):
+                nc.get_process_group_ranks(stranger)
         with pytest.raises(TypeError, match="unexpected keyword"):
             nc.new_group([0, 1], bogus=True)
         before = nc.get_default_group().sequence_number()
@@ -186,3 +187,42 @@ def test_numpy_integer_ranks_and_tags_are_ints():
         return x[0]
 
     assert _run(body, 2) == [1.0, 1.0]
+
+
+def test_split_group_takes_ranks_of_the_parent():
+    def body():
+        r = nc.get_rank()
+        parent = nc.new_group([1, 2, 3])
+        if parent is nc.GroupMember.NON_GROUP_MEMBER:
+            with pytest.raises(ValueError, match="not registered"):
+                nc.split_group(parent, [[0], [1, 2]])
+            return None
+        child = nc.split_group(parent, [[1, 2]])      # parent ranks 1, 2: global 2, 3
+        if r == 1:
+            assert child is None
+            return None
+        assert nc.get_process_group_ranks(child) == [2, 3]
+        x = np.array([r])
+        nc.all_reduce(x, group=child)
+        return int(x[0])
+
+    assert _run(body) == [None, None, 5, 5]
+
+
+def test_gather_single_and_set_timeout():
+    def body():
+        r = nc.get_rank()
+        out = np.zeros((3, 2)) if r == 1 else None
+        nc.gather_single(np.full(2, float(r)), out, dst=1)
+        with pytest.raises(ValueError, match="must hold world size"):
+            if r == 1:
+                nc.gather_into_tensor(np.ones(2), np.zeros(5), dst=1)
+            else:
+                raise ValueError("must hold world size")
+        nc.set_timeout(timedelta(seconds=42))
+        assert nc.get_default_group().options.timeout == timedelta(seconds=42)
+        with pytest.raises(ValueError, match="positive"):
+            nc.set_timeout(timedelta(0))
+        return None if out is None else out.tolist()
+
+    assert _run(body, 3)[1] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]

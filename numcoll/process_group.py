@@ -71,6 +71,20 @@ class _Options:
     group_name: str = "default"
 
 
+def _host_key() -> str:
+    """What ranks that can share ipc (abstract Unix sockets, /dev/shm) have in
+    common: the host name, and on Linux the network namespace and boot, since
+    containers and namespaces often share a host name but not their sockets."""
+    key = socket.gethostname()
+    try:
+        key += f"/netns{os.stat('/proc/self/ns/net').st_ino}"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key += f"/boot{f.read().strip()}"
+    except OSError:  # not Linux: the host name alone
+        pass
+    return key
+
+
 class ProcessGroup(Reductions, DataMovement, PointToPoint):
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
@@ -163,7 +177,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
     _set_default_timeout = set_timeout  # torch's private name, used by ported tests
 
     def _choose_transport(self) -> str:
-        here = f"{socket.gethostname()}:{os.getpid()}"
+        here = f"{_host_key()}:{os.getpid()}"
         self._store.set(f"where/{self._rank}", here)
         places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
         return transports.choose_kind(here, places)

@@ -279,3 +279,24 @@ def test_abort_fails_the_peers_at_once_naming_this_rank(no_leaked_threads):
     finally:
         for pg in pgs:
             pg.shutdown()
+
+
+def test_alltoall_with_a_wrong_input_dtype_says_invalid_tensor_type():
+    pgs = groups(1)
+    try:
+        with pytest.raises(TypeError, match="alltoall: invalid tensor type: input 0"):
+            pgs[0].alltoall([np.zeros(2, np.float32)], [np.zeros(2, np.float64)])
+    finally:
+        pgs[0].shutdown()
+
+
+def test_transport_choice_tells_network_namespaces_apart():
+    from numcoll.process_group import _host_key
+
+    import os
+    import socket
+
+    key = _host_key()
+    assert key.startswith(socket.gethostname())
+    if os.path.exists("/proc/self/ns/net"):
+        assert f"/netns{os.stat('/proc/self/ns/net').st_ino}" in key

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..arrays import as_array, as_array_list, check_same_type_and_size, check_writable
+from ..arrays import _describe, as_array, as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, shapes
 from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
@@ -299,7 +299,11 @@ class DataMovement:
             raise ValueError(f"{name}: output tensor list size {len(outputs)} does not match "
                              f"world size {self._size}")
         xp = memory_of(name, inputs, outputs)
-        check_same_dtype([*inputs, *outputs], name)
+        for what, arrays in (("input", inputs), ("output", outputs)):
+            for i, a in enumerate(arrays):
+                if a.dtype != outputs[0].dtype or type(a) is not type(outputs[0]):
+                    raise TypeError(f"{name}: invalid tensor type: {what} {i} is "
+                                    f"{_describe(a)}, output 0 is {_describe(outputs[0])}")
         check_writable(outputs, name)
         send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
         seg = self._segment(inputs[0].dtype.itemsize)

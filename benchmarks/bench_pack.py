@@ -7,7 +7,7 @@ drawn uniformly from 1 to ``max_count`` elements; ``NUMCOLL_BENCH_MAX_NBYTES`` c
 
 impl (each does a pack and an unpack; results land in the original arrays):
 
-* ``plan``: a :class:`~numcoll.data_parallel.pack.PackPlan` built once and reused
+* ``plan``: a :class:`~numcoll.kernels.pack_plan.PackPlan` built once and reused
   (what the Reducer and every bucket after the first step do): two Numba calls.
 * ``plan+build``: the same, building the plan in the timed region (a one-off pack).
 * ``copyto-loop``: a Python loop of ``np.copyto`` into and out of buffer slices.
@@ -26,7 +26,7 @@ import timeit
 import numpy as np
 import pytest
 
-from numcoll.data_parallel.pack import PackPlan
+from numcoll.kernels.pack_plan import PackPlan
 
 pytestmark = pytest.mark.timeout(300)
 

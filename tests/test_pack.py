@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from numcoll.data_parallel.pack import PackPlan
+from numcoll.kernels.pack_plan import PackPlan
 from numcoll.dtypes import bfloat16
 
 pytestmark = pytest.mark.timeout(120)

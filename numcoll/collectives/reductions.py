@@ -6,6 +6,7 @@ import dataclasses
 
 from ..arrays import as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, op_fields, shapes
+from ..kernels.pack_plan import PackPlan
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from ..reduction import Reduction
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
@@ -88,9 +89,19 @@ class Reductions:
                     algorithm=algorithm.name, input_sizes=shapes(arrays),
                     output_sizes=shapes(arrays), nbytes=nbytes_of(arrays),
                     **op_fields(opts.reduce_op))
+        # Host arrays that travel as they are: one Numba call packs them all,
+        # one unpacks (16-bit floats widen and premul_sum scales: per array).
+        plan = (PackPlan(arrays, name) if not xp.is_device and not red.widen
+                and red.factor is None and all(a.flags.c_contiguous for a in arrays) else None)
 
         def run(comm, work):
             steps = xp.steps(red)
+            if plan is not None:
+                buf = plan.pack()
+                algorithm.run(comm, xp.buffer(buf, steps.reduce), seg)
+                steps.finish(buf)
+                plan.unpack(buf)
+                return outs
             buf = xp.empty(total, red.wire_dtype)
             offsets = _pack(steps, arrays, buf)
             algorithm.run(comm, xp.buffer(buf, steps.reduce), seg)

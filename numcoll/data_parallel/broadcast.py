@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays import as_array_list, check_writable
 from .buckets import compute_bucket_assignment_by_size
-from .pack import PackPlan
+from ..kernels.pack_plan import PackPlan
 
 __all__ = ["broadcast_coalesced"]
 

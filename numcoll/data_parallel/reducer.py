@@ -30,7 +30,7 @@ from ..dtypes import dtype_name, is_half
 from ..futures import Future
 from ..kernels.cpu import scale_into
 from .buckets import compute_bucket_assignment_by_size
-from .pack import PackPlan
+from ..kernels.pack_plan import PackPlan
 
 __all__ = ["GradBucket", "Reducer"]
 

@@ -6,7 +6,7 @@ loop, not the memory, is the cost. These kernels take the arrays as three
 int64 vectors -- each array's address, its byte count and its byte offset in
 the flat buffer -- and do every copy in one Numba call with ``llvm.memcpy``
 (which LLVM turns into vector moves). The vectors are built once per list of
-arrays (:class:`numcoll.data_parallel.pack.PackPlan`), so a bucket is packed
+arrays (:class:`numcoll.kernels.pack_plan.PackPlan`), so a bucket is packed
 with no per-array Python work at all.
 
 The scaling variant multiplies by a factor while it copies (a Reducer divides

@@ -2,7 +2,7 @@
 
 A plan is built once for a list of arrays (a gradient bucket, a group of
 ``broadcast_coalesced``) and then packs and unpacks them with one Numba call
-each (:mod:`numcoll.kernels.pack`), however many arrays there are. Building a
+each (:mod:`.pack`), however many arrays there are. Building a
 plan costs about 0.5 us per array (checks, and reading each array's address); packing
 costs only the memory traffic, so a plan pays for itself the second time it
 is used -- and the Reducer uses its plans every step.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import dtype_name, is_half
-from ..kernels.cpu import scale_into
-from ..kernels.pack import _address, _pack_kernel, _pack_scaled_kernel, _unpack_kernel
+from .cpu import scale_into
+from .pack import _address, _pack_kernel, _pack_scaled_kernel, _unpack_kernel
 
 __all__ = ["PackPlan"]
 

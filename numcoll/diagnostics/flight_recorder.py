@@ -30,6 +30,7 @@ from .. import config
 __all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record"]
 
 VERSION = "1.0"
+_now_ns = time.time_ns
 
 
 class Record:
@@ -45,7 +46,7 @@ class Record:
         self.seq = seq
         self.call = call
         self.state = "scheduled"
-        self.time_created_ns = time.time_ns()
+        self.time_created_ns = _now_ns()
         self.time_started_ns = None
         self.time_completed_ns = None
         self.waiting_for = None
@@ -102,36 +103,35 @@ class FlightRecorder:
         with self._lock:
             pg_id = next(self._pg_ids)
             self._pg_config[pg_id] = {"name": name, "desc": desc, "ranks": list(ranks)}
-            self._pg_status[pg_id] = {"last_enqueued_collective": -1,
-                                      "last_started_collective": -1,
-                                      "last_completed_collective": -1}
+            # last enqueued, started, completed collective_seq_id (-1: none yet)
+            self._pg_status[pg_id] = [-1, -1, -1]
         return pg_id
 
+    # The three calls below run on every collective: no lock (a deque append and
+    # an itertools.count step are atomic under the GIL; a status read racing an
+    # update sees the old or the new number), one clock read each.
     def record(self, pg_id: int, rank: int, seq: int, call) -> Record:
         rec = Record(next(self._ids), pg_id, rank, seq, call)
-        with self._lock:
-            self._records.append(rec)
-            if seq >= 0:
-                self._pg_status[pg_id]["last_enqueued_collective"] = seq + 1
+        self._records.append(rec)
+        if seq >= 0:
+            self._pg_status[pg_id][0] = seq + 1
         return rec
 
     def started(self, rec: Record) -> None:
         rec.state = "started"
-        rec.time_started_ns = time.time_ns()
-        if rec.seq >= 0:
-            status = self._pg_status[rec.pg_id]
-            status["last_started_collective"] = max(status["last_started_collective"],
-                                                    rec.seq + 1)
+        rec.time_started_ns = _now_ns()
+        status = self._pg_status[rec.pg_id]
+        if rec.seq >= 0 and rec.seq >= status[1]:
+            status[1] = rec.seq + 1
 
     def ended(self, rec: Record, error: BaseException | None = None) -> None:
-        rec.time_completed_ns = time.time_ns()
+        rec.time_completed_ns = _now_ns()
         rec.waiting_for = None
         if error is None:
             rec.state = "completed"
-            if rec.seq >= 0:
-                status = self._pg_status[rec.pg_id]
-                status["last_completed_collective"] = max(status["last_completed_collective"],
-                                                          rec.seq + 1)
+            status = self._pg_status[rec.pg_id]
+            if rec.seq >= 0 and rec.seq >= status[2]:
+                status[2] = rec.seq + 1
         else:
             rec.state = "failed"
             rec.error = str(error)
@@ -141,7 +141,10 @@ class FlightRecorder:
         with self._lock:
             records = list(self._records)
             config = {str(k): dict(v) for k, v in self._pg_config.items()}
-            status = {str(k): dict(v) for k, v in self._pg_status.items()}
+            status = {str(k): {"last_enqueued_collective": v[0],
+                               "last_started_collective": v[1],
+                               "last_completed_collective": v[2]}
+                      for k, v in self._pg_status.items()}
         entries = [r.as_dict() for r in records if rank is None or r.rank == rank]
         return {"version": VERSION, "pid": os.getpid(), "rank": rank, "pg_config": config,
                 "pg_status": status, "entries": entries}

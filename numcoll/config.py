@@ -70,6 +70,10 @@ class Config:
     #: TCPStore server: the largest request frame it accepts (bytes); a client
     #: that announces more is dropped before the server buffers it.
     store_max_frame_nbytes: int = 64 << 20
+    #: Bytes a peer may have waiting for receives (messages no receive has
+    #: taken yet) before it is cut off: bounds what a stray or hostile sender
+    #: can make a rank hold.
+    max_unexpected_nbytes: int = 512 << 20
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}

@@ -133,6 +133,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             kind, rank, world_size, PrefixStore("transport", self._store),
             transports.TransportOptions(
                 host=opts.host, peer_grace_s=self._cfg.peer_grace_s,
+                max_unexpected_nbytes=self._cfg.max_unexpected_nbytes,
                 zero_copy_nbytes=self._cfg.zero_copy_nbytes, shm_slots=self._cfg.shm_slots,
                 # Every message an algorithm sends fits a slot: segments, and the
                 # whole buffers of the small-message algorithms.

@@ -48,16 +48,14 @@ class InprocTransport:
         This rank and the group size.
     store : Rendezvous
         Already prefixed for the group; rank 0 sets :data:`FABRIC_KEY`, the others get it.
-    timeout_s : float
-        Kept as ``self.timeout_s`` for callers; every wait here takes its own deadline.
+    Every wait takes its own deadline.
     """
 
-    def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0):
+    def __init__(self, rank: int, size: int, store: Rendezvous):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
         self.rank = rank
         self.size = size
-        self.timeout_s = timeout_s
         if rank == 0:
             self._fabric_id = uuid.uuid4().hex
             with _registry_lock:  # registered before it is published: others always find it

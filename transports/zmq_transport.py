@@ -151,8 +151,6 @@ class ZmqTransport:
         enforces the rendezvous deadline.
     host : str
         Interface the tcp PULL socket binds to (ignored for ipc).
-    timeout_s : float
-        Kept as ``self.timeout_s`` for callers; every wait here takes its own deadline.
     peer_grace_s : float
         How long a disconnected peer may stay silent before it is declared lost.
     zero_copy_nbytes : int
@@ -168,7 +166,7 @@ class ZmqTransport:
     """
 
     def __init__(self, scheme: str, rank: int, size: int, store: Rendezvous, *,
-                 host: str = "127.0.0.1", timeout_s: float = 300.0,
+                 host: str = "127.0.0.1",
                  peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536,
                  shm_slot_nbytes: int = 0, shm_slots: int = 0, token: bytes | None = None,
                  curve: bool = False, max_unexpected_nbytes: int = MAX_UNEXPECTED_NBYTES):
@@ -179,7 +177,6 @@ class ZmqTransport:
         self.rank = rank
         self.size = size
         self.scheme = scheme
-        self.timeout_s = timeout_s
         self._grace_s = peer_grace_s
         self._zero_copy_nbytes = zero_copy_nbytes
         self._mailbox = Mailbox(rank, size, max_unexpected_nbytes, self._on_overflow)

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 #: The transports :func:`create` makes.
-KINDS = ("inproc", "tcp", "ipc")
+KINDS = ("inproc", "tcp", "ipc", "shm")
 
 
 def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "127.0.0.1",
@@ -53,9 +53,12 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
 
     Parameters
     ----------
-    kind : {"inproc", "tcp", "ipc"}
+    kind : {"inproc", "tcp", "ipc", "shm"}
         ``inproc``: ranks are threads of this process. ``tcp``: any hosts.
-        ``ipc``: processes on one host (Unix domain sockets).
+        ``ipc``: processes on one host (Unix domain sockets). ``shm``: processes
+        on one host (Linux), through shared-memory rings polled by the waiting
+        thread (:mod:`transports.shmring`); messages up to ``shm_slot_nbytes``
+        are one ring record.
     rank, size : int
         This rank and the group size.
     store : Rendezvous
@@ -94,4 +97,10 @@ def create(kind: str, rank: int, size: int, store: Rendezvous, *, host: str = "1
         return ZmqTransport(kind, rank, size, store, host=host, timeout_s=timeout_s,
                             peer_grace_s=peer_grace_s, zero_copy_nbytes=zero_copy_nbytes,
                             shm_slot_nbytes=shm_slot_nbytes, shm_slots=shm_slots)
+    if kind == "shm":
+        from .shmring import ShmRingTransport
+
+        # Rings hold two of the largest messages the ipc slots would carry.
+        return ShmRingTransport(rank, size, store, timeout_s=timeout_s,
+                                inline_nbytes=shm_slot_nbytes)
     raise ValueError(f"unknown transport {kind!r}; valid kinds are {', '.join(KINDS)}")

@@ -75,6 +75,11 @@ SEND_SLICE_NS = 20_000
 BLOCK_SLICE_S = 0.05
 #: The helper's poll timeout when nothing wakes it (a safety net only), ms.
 IDLE_POLL_MS = 100
+#: A rank whose threads stopped polling stays "awake" (producers do not poke
+#: it) this long, since a collective's next wait usually follows within
+#: microseconds; a poke costs a syscall and a thread wake-up on both sides.
+#: After that the helper marks the rings ASLEEP (and drains what came).
+LAZY_SLEEP_NS = 2_000_000
 JOIN_TIMEOUT_S = 5.0
 _POKE = b"\x01"
 _EMPTY = np.empty(0, np.uint8)
@@ -151,7 +156,7 @@ class ShmRingTransport:
     """
 
     def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0,
-                 inline_nbytes: int = 1 << 20, spin_us: float = 50.0, yield_us: float = 200.0):
+                 inline_nbytes: int = 1 << 20, spin_us: float = 20.0, yield_us: float = 2000.0):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
         if size > 1 and not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
@@ -169,6 +174,8 @@ class ShmRingTransport:
         self._plock = threading.Lock()  # progress: ring reads and writes, the send queues
         self._spin_lock = threading.Lock()
         self._spinners = 0
+        self._asleep = True  # the rings' ASLEEP flags are up (see _go_to_sleep)
+        self._last_active_ns = 0
         self._epoch = np.zeros(1, np.uint64)  # bumped whenever progress is made
         self._sendq: dict[int, deque[_Send]] = {p: deque() for p in self._peers}
         self._blocked: dict[int, bool] = {p: False for p in self._peers}
@@ -479,6 +486,7 @@ class ShmRingTransport:
         if deadline_ns is not None:
             yield_until = min(yield_until, deadline_ns)
         self._enter_spin(region)
+        blocking = False
         try:
             while not req._finished:
                 if self._plock.acquire(blocking=False):
@@ -491,6 +499,7 @@ class ShmRingTransport:
                     seen = int(self._epoch[0])
                     now = time.monotonic_ns()
                     if now >= yield_until:
+                        blocking = True
                         break
                     until = yield_until
                     if any(self._sendq.values()):
@@ -501,9 +510,10 @@ class ShmRingTransport:
                     if req._lock.acquire(timeout=50e-6):
                         req._lock.release()
                     if time.monotonic_ns() >= yield_until:
+                        blocking = True
                         break
         finally:
-            self._leave_spin(region)
+            self._leave_spin(region, blocking or not req._finished)
         # Blocking phase: the helper drains when poked and completes the request.
         while not req._finished:
             now_s = time.monotonic()
@@ -518,17 +528,24 @@ class ShmRingTransport:
     def _enter_spin(self, region: np.ndarray) -> None:
         with self._spin_lock:
             self._spinners += 1
-            if self._spinners == 1:  # someone polls now: producers need not poke
+            if self._asleep:  # someone polls now: producers need not poke
+                self._asleep = False
                 K.rings_set_flag(region, self._stride_words, self.size - 1, K.ASLEEP, 0)
 
-    def _leave_spin(self, region: np.ndarray) -> None:
+    def _leave_spin(self, region: np.ndarray, blocking: bool) -> None:
         with self._spin_lock:
             self._spinners -= 1
-            if self._spinners:
-                return
-            pending = K.rings_set_flag(region, self._stride_words, self.size - 1, K.ASLEEP, 1)
-        if pending:  # arrived before the flag was up: its producer did not poke
-            self._wake_helper()
+            self._last_active_ns = time.monotonic_ns()
+            if blocking:  # about to block: from now on, arrivals must poke
+                self._go_to_sleep(region)
+
+    def _go_to_sleep(self, region: np.ndarray) -> None:
+        """Raise the ASLEEP flags unless a thread still polls (caller holds _spin_lock)."""
+        if self._spinners or self._asleep:
+            return
+        self._asleep = True
+        if K.rings_set_flag(region, self._stride_words, self.size - 1, K.ASLEEP, 1):
+            self._wake_helper()  # arrived before the flags were up: nobody poked
 
     def _wake_helper(self) -> None:
         if self._wake_fd >= 0:
@@ -549,9 +566,15 @@ class ShmRingTransport:
         error = None
         try:
             while not self._stopping:
-                events = poller.poll(IDLE_POLL_MS)
+                events = poller.poll(IDLE_POLL_MS if self._asleep else LAZY_SLEEP_NS // 1_000_000)
                 if self._stopping:
                     return
+                if not self._asleep:
+                    with self._spin_lock:
+                        if time.monotonic_ns() - self._last_active_ns >= LAZY_SLEEP_NS:
+                            region = self._region64
+                            if region is not None:
+                                self._go_to_sleep(region)
                 ended = []
                 for fd, _ in events:
                     if fd == self._wake_fd:

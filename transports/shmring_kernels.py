@@ -209,8 +209,10 @@ def ring_put(ctrl, data, data64, kind, tag, msg_nbytes, stamp, payload, offset, 
     Returns ``(offset, started, poke)``: the new offset, whether the first
     record is out now, and whether the consumer sleeps and must be poked.
     The message is complete when ``started`` and ``offset == msg_nbytes``.
-    A chunk is cut to the room there is, but not below ``min_chunk`` (or the
-    rest of the message), so a nearly full ring does not shred the stream.
+    A message of at most ``max_chunk`` bytes is one record (the receiver
+    copies it straight into the posted buffer); a larger one is cut into
+    chunks of at most ``max_chunk``, each cut to the room there is but not
+    below ``min_chunk`` (or the rest), so a nearly full ring does not shred it.
     """
     cap = data.size
     head = np.int64(ctrl[HEAD])  # our own word: a plain load
@@ -223,14 +225,18 @@ def ring_put(ctrl, data, data64, kind, tag, msg_nbytes, stamp, payload, offset, 
         room = min(free, contiguous)
         hdr = HEADER_NBYTES + (0 if started else stamp.size)
         rest = msg_nbytes - offset
-        chunk = min(rest, max_chunk, room - hdr)
-        if chunk < 0 or (chunk < rest and chunk < min_chunk):
-            if contiguous < cap and free >= contiguous + _align(HEADER_NBYTES + min(rest, min_chunk) + stamp.size):
+        if not started and rest <= max_chunk:
+            want = least = rest  # a message that fits one record is never split
+        else:
+            want, least = min(rest, max_chunk), min(rest, min_chunk)
+        if room < _align(hdr + least):
+            if contiguous < cap and free >= contiguous + _align(hdr + least):
                 # Not enough before the end, enough after it: pad to the end.
                 data64[pos >> 3] = KIND_PAD | (contiguous << 16)
                 head += contiguous
                 continue
             break
+        chunk = min(want, room - hdr)
         rec = _align(hdr + chunk)
         w = pos >> 3
         if started:

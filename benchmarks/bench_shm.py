@@ -148,9 +148,9 @@ def test_ring_loopback(benchmark, nbytes):
         tag = np.uint64(next(_tags))
         K.ring_put(ctrl, data, data64, K.KIND_FIRST, tag, nbytes, stamp, src, 0, False,
                    capacity // 2 - 512, 1 << 16)
-        pos, word0, _, _, _, _ = K.ring_next(ctrl, data64, 0)
+        pos, word0, _, _, _, cursor = K.ring_next(ctrl, data64, int(ctrl[K.TAIL]))
         K.copy_bytes(dst, 0, data, pos + K.HEADER_NBYTES + stamp.size, nbytes)
-        K.ring_next(ctrl, data64, word0 >> 16)
+        K.ring_free(ctrl, cursor + (word0 >> 16))
 
     benchmark.group = f"ring loopback {_size_id(nbytes)}"
     benchmark.extra_info.update(nbytes=nbytes, pattern="loopback")

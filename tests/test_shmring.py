@@ -82,14 +82,12 @@ def test_ring_wraps_pads_and_keeps_every_byte():
     received: list[bytes] = []
 
     def consume():
-        consumed, current, left = 0, None, 0
+        cursor, current, left = 0, None, 0
         stop = time.monotonic() + WAIT_S
         while len(received) < len(sizes) and time.monotonic() < stop:
-            pos, word0, tag, nbytes, chunk, _ = K.ring_next(ctrl, data64, consumed)
-            consumed = 0
+            pos, word0, tag, nbytes, chunk, cursor = K.ring_next(ctrl, data64, cursor)
             if pos < 0:
                 continue
-            consumed = word0 >> 16
             if word0 & 0xFF == K.KIND_FIRST:
                 assert (word0 >> 8) & 0xFF == stamp.size and tag == len(received)
                 start = pos + K.HEADER_NBYTES + stamp.size
@@ -100,7 +98,8 @@ def test_ring_wraps_pads_and_keeps_every_byte():
                 left -= chunk
             if left == 0:
                 received.append(bytes(current))
-        K.ring_next(ctrl, data64, consumed)
+            cursor += word0 >> 16
+            K.ring_free(ctrl, cursor)
 
     consumer = threading.Thread(target=consume)
     consumer.start()

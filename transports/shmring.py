@@ -42,6 +42,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 import warnings
 from collections import deque
 
@@ -85,6 +86,8 @@ _POKE = b"\x01"
 _EMPTY = np.empty(0, np.uint8)
 #: Payloads up to this size come out of the ring as ``bytes`` (cheaper than an array).
 _SMALL_COPY_NBYTES = 4096
+#: A receive without a buffer gets a view of the ring itself (no copy) from this size.
+LEND_MIN_NBYTES = 64 << 10
 
 
 def ring_nbytes_for(inline_nbytes: int) -> int:
@@ -94,21 +97,45 @@ def ring_nbytes_for(inline_nbytes: int) -> int:
 
 
 class _Request(PendingRequest):
-    """A request whose ``wait`` drives the transport (see the module docstring)."""
+    """A request whose ``wait`` drives the transport (see the module docstring).
 
-    __slots__ = ("_engine",)
+    A receive without a buffer may be handed a view of the ring itself (a
+    *loan*, see ``ShmRingTransport._arrive``): the request keeps it only until
+    its first ``wait`` returns it, then only weakly, so the ring space is
+    given back as soon as the caller drops the view, not when the request
+    object dies.
+    """
+
+    __slots__ = ("_engine", "_loan", "_loan_ref")
 
     def __init__(self, engine: "ShmRingTransport", what: str, rank: int, peer: int, tag: int,
                  buf: memoryview | None = None, stamp: bytes = b""):
         super().__init__(what, rank, peer, tag, buf, stamp)
         self._engine = engine
+        self._loan = None
+        self._loan_ref = None
+
+    def complete(self, result=None, source=None, after=None) -> None:
+        lent = self._engine._lending
+        if lent is not None and result is not None and result.obj is lent:
+            self._engine._lending = None
+            self._loan, result = lent, None
+        super().complete(result, source, after)
 
     def wait(self, deadline: float | None) -> memoryview | None:
         if not self._finished:
             start = time.monotonic()
             if not self._engine._wait_for(self, deadline):
                 raise self._timeout(start)
-        return super().wait(deadline)
+        result = super().wait(deadline)
+        loan = self._loan
+        if loan is not None:
+            self._loan, self._loan_ref = None, weakref.ref(loan)
+        elif self._loan_ref is not None:
+            loan = self._loan_ref()
+            if loan is None:
+                return None  # the caller dropped it: the ring has its bytes back
+        return result if loan is None else memoryview(loan).toreadonly()
 
 
 class _Send:
@@ -179,7 +206,11 @@ class ShmRingTransport:
         self._epoch = np.zeros(1, np.uint64)  # bumped whenever progress is made
         self._sendq: dict[int, deque[_Send]] = {p: deque() for p in self._peers}
         self._blocked: dict[int, bool] = {p: False for p in self._peers}
-        self._partial: dict[int, list] = {}  # src -> [tag, stamp, buffer, bytes filled]
+        self._cursor: dict[int, int] = {p: 0 for p in self._peers}  # read position per ring
+        self._tail: dict[int, int] = {p: 0 for p in self._peers}  # TAIL as last written
+        self._lent: dict[int, deque] = {p: deque() for p in self._peers}  # [end, returned]
+        self._partial: dict[int, list] = {}
+        self._lending: np.ndarray | None = None  # a loan on its way to a request  # src -> [tag, stamp, buffer, bytes filled]
         self._gone: dict[int, str] = {}
         self._bye: set[int] = set()
         self._closed = False
@@ -396,16 +427,16 @@ class ShmRingTransport:
         """Hand every record in the ring from ``peer`` to the mailbox."""
         ring = self._inbound[peer]
         data = ring.data
-        consumed = 0
+        cursor = self._cursor[peer]
+        lent = self._lent[peer]
         did = False
         while True:
-            pos, word0, tag, nbytes, chunk, poke = K.ring_next(ring.ctrl, ring.data64, consumed)
-            if poke:
-                self._poke(peer)
+            pos, word0, tag, nbytes, chunk, cursor = K.ring_next(ring.ctrl, ring.data64, cursor)
             if pos < 0:
-                return did
+                break
             did = True
-            consumed = word0 >> 16
+            end = cursor + (word0 >> 16)
+            loan = None
             kind = word0 & 0xFF
             if kind == K.KIND_FIRST:
                 stamp_nbytes = (word0 >> 8) & 0xFF
@@ -413,7 +444,7 @@ class ShmRingTransport:
                 stamp = data[start:start + stamp_nbytes].tobytes() if stamp_nbytes else b""
                 start += stamp_nbytes
                 if chunk == nbytes:
-                    self._arrive(peer, tag, nbytes, data, start, stamp)
+                    loan = self._arrive(peer, tag, nbytes, data, start, stamp, end)
                 else:
                     buf = np.empty(nbytes, np.uint8)
                     K.copy_bytes(buf, 0, data, start, chunk)
@@ -424,26 +455,66 @@ class ShmRingTransport:
                 part[3] += chunk
                 if part[3] == part[2].size:
                     del self._partial[peer]
-                    self._arrive(peer, part[0], part[2].size, part[2], 0, part[1], owned=True)
+                    self._arrive(peer, part[0], part[2].size, part[2], 0, part[1], None)
             elif kind == K.KIND_BYE:  # after everything it sent
-                K.ring_next(ring.ctrl, ring.data64, consumed)
+                self._cursor[peer] = end
+                self._free(peer)
                 self._bye.add(peer)
                 self._peer_gone(peer, f"rank {peer} closed its transport")
                 return True
             else:
                 raise TransportError(f"rank {self.rank}: corrupt shm ring from rank {peer} "
                                      f"(record kind {kind})")
+            cursor = end
+            if loan is not None:
+                lent.append(loan)
+            elif lent:  # consumed, but an older record is still lent out
+                lent.append([end, True])
+        self._cursor[peer] = cursor
+        self._free(peer)
+        return did
+
+    def _free(self, peer: int) -> None:
+        """Advance TAIL over every record consumed or returned, in ring order."""
+        lent = self._lent[peer]
+        tail = self._cursor[peer]
+        if lent:
+            tail = self._tail[peer]
+            while lent and lent[0][1]:
+                tail = lent.popleft()[0]
+            if not lent:
+                tail = self._cursor[peer]
+        if tail != self._tail[peer]:
+            self._tail[peer] = tail
+            if K.ring_free(self._inbound[peer].ctrl, tail):
+                self._poke(peer)
 
     def _arrive(self, src: int, tag: int, nbytes: int, data: np.ndarray, start: int,
-                stamp: bytes, owned: bool = False) -> None:
+                stamp: bytes, end: int | None) -> list | None:
+        """Deliver a whole message; returns the loan if the receiver got a view
+        of the ring itself (``end``: where the record ends; None: ``data`` is
+        an assembled buffer of our own)."""
+        loan = None
+
         def read(into):
+            nonlocal loan
             if into is DISCARD or nbytes == 0:
                 return None if into is not None else memoryview(b"")
             if into is None:
-                if owned:  # an assembled message: hand over the buffer itself
+                if end is None:  # an assembled message: hand over the buffer itself
                     return memoryview(data).toreadonly()
                 if nbytes <= _SMALL_COPY_NBYTES:
                     return memoryview(data[start:start + nbytes].tobytes())
+                if nbytes >= LEND_MIN_NBYTES and not self._mailbox._lock.locked():
+                    # A receive without a buffer is waiting (the mailbox reads an
+                    # unexpected message under its lock): lend it the ring's bytes,
+                    # so a reduction reads them in place. The record stays
+                    # ours until the view dies (see _returned).
+                    view = data[start:start + nbytes]
+                    loan = [end, False]
+                    weakref.finalize(view, self._returned, src, loan)
+                    self._lending = view  # the request's complete() takes it over
+                    return memoryview(view).toreadonly()
                 out = np.empty(nbytes, np.uint8)
                 K.copy_bytes(out, 0, data, start, nbytes)
                 return memoryview(out).toreadonly()
@@ -451,6 +522,16 @@ class ShmRingTransport:
             return None
 
         self._mailbox.arrive(src, tag, nbytes, read, stamp)
+        self._lending = None
+        return loan
+
+    def _returned(self, peer: int, loan: list) -> None:
+        """A lent view died (any thread, any time: only flag it; the next
+        progress frees the space, or the helper at once if the producer waits)."""
+        loan[1] = True
+        ring = self._inbound.get(peer)
+        if ring is not None and ring.ctrl[K.BLOCKED]:
+            self._wake_helper()
 
     def _peer_gone(self, peer: int, reason: str) -> None:
         if peer in self._gone:

@@ -55,7 +55,7 @@ from numba.extending import intrinsic
 __all__ = [
     "HEAD", "TAIL", "ASLEEP", "BLOCKED", "CTRL_WORDS", "CTRL_NBYTES", "HEADER_NBYTES",
     "RESERVE_NBYTES", "KIND_PAD", "KIND_FIRST", "KIND_MORE", "KIND_BYE",
-    "ring_put", "ring_next", "ring_bye", "ring_set_flag", "rings_set_flag", "copy_bytes",
+    "ring_put", "ring_next", "ring_free", "ring_bye", "ring_set_flag", "rings_set_flag", "copy_bytes",
     "spin_ready",
 ]
 
@@ -264,33 +264,33 @@ def ring_put(ctrl, data, data64, kind, tag, msg_nbytes, stamp, payload, offset, 
 
 
 @njit(nogil=True, cache=True)
-def ring_next(ctrl, data64, consumed):
-    """Free ``consumed`` bytes (the record just handled), then look at the next one.
+def ring_next(ctrl, data64, cursor):
+    """Look at the record at ``cursor``, the consumer's read position (ahead of
+    TAIL while records are lent out), skipping PAD records.
 
-    Returns ``(pos, word0, tag, msg_nbytes, chunk_nbytes, poke)``: ``pos`` is
-    -1 when the ring is empty; ``poke``: the producer waits for room and must
-    be woken. PAD records are skipped here.
+    Returns ``(pos, word0, tag, msg_nbytes, chunk_nbytes, cursor)``: ``pos``
+    is -1 when there is nothing more; ``cursor`` is where the record starts.
     """
     cap = data64.size * 8
-    tail = np.int64(ctrl[TAIL])
-    poke = False
-    if consumed:
-        tail += consumed
-        _store_release(ctrl, TAIL, tail)
-        _fence()  # Dekker: TAIL before reading BLOCKED
-        poke = _load_acquire(ctrl, BLOCKED) != 0
     while True:
-        head = _load_acquire(ctrl, HEAD)
-        if head == tail:
-            return -1, 0, np.uint64(0), 0, 0, poke
-        pos = tail & (cap - 1)
+        if _load_acquire(ctrl, HEAD) == cursor:
+            return -1, 0, np.uint64(0), 0, 0, cursor
+        pos = cursor & (cap - 1)
         w = pos >> 3
         word0 = np.int64(data64[w])
         if word0 & 0xFF == KIND_PAD:
-            tail += word0 >> 16
-            _store_release(ctrl, TAIL, tail)
+            cursor += word0 >> 16
             continue
-        return pos, word0, data64[w + 1], np.int64(data64[w + 2]), np.int64(data64[w + 3]), poke
+        return pos, word0, data64[w + 1], np.int64(data64[w + 2]), np.int64(data64[w + 3]), cursor
+
+
+@njit(nogil=True, cache=True)
+def ring_free(ctrl, tail):
+    """Give the producer back everything before ``tail`` (after the copies out);
+    returns whether it waits for room and must be poked."""
+    _store_release(ctrl, TAIL, tail)
+    _fence()  # Dekker: TAIL before reading BLOCKED
+    return _load_acquire(ctrl, BLOCKED) != 0
 
 
 @njit(nogil=True, cache=True)

@@ -208,6 +208,7 @@ class ShmRingTransport:
         self._blocked: dict[int, bool] = {p: False for p in self._peers}
         self._cursor: dict[int, int] = {p: 0 for p in self._peers}  # read position per ring
         self._tail: dict[int, int] = {p: 0 for p in self._peers}  # TAIL as last written
+        self._freeable: dict[int, int] = {p: 0 for p in self._peers}  # ... up to the first loan
         self._lent: dict[int, deque] = {p: deque() for p in self._peers}  # [end, returned]
         self._partial: dict[int, list] = {}
         self._lending: np.ndarray | None = None  # a loan on its way to a request  # src -> [tag, stamp, buffer, bytes filled]
@@ -465,25 +466,24 @@ class ShmRingTransport:
             else:
                 raise TransportError(f"rank {self.rank}: corrupt shm ring from rank {peer} "
                                      f"(record kind {kind})")
-            cursor = end
             if loan is not None:
+                if not lent:  # everything before this record is consumed
+                    self._freeable[peer] = cursor
                 lent.append(loan)
             elif lent:  # consumed, but an older record is still lent out
                 lent.append([end, True])
+            cursor = end
         self._cursor[peer] = cursor
         self._free(peer)
         return did
 
     def _free(self, peer: int) -> None:
-        """Advance TAIL over every record consumed or returned, in ring order."""
+        """Advance TAIL over every record consumed or returned, in ring order:
+        up to the first record still lent out, or to the read position."""
         lent = self._lent[peer]
-        tail = self._cursor[peer]
-        if lent:
-            tail = self._tail[peer]
-            while lent and lent[0][1]:
-                tail = lent.popleft()[0]
-            if not lent:
-                tail = self._cursor[peer]
+        while lent and lent[0][1]:
+            self._freeable[peer] = lent.popleft()[0]
+        tail = self._freeable[peer] if lent else self._cursor[peer]
         if tail != self._tail[peer]:
             self._tail[peer] = tail
             if K.ring_free(self._inbound[peer].ctrl, tail):
@@ -526,12 +526,12 @@ class ShmRingTransport:
         return loan
 
     def _returned(self, peer: int, loan: list) -> None:
-        """A lent view died (any thread, any time: only flag it; the next
-        progress frees the space, or the helper at once if the producer waits)."""
+        """A lent view died (in any thread, at any time: so only flag it, and
+        have the space freed by a spinning waiter, which sees the epoch move,
+        or else by the helper; the producer may be waiting for exactly this room)."""
         loan[1] = True
-        ring = self._inbound.get(peer)
-        if ring is not None and ring.ctrl[K.BLOCKED]:
-            self._wake_helper()
+        self._epoch[0] += 1
+        self._wake_helper()
 
     def _peer_gone(self, peer: int, reason: str) -> None:
         if peer in self._gone:

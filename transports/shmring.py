@@ -10,14 +10,21 @@ Rings
     that follow each other through the ring, flow-controlled by its read
     index, so memory stays bounded whatever the message size, and two ranks
     sending each other huge messages at once cannot deadlock (whoever waits
-    also drains, see below).
+    also drains, see below). One record is copied in by the sender and out
+    by the receiver, straight into the posted buffer; a receive posted
+    without a buffer (what reductions do) is *lent* a view of the ring
+    itself, so the reduction reads the peer's bytes in place, and the space
+    returns to the producer when the view dies. A chunked message is
+    assembled in a private buffer first (one more copy: the Mailbox can only
+    take a whole payload; see the report for the API that would avoid it).
 Progress
     There is no I/O thread on the critical path: the thread that waits on a
     request makes progress itself (drains every inbound ring into the
     :class:`~transports.mailbox.Mailbox`, pushes queued sends), then polls
     the rings without the GIL: a bounded busy spin (``pause``), then
-    ``sched_yield`` polls, then it blocks on the request. A rank with no
-    polling thread marks its rings ASLEEP; a producer that publishes into a
+    ``sched_yield`` polls, then it blocks on the request. A rank whose
+    threads stopped polling (2 ms after the last poll, or at once when a
+    waiter blocks) marks its rings ASLEEP; a producer that publishes into a
     sleeping ring pokes the consumer with one byte on a Unix socket, which
     wakes the transport's helper thread (blocked in ``poll``) to drain. The
     helper also carries progress no one waits for (sends that did not fit,

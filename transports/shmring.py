@@ -103,6 +103,9 @@ def ring_nbytes_for(inline_nbytes: int) -> int:
     return max(1 << 16, 1 << (need - 1).bit_length())
 
 
+_HAS_WHOLE_CALL = "whole_call" in PendingRequest.__slots__
+
+
 class _Request(PendingRequest):
     """A request whose ``wait`` drives the transport (see the module docstring).
 
@@ -116,8 +119,11 @@ class _Request(PendingRequest):
     __slots__ = ("_engine", "_loan", "_loan_ref")
 
     def __init__(self, engine: "ShmRingTransport", what: str, rank: int, peer: int, tag: int,
-                 buf: memoryview | None = None, stamp: bytes = b""):
-        super().__init__(what, rank, peer, tag, buf, stamp)
+                 buf: memoryview | None = None, stamp: bytes = b"", whole_call: bool = False):
+        # whole_call: the interface's newer receive flag, passed on where the
+        # mailbox knows it (the branch this was written on predates it).
+        super().__init__(what, rank, peer, tag, buf, stamp,
+                         *((whole_call,) if _HAS_WHOLE_CALL else ()))
         self._engine = engine
         self._loan = None
         self._loan_ref = None
@@ -345,10 +351,11 @@ class ShmRingTransport:
             self._wake_helper()
         return req
 
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"") -> _Request:
+    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
+              whole_call: bool = False) -> _Request:
         check_peer(RECV, self.rank, self.size, peer, tag)
         view = None if buf is None else byte_view(buf, writable=True)
-        req = _Request(self, RECV, self.rank, peer, tag, view, check_stamp(stamp))
+        req = _Request(self, RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
         self._mailbox.post(req)
         return req
 

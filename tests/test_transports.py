@@ -31,7 +31,7 @@ from transports import (
     create,
 )
 
-KINDS = ["inproc", "tcp", "ipc"]
+KINDS = ["inproc", "tcp", "ipc", "shm"]
 #: Below and above the default zero-copy threshold (64 KiB): both wire paths.
 SMALL_NBYTES, MEDIUM_NBYTES = 64, 256 << 10
 WAIT_S = 10.0  # generous deadline for things that should happen at once
@@ -564,7 +564,7 @@ def _crash_after_handshake(kind: str, store_root: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("process_kind", ["tcp", "ipc"])
+@pytest.mark.parametrize("process_kind", ["tcp", "ipc", "shm"])
 def test_crashed_process_is_reported_quickly(tmp_path, process_kind):
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_crash_after_handshake, args=(process_kind, str(tmp_path)))

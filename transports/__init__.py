@@ -125,7 +125,9 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
     kind : str or factory
         A registered kind (see :data:`KINDS`): ``inproc`` (ranks are threads of
         this process), ``tcp`` (any hosts), ``ipc`` (processes on one host:
-        Unix domain sockets plus shared-memory slots); or a factory.
+        Unix domain sockets plus shared-memory slots), ``shm`` (processes on one
+        Linux host: shared-memory rings polled by the waiting thread,
+        :mod:`transports.shmring`); or a factory.
     rank, size : int
         This rank and the group size.
     store : Rendezvous
@@ -185,6 +187,14 @@ def _zmq(scheme):
     return factory
 
 
+def _shm(rank, size, store, options):
+    from .shmring import ShmRingTransport
+
+    # Rings hold two of the largest messages the ipc slots would carry.
+    return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes)
+
+
 register("inproc", _inproc)
 register("tcp", _zmq("tcp"))
 register("ipc", _zmq("ipc"))
+register("shm", _shm)

@@ -62,7 +62,7 @@ class _FileStore:
 
 def _echo(kind: str, root: str) -> None:
     """Rank 1: send every message back until an empty one arrives."""
-    t = transports.create(kind, 1, 2, _FileStore(root), timeout_s=WAIT_S)
+    t = transports.create(kind, 1, 2, _FileStore(root))
     try:
         while True:
             msg = t.irecv(0, _PING).wait(time.monotonic() + 600)
@@ -84,7 +84,7 @@ def peer():
             root = tempfile.mkdtemp(prefix="numcoll-bench-shm-")
             child = ctx.Process(target=_echo, args=(kind, root), daemon=True)
             child.start()
-            made[kind] = (transports.create(kind, 0, 2, _FileStore(root), timeout_s=WAIT_S), child)
+            made[kind] = (transports.create(kind, 0, 2, _FileStore(root)), child)
         return made[kind][0]
 
     yield get

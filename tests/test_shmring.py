@@ -261,8 +261,10 @@ def test_four_processes_on_two_cores_then_one_is_killed(tmp_path):
 
 
 def test_lent_views_free_the_ring_in_order(small_rings):
-    """Receives without a buffer get views of the ring; space before, between
-    and after them comes back once they are dropped, whatever the order."""
+    """Receives without a buffer, between small messages, many times round a
+    small ring: every byte of ring space comes back. (With loans of ring views
+    on -- transports.shmring.LEND_MIN_NBYTES -- this failed about one run in two;
+    loans are off until that is understood.)"""
     a, b = small_rings
     nbytes = 64 << 10  # lent (LEND_MIN_NBYTES); three fill a 256 KiB ring
     for rnd in range(20):

@@ -93,8 +93,12 @@ _POKE = b"\x01"
 _EMPTY = np.empty(0, np.uint8)
 #: Payloads up to this size come out of the ring as ``bytes`` (cheaper than an array).
 _SMALL_COPY_NBYTES = 4096
-#: A receive without a buffer gets a view of the ring itself (no copy) from this size.
-LEND_MIN_NBYTES = 64 << 10
+#: A receive without a buffer could get a view of the ring itself (no copy) from
+#: this size. Off for now: with loans on, tests/test_shmring.py's
+#: test_lent_views_free_the_ring_in_order found ring space not given back in about
+#: one run in two (space a waiter then never gets: a hang until the deadline), and
+#: the cause is not found yet. Every payload is copied out of the ring instead.
+LEND_MIN_NBYTES = 1 << 62
 
 
 def ring_nbytes_for(inline_nbytes: int) -> int:

@@ -113,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="write metadata and every row as JSON to PATH ('-' for stdout, "
                         "which then replaces the table)")
-    p.add_argument("--compare", choices=("torch",), default=None,
-                   help="also run torch.distributed (backend gloo) on the same sizes")
+    p.add_argument("--compare", type=_anchors, default=(),
+                   help="comma-separated anchors run on the same sizes in the same "
+                        "invocation: torch (torch.distributed, backend gloo), mpi4py (Open "
+                        "MPI via mpirun); e.g. --compare torch,mpi4py")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline of each sweep in seconds (default {DEFAULT_TIMEOUT_S:.0f})")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     progress = "none" if args.quiet else args.progress
     plan = plans[0]
-    if args.compare == "torch":
+    if "torch" in args.compare:
         if not torch_available():
             print("numcoll-bench: error: --compare torch needs PyTorch, which is not importable "
                   "in this environment (pip install torch)", file=sys.stderr)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                transport=args.transport, timeout_s=args.timeout,
                                progress=progress)
     torch_per_plan, status = None, 0
-    if args.compare == "torch":
+    if "torch" in args.compare:
         try:
             torch_per_plan, _ = run_plans(plans, backend="torch", timeout_s=args.timeout,
                                           progress=progress)
@@ -182,8 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = _by_size([r for rows in per_plan for r in rows])
     torch_rows = None if torch_per_plan is None else [r for rs in torch_per_plan for r in rs]
     rows = compare_rows(rows, torch_rows)
+    mpi_rows = None
+    if "mpi4py" in args.compare:
+        from .mpi import run_plan_mpi
+
+        try:
+            mpi_rows = [r for p in plans for r in run_plan_mpi(p, timeout_s=args.timeout)[0]]
+        except Exception as exc:  # noqa: BLE001 - keep the other results, report MPI's failure
+            print(f"numcoll-bench: error: the mpi4py run failed: {exc}", file=sys.stderr)
+            status = status or 1
+        else:
+            rows = _with_mpi(rows, mpi_rows)
     meta = metadata(plan, mode=args.mode, transport=args.transport,
-                    transport_used=info.get("transport"), compare=args.compare,
+                    transport_used=info.get("transport"), compare=",".join(args.compare) or None,
                     torch_version=torch_version())
     meta["placements"] = [p.placement for p in plans]
 
@@ -194,14 +207,63 @@ def main(argv: list[str] | None = None) -> int:
                  + (f"  vs torch {meta['torch_version']} gloo (processes, 1 thread/rank)"
                     if torch_rows is not None else ""))
         print(format_table(rows, title=title), flush=True)
+        if mpi_rows is not None:
+            print(_mpi_table(rows), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows)
-    wrong = sum(r["wrong"] or 0 for r in rows) + sum(r.get("torch_wrong") or 0 for r in rows)
+    wrong = sum((r["wrong"] or 0) + (r.get("torch_wrong") or 0) + (r.get("mpi_wrong") or 0)
+                for r in rows)
     if wrong:
         print(f"numcoll-bench: error: {wrong} wrong result elements (see #wrong)",
               file=sys.stderr)
         status = status or 1
     return status
+
+
+def _anchors(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ("torch", "mpi4py")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown anchor {unknown[0]!r}; choose from torch, "
+                                         "mpi4py")
+    return names
+
+
+def _with_mpi(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
+    """``mpi_*`` columns and numcoll/MPI ratios, matched by size and placement."""
+    by_key = {(r["size"], r.get("placement")): r for r in mpi_rows}
+    out = []
+    for row in rows:
+        row = dict(row)
+        m = by_key.get((row["size"], row.get("placement")))
+        if m is not None:
+            row.update(mpi_time_us=m["time_us"], mpi_busbw_gbps=m["busbw_gbps"],
+                       mpi_wrong=m.get("wrong"),
+                       mpi_time_ratio=row["time_us"] / m["time_us"] if m["time_us"] else None,
+                       mpi_busbw_ratio=(row["busbw_gbps"] / m["busbw_gbps"]
+                                        if m["busbw_gbps"] else None))
+        out.append(row)
+    return out
+
+
+def _mpi_table(rows: list[dict]) -> str:
+    """The same sizes against mpi4py: time and busbw, and numcoll's ratios."""
+    lines = ["# vs mpi4py (Open MPI, mpirun)",
+             f"{'size(B)':>12} {'place':>5} {'time(us)':>10} {'mpi(us)':>10} {'time x':>8} "
+             f"{'busbw':>8} {'mpi':>8} {'busbw x':>8} {'#wrong':>6}"]
+    for r in rows:
+        if "mpi_time_us" not in r:
+            continue
+        lines.append(
+            f"{r['size']:>12d} {r.get('placement', '')[:5]:>5} {r['time_us']:>10.1f} "
+            f"{r['mpi_time_us']:>10.1f} {_fmt(r['mpi_time_ratio']):>8} "
+            f"{r['busbw_gbps']:>8.3f} {r['mpi_busbw_gbps']:>8.3f} "
+            f"{_fmt(r['mpi_busbw_ratio']):>8} {r.get('mpi_wrong') or 0:>6}")
+    return "\n".join(lines)
+
+
+def _fmt(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 def _by_size(rows: list[dict]) -> list[dict]:

@@ -338,7 +338,7 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "argv": sys.argv,
     }
-    if compare == "torch":
+    if compare and "torch" in compare.split(","):
         meta["torch_backend"] = "gloo"
         meta["torch_mode"] = "process"
         meta["torch_num_threads"] = 1

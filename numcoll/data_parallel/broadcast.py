@@ -27,7 +27,7 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     contiguous copies. CUDA arrays (all of them, contiguous) are packed by one
     kernel launch per buffer.
     """
-    from .. import distributed as dist
+    from .. import groups as dist  # group resolution and rank translation
 
     name = "broadcast_coalesced"
     pg = dist._resolve(group)

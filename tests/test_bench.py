@@ -116,8 +116,9 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--op", "allgather", "--algorithm", "tree"],
      "unknown allgather algorithm 'tree'; choose one of ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
+    (["--compare", "torch,nccl"], "unknown anchor 'nccl'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),
-], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "placement"])
+], ids=["op", "max-lt-min", "world-size", "size", "algorithm-op", "algorithm-name", "compare", "placement"])
 @pytest.mark.slow
 def test_cli_rejects_bad_arguments(args, message):
     out = bench(*args)

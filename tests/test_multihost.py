@@ -244,3 +244,63 @@ def test_the_launcher_across_hosts(hosts, tmp_path):
         lines = sorted(line for line in out.splitlines() if "sum" in line)
         assert lines == [f"[rank{r}]: sum 6 {node} {expected_names}"
                          for r in (2 * node, 2 * node + 1)], out
+
+
+CUT = textwrap.dedent("""
+    import datetime, os, sys, time
+    import numpy as np
+    import numcoll as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    rank = dist.get_rank()
+    x = np.ones(1 << 16, np.float32)
+    dist.all_reduce(x)
+    open(os.environ["READY"] + str(rank), "w").close()
+    start = None
+    try:
+        for _ in range(100000):
+            if start is None and os.path.exists(os.environ["CUT"]):
+                start = time.monotonic()
+            dist.all_reduce(x)
+        print("no error")
+        sys.exit(1)
+    except Exception as exc:
+        took = time.monotonic() - (start or time.monotonic())
+        print(f"{took:.2f}s {type(exc).__name__} peer={getattr(exc, 'peer', None)}: {exc}",
+              flush=True)
+    time.sleep(3)   # rank 0 hosts the store: keep it up while the others read why
+    os._exit(0)
+""")
+
+
+def test_a_cut_link_is_named_by_every_survivor(hosts, tmp_path):
+    """The cable of host 2 is pulled mid-allreduce (its veth goes down: no RST,
+    nothing closes): the survivors' group timeout (3 s) fires, and each names
+    rank 2 -- rank 0 directly, rank 1 through rank 0's note -- within a few
+    seconds."""
+    script = tmp_path / "cut.py"
+    script.write_text(CUT)
+    ready, cut = tmp_path / "ready", tmp_path / "cut"
+    n = len(hosts.names)
+    procs = [hosts.popen(r, [sys.executable, str(script)],
+                         _env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR=hosts.addrs[0],
+                              MASTER_PORT=str(PORT + 3), READY=str(ready), CUT=str(cut)))
+             for r in range(n)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{r}").exists() for r in range(n)):
+            assert time.monotonic() < deadline, "the ranks never got going"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.05)
+        time.sleep(0.2)
+        _ip("-n", hosts.switch, "link", "set", "p2", "down")
+        cut.touch()
+        results = _finish(procs)
+    finally:
+        _ip("-n", hosts.switch, "link", "set", "p2", "up")
+    for r in (0, 1):
+        code, out, err = results[r]
+        assert code == 0, f"rank {r}: {out}\n{err}"
+        seconds = float(out.split("s ", 1)[0])
+        assert seconds < 8, out           # 3 s timeout + following the notes
+        assert "peer=2" in out, out

@@ -28,7 +28,8 @@ import tempfile
 
 import numpy as np
 
-from .sweep import OPS, Case, Plan, format_table, make_plan, parse_nbytes, summarize
+from .report import format_table
+from .sweep import OPS, Case, Plan, make_plan, parse_nbytes, summarize
 
 __all__ = ["mpi_available", "mpi_rank", "run_plan_mpi", "MpiUnavailableError", "main"]
 
@@ -74,7 +75,7 @@ def mpi_rank(plan: Plan) -> list[np.ndarray] | None:
         raise RuntimeError(f"plan is for {plan.world_size} ranks, mpirun started {comm.Get_size()}")
     times = []
     for case in plan.cases:
-        inp, out = rank_buffers(plan, case)
+        inp, out = rank_buffers(plan, case, comm.Get_rank())
         times.append(_time_case(_mpi_step(MPI, comm, plan.op, inp, out), case, comm.Barrier,
                                 plan.sync_each_iter))
     gathered = comm.gather(times, root=0)

@@ -16,6 +16,7 @@ the quick setting CI can afford).
 
 import itertools
 import multiprocessing
+import shutil
 import os
 import tempfile
 import time
@@ -84,15 +85,16 @@ def peer():
             root = tempfile.mkdtemp(prefix="numcoll-bench-shm-")
             child = ctx.Process(target=_echo, args=(kind, root), daemon=True)
             child.start()
-            made[kind] = (transports.create(kind, 0, 2, _FileStore(root)), child)
+            made[kind] = (transports.create(kind, 0, 2, _FileStore(root)), child, root)
         return made[kind][0]
 
     yield get
-    for t, child in made.values():
+    for t, child, root in made.values():
         t.isend(1, _PING, b"").wait(time.monotonic() + WAIT_S)
         t.irecv(1, _PONG).wait(time.monotonic() + WAIT_S)
         t.close()
         child.join(WAIT_S)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _size_id(nbytes: int) -> str:

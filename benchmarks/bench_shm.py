@@ -16,8 +16,8 @@ the quick setting CI can afford).
 
 import itertools
 import multiprocessing
-import shutil
 import os
+import shutil
 import tempfile
 import time
 

@@ -147,7 +147,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         self._inflight: dict[int, Work] = {}
         self._poisoned: str | None = None
         self._closed = False
-        self._global_rank = rank  # new_group() sets the rank in the default group
+        self._global_rank = rank  # in the default group: see _set_global_ranks
         fr = flight_recorder.recorder()
         self._recorder = fr
         self._pg_id = (fr.register_group(f"{opts.group_name}/{generation}",
@@ -199,6 +199,13 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             raise GroupPoisonedError(
                 f"{op_name}: the process group on rank {self._rank} is unusable because "
                 f"{self._poisoned}; create a new group")
+
+    def _set_global_ranks(self, ranks: list[int]) -> None:
+        """The default group's ranks of this group's ranks (``new_group`` tells
+        them), for the flight recorder's records and configuration."""
+        self._global_rank = ranks[self._rank]
+        if self._recorder is not None:
+            self._recorder.set_group_ranks(self._pg_id, ranks)
 
     def sequence_number(self) -> int:
         """The sequence number the next collective will take (equal on every rank)."""

@@ -150,3 +150,19 @@ def test_ranks_far_from_a_dead_rank_name_it_not_their_neighbour():
     for rank, exc in errors.items():
         assert isinstance(exc, nc.PeerError) and exc.peer == 3, (rank, exc)
         assert "rank 3" in str(exc).split(":", 1)[1][:80] or "rank 3 " in str(exc), (rank, exc)
+
+
+def test_subgroup_records_carry_global_ranks(fresh_recorder):
+    def body():
+        sub = nc.new_group([1, 2])
+        if nc.get_rank() in (1, 2):
+            nc.all_reduce(np.ones(2), group=sub)
+        return True
+
+    nc.launch(body, 3, mode="thread")
+    dump = nc.flight_recorder.dump()
+    subs = {pg_id for pg_id, cfg in dump["pg_config"].items() if cfg["ranks"] == [1, 2]}
+    assert subs, dump["pg_config"]
+    ranks = {e["rank"] for e in dump["entries"] if str(e["pg_id"]) in subs
+             and e["profiling_name"] == "numcoll:allreduce"}
+    assert ranks == {1, 2}

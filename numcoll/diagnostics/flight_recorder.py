@@ -107,6 +107,10 @@ class FlightRecorder:
             self._pg_status[pg_id] = [-1, -1, -1]
         return pg_id
 
+    def set_group_ranks(self, pg_id: int, ranks: list[int]) -> None:
+        with self._lock:
+            self._pg_config[pg_id]["ranks"] = list(ranks)
+
     # The three calls below run on every collective: no lock (a deque append and
     # an itertools.count step are atomic under the GIL; a status read racing an
     # update sees the old or the new number), one clock read each.

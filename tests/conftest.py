@@ -34,8 +34,8 @@ def tiny_segments(monkeypatch):
 # --- the collectives matrix: which world sizes, over which transports ------------------
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 7)
-#: The transports that cross a socket run a slice of the matrix: one odd world size.
-SOCKET_SLICE = (("tcp", 3), ("ipc", 3))
+#: The transports between processes run a slice of the matrix: one odd world size.
+SOCKET_SLICE = (("tcp", 3), ("ipc", 3), ("shm", 3))
 
 
 def pytest_addoption(parser):

@@ -218,7 +218,7 @@ def test_float16_sums_do_not_drift():
         assert np.all(err <= ulp * 0.5 + 1e-12)
 
 
-@pytest.mark.parametrize("transport", ["inproc", "tcp", "ipc"])
+@pytest.mark.parametrize("transport", ["inproc", "tcp", "ipc", "shm"])
 def test_every_collective_on_every_transport(transport, tiny_segments):
     """Every collective, 3 ranks, over each transport (the rest of this file
     runs on inproc; the ported Gloo tests run on ipc between processes)."""

@@ -65,11 +65,14 @@ def _store_client() -> TCPStore:
 
 
 def _artifacts() -> dict[str, list[str]]:
-    """The files the default group made: ipc socket paths and shared-memory slabs."""
+    """The files the default group made: ipc socket paths and shared-memory slabs
+    (none for transports that publish no ZeroMQ endpoint, e.g. shm)."""
     store, size = _store_client(), dist.get_world_size()
     try:
-        # Each rank publishes "endpoint nonce mode": the endpoint is the first word.
-        addrs = [store.get(f"{_GROUP_KEYS}/addr/{r}").decode().split()[0] for r in range(size)]
+        # Each ZeroMQ rank publishes "endpoint nonce mode": the endpoint is the first word.
+        keys = [f"{_GROUP_KEYS}/addr/{r}" for r in range(size)]
+        addrs = ([store.get(k).decode().split()[0] for k in keys] if store.check(keys)
+                 else [])
         slabs = []
         for r in range(size):
             for p in range(size):

@@ -57,7 +57,8 @@ class _Options:
         progress at once. transport: a registered kind ("tcp", "ipc",
         "inproc", or one added with ``transports.register``), a transport
         factory, or None to choose (inproc when every rank is a thread of this
-        process, else ipc when all share a host, else tcp). host: the address
+        process, else shm when all share a Linux host (ipc elsewhere), else
+        tcp). host: the address
         tcp binds to.
         algorithm: force algorithms for this group, e.g. "allreduce:ring".
         group_name: separates groups sharing one store.

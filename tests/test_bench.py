@@ -95,7 +95,7 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
         (4096, 1024, "float32", "out", "ring", "0"), (4096, 1024, "float32", "in", "ring", "0")]
     doc = json.loads(path.read_text())
     assert doc["metadata"]["mode"] == "process"
-    assert doc["metadata"]["transport_used"] in ("ipc", "tcp")
+    assert doc["metadata"]["transport_used"] in ("shm", "ipc", "tcp")
     assert doc["metadata"]["placements"] == ["out-of-place", "in-place"]
     assert [r["placement"] for r in doc["rows"]] == ["out-of-place", "in-place"] * 2
     # allgather: size is the output (n x input); busbw = algbw x (n-1)/n

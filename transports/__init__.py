@@ -153,12 +153,22 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
 def choose_kind(here: str, places: list[str]) -> str:
     """The transport for a group whose ranks run at ``places`` ("host:pid" each,
     this rank's being ``here``): ``inproc`` when every rank is a thread of this
-    process, ``ipc`` when all share this host, else ``tcp``. (``shm`` is chosen
-    by name only, until it passes the whole suite as the default.)"""
+    process; when all share this host, ``shm`` where Linux offers what it needs
+    (memfd_create, fd passing), else ``ipc``; otherwise ``tcp``."""
     if all(p == here for p in places):
         return "inproc"
     host = here.rsplit(":", 1)[0]
-    return "ipc" if all(p.rsplit(":", 1)[0] == host for p in places) else "tcp"
+    if not all(p.rsplit(":", 1)[0] == host for p in places):
+        return "tcp"
+    return "shm" if shm_available() else "ipc"
+
+
+def shm_available() -> bool:
+    """Whether the ``shm`` transport can run here (Linux: memfd_create, SCM_RIGHTS)."""
+    import os
+    import socket
+
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
 def _inproc(rank, size, store, options):

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("process", "thread"), default="process",
                    help="ranks as processes (default) or threads of one process")
     p.add_argument("--transport", choices=transports.KINDS, default=None,
-                   help="numcoll transport (default: numcoll chooses; ipc for local processes, "
-                        "inproc for threads)")
+                   help="numcoll transport (default: numcoll chooses; shm for local processes "
+                        "on Linux, ipc elsewhere, inproc for threads)")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--min-bytes", "-b", type=_size, default=8, help="smallest size (default 8)")
     p.add_argument("--max-bytes", "-e", type=_size, default=64 << 20,

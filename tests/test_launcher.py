@@ -41,7 +41,8 @@ def _alive(pid: int) -> bool:
 
 
 def _pids(tmp_path) -> list[int]:
-    return [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    # A rank may be between creating its file and writing its pid: skip empty ones.
+    return [int(text) for text in (p.read_text() for p in tmp_path.glob("pid*")) if text]
 
 
 def _gone(pids, within_s=10.0) -> bool:

@@ -20,7 +20,8 @@ from transports import ANY_SOURCE, PeerClosed, StampMismatch
 from transports import shmring_kernels as K
 from transports.shmring import ShmRingTransport, ring_nbytes_for
 
-from test_transports import DictStore, FileStore, our_threads
+from test_transports import FileStore, our_threads
+from test_transports import connect as _connect
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -30,26 +31,11 @@ def deadline(seconds: float = WAIT_S) -> float:
     return time.monotonic() + seconds
 
 
-def connect(size: int, **options) -> list[ShmRingTransport]:
-    store, made, errors = DictStore(), [None] * size, []
-
-    def make(rank):
-        try:
-            made[rank] = ShmRingTransport(rank, size, store, **options)
-        except BaseException as exc:  # re-raised on the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    if errors:
-        for t in made:
-            if t is not None:
-                t.close()
-        raise errors[0]
-    return made
+def connect(size: int, inline_nbytes: int | None = None) -> list[ShmRingTransport]:
+    """A connected shm group; ``inline_nbytes`` is the largest one-record message
+    (the factory's ``shm_slot_nbytes``)."""
+    options = {} if inline_nbytes is None else {"shm_slot_nbytes": inline_nbytes}
+    return _connect("shm", size, **options)
 
 
 @pytest.fixture

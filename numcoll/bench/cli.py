@@ -7,7 +7,7 @@ import sys
 
 import transports
 
-from .report import compare_rows, format_table
+from .report import compare_rows, format_table, join_anchor, ratio
 from .runners import (
     DEFAULT_TIMEOUT_S,
     TorchUnavailableError,
@@ -231,19 +231,10 @@ def _anchors(text: str) -> tuple[str, ...]:
 
 def _with_mpi(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
     """``mpi_*`` columns and numcoll/MPI ratios, matched by size and placement."""
-    by_key = {(r["size"], r.get("placement")): r for r in mpi_rows}
-    out = []
-    for row in rows:
-        row = dict(row)
-        m = by_key.get((row["size"], row.get("placement")))
-        if m is not None:
-            row.update(mpi_time_us=m["time_us"], mpi_busbw_gbps=m["busbw_gbps"],
-                       mpi_wrong=m.get("wrong"),
-                       mpi_time_ratio=row["time_us"] / m["time_us"] if m["time_us"] else None,
-                       mpi_busbw_ratio=(row["busbw_gbps"] / m["busbw_gbps"]
-                                        if m["busbw_gbps"] else None))
-        out.append(row)
-    return out
+    return join_anchor(rows, mpi_rows, lambda row, m: dict(
+        mpi_time_us=m["time_us"], mpi_busbw_gbps=m["busbw_gbps"], mpi_wrong=m.get("wrong"),
+        mpi_time_ratio=ratio(row["time_us"], m["time_us"]),
+        mpi_busbw_ratio=ratio(row["busbw_gbps"], m["busbw_gbps"])))
 
 
 def _mpi_table(rows: list[dict]) -> str:

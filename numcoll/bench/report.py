@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["compare_rows", "format_table"]
+__all__ = ["compare_rows", "join_anchor", "ratio", "format_table"]
 
 
 def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
@@ -13,22 +13,29 @@ def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
     """
     if torch_rows is None:
         return rows
-    by_key = {(r["size"], r.get("placement")): r for r in torch_rows}
+    return join_anchor(rows, torch_rows, lambda row, t: dict(
+        torch_time_us=t["time_us"], torch_time_us_min=t["time_us_min"],
+        torch_time_us_max=t["time_us_max"], torch_algbw_gbps=t["algbw_gbps"],
+        torch_busbw_gbps=t["busbw_gbps"], torch_wrong=t.get("wrong"),
+        busbw_ratio=ratio(row["busbw_gbps"], t["busbw_gbps"]),
+        time_ratio=ratio(row["time_us"], t["time_us"])))
+
+
+def join_anchor(rows: list[dict], anchor_rows: list[dict], columns) -> list[dict]:
+    """Copies of ``rows`` with ``columns(row, anchor_row)`` added where an anchor's
+    row has the same size and placement (gloo, MPI: one matching rule)."""
+    by_key = {(r["size"], r.get("placement")): r for r in anchor_rows}
     out = []
     for row in rows:
         row = dict(row)
-        t = by_key.get((row["size"], row.get("placement")))
-        if t is not None:
-            row.update(torch_time_us=t["time_us"], torch_time_us_min=t["time_us_min"],
-                       torch_time_us_max=t["time_us_max"], torch_algbw_gbps=t["algbw_gbps"],
-                       torch_busbw_gbps=t["busbw_gbps"], torch_wrong=t.get("wrong"),
-                       busbw_ratio=_ratio(row["busbw_gbps"], t["busbw_gbps"]),
-                       time_ratio=_ratio(row["time_us"], t["time_us"]))
+        anchor = by_key.get((row["size"], row.get("placement")))
+        if anchor is not None:
+            row.update(columns(row, anchor))
         out.append(row)
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 

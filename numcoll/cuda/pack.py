@@ -46,31 +46,9 @@ if _SIMULATED:
     def _store(addr, index, value, like):
         _element(addr, index, like)[0] = value
 else:
-    from numba import types
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def _load(typingctx, addr, index, like):
-        sig = like.dtype(types.int64, types.int64, like)
-
-        def codegen(context, builder, sig, args):
-            ptr_type = context.get_value_type(sig.return_type).as_pointer()
-            ptr = builder.inttoptr(args[0], ptr_type)
-            return builder.load(builder.gep(ptr, [args[1]]))
-
-        return sig, codegen
-
-    @intrinsic
-    def _store(typingctx, addr, index, value, like):
-        sig = types.void(types.int64, types.int64, like.dtype, like)
-
-        def codegen(context, builder, sig, args):
-            ptr_type = context.get_value_type(like.dtype).as_pointer()
-            ptr = builder.inttoptr(args[0], ptr_type)
-            builder.store(args[2], builder.gep(ptr, [args[1]]))
-            return context.get_dummy_value()
-
-        return sig, codegen
+    # The same generic intrinsics the CPU pack kernels use: typed loads and
+    # stores through an integer address, which compile for either target.
+    from ..kernels.pack import _load, _store
 
 
 @cuda.jit(device=True)

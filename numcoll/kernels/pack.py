@@ -46,6 +46,21 @@ def _memcpy(typingctx, dst_addr, src_addr, nbytes):
 
 
 @intrinsic
+def _store(typingctx, addr, index, value, like):
+    """Store ``value`` as element ``index`` of the array at address ``addr``
+    (typed as ``like``'s elements); used by the CUDA pack kernels."""
+    sig = types.void(types.int64, types.int64, like.dtype, like)
+
+    def codegen(context, builder, sig, args):
+        ptr_type = context.get_value_type(like.dtype).as_pointer()
+        ptr = builder.inttoptr(args[0], ptr_type)
+        builder.store(args[2], builder.gep(ptr, [args[1]]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def _load(typingctx, addr, index, like):
     """Element ``index`` of the array at address ``addr``, typed as ``like``'s elements."""
     sig = like.dtype(types.int64, types.int64, like)

@@ -71,7 +71,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["inproc", "tcp", "ipc"])
+@pytest.mark.parametrize("transport", ["inproc", "tcp", "ipc", "shm"])
 @pytest.mark.parametrize("label,call0,call1,theirs", CASES, ids=[c[0] for c in CASES])
 def test_a_mismatch_fails_at_once_naming_both_sides(label, call0, call1, theirs, transport):
     results, errors, elapsed = run_pair([call0, call1], transport=transport)

@@ -107,9 +107,6 @@ def ring_nbytes_for(inline_nbytes: int) -> int:
     return max(1 << 16, 1 << (need - 1).bit_length())
 
 
-_HAS_WHOLE_CALL = "whole_call" in PendingRequest.__slots__
-
-
 class _Request(PendingRequest):
     """A request whose ``wait`` drives the transport (see the module docstring).
 
@@ -124,10 +121,7 @@ class _Request(PendingRequest):
 
     def __init__(self, engine: "ShmRingTransport", what: str, rank: int, peer: int, tag: int,
                  buf: memoryview | None = None, stamp: bytes = b"", whole_call: bool = False):
-        # whole_call: the interface's newer receive flag, passed on where the
-        # mailbox knows it (the branch this was written on predates it).
-        super().__init__(what, rank, peer, tag, buf, stamp,
-                         *((whole_call,) if _HAS_WHOLE_CALL else ()))
+        super().__init__(what, rank, peer, tag, buf, stamp, whole_call)
         self._engine = engine
         self._loan = None
         self._loan_ref = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..buffers import HostBuffer
-from ..kernels.pack_plan import PackPlan
 
 __all__ = ["HOST", "HostArrays", "memory_of"]
 
@@ -58,12 +57,10 @@ class HostArrays:
 
     @staticmethod
     def pack(arrays, buf: np.ndarray) -> None:
-        """``arrays`` (one dtype) back to back at the start of ``buf``: one Numba
-        call for contiguous arrays (:class:`~numcoll.kernels.pack_plan.PackPlan`)."""
-        if all(a.flags.c_contiguous for a in arrays):
-            plan = PackPlan(arrays)
-            plan.pack(buf[:plan.count])
-            return
+        """``arrays`` (one dtype) back to back at the start of ``buf``. A plain
+        loop: a :class:`~numcoll.kernels.pack_plan.PackPlan` pays off only when
+        reused (building one costs ~12 us for a single array, 37 us for 50 small
+        ones, against 0.7 us and 24 us for this loop)."""
         start = 0
         for a in arrays:
             buf[start:start + a.size] = a.reshape(-1) if a.flags.c_contiguous else a.ravel()

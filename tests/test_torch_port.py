@@ -140,7 +140,11 @@ def test_under_torchrun_the_ranks_use_its_agent_store(tmp_path):
         "import numpy as np\nimport numcoll as dist\n"
         "dist.init_process_group('gloo')\n"
         "x = np.array([dist.get_rank() + 1.0])\ndist.all_reduce(x)\n"
-        "print('sum', int(x[0]), type(dist.get_default_group()._store).__name__)\n"
+        # One write of a whole line: both ranks share torchrun's stdout pipe, where
+        # print()'s separate writes of its parts interleaved ("sumsum 3 ...").
+        "import os, sys\n"
+        "line = 'sum %d %s\\n' % (int(x[0]), type(dist.get_default_group()._store).__name__)\n"
+        "os.write(sys.stdout.fileno(), line.encode())\n"
         "dist.destroy_process_group()\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))

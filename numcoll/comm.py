@@ -162,6 +162,38 @@ class Comm:
         self.wait(s)
         return data
 
+    # -- the shared arena (shm transport) -----------------------------------------
+    @property
+    def arena(self):
+        """The transport's shared arena (:mod:`transports.shmarena`), or None."""
+        return getattr(self.transport, "arena", None)
+
+    def shared_step(self, payload=None, nbytes: int | None = None) -> int:
+        """One step of the shared arena: publish ``payload`` (uint8; or, with
+        None, the ``nbytes`` already written into ``arena.mine(arena.next_step)``)
+        and wait until every rank has published its part of the same step of
+        the same call. Returns the step, for :meth:`shared_view`."""
+        arena = self.transport.arena
+        try:
+            step = arena.put(payload, self.seq, self.stamp, nbytes)
+            arena.wait(step, self.seq, self.stamp, self.deadline,
+                       collective_tag(self.seq, 0) >> CALL_SHIFT)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "recv") from exc
+        return step
+
+    def shared_view(self, step: int, peer: int, start: int, nbytes: int):
+        """Bytes ``start:start + nbytes`` of what ``peer`` published at ``step``
+        (read in place: valid until this rank's step after next); a peer that
+        published fewer bytes fails as a wrong-size message."""
+        arena = self.transport.arena
+        published = arena.nbytes(step, peer)
+        if start + nbytes > published:
+            exc = MessageSizeError(f"rank {peer} published {published} bytes, this rank "
+                                   f"reads bytes {start}..{start + nbytes}", peer)
+            raise self._translate(exc, peer, "recv")
+        return arena.view(step, peer, start, nbytes)
+
     def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None]:
         """After a timeout on ``peer``: the stalled rank at the end of the chain
         of ranks waiting for each other, if it is not ``peer`` itself.
@@ -199,7 +231,9 @@ class Comm:
         direction = "from" if what == "recv" else "to"
         if isinstance(exc, StampMismatch):
             mine = self.call.summary(self.seq)
-            theirs = describe_stamp(exc.remote_stamp, self.seq)
+            remote_seq = getattr(exc, "remote_seq", None)
+            theirs = describe_stamp(exc.remote_stamp,
+                                    self.seq if remote_seq is None else remote_seq)
             return CollectiveMismatchError(
                 f"Detected mismatch between collectives on ranks. Rank {self.rank} is running "
                 f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. Every "

@@ -38,6 +38,19 @@ class Config:
     #: zero_copy_nbytes up to the segment size (one copy per side instead of a
     #: socket's kernel copies); 0 sends everything through the socket.
     shm_slots: int = 8
+    #: shm transport: payload bytes per rank and step of the shared arena that
+    #: the ``shared`` algorithms use (a multiple of 64, at least 4096; 0 turns
+    #: the arena and those algorithms off). Rank 0's region holds 2 x P slots,
+    #: whose pages are only touched as messages need them.
+    arena_slot_nbytes: int = 1 << 20
+    #: On groups with a shared arena, collectives of up to this many bytes
+    #: (per rank) use the ``shared`` algorithms; larger ones the ring family.
+    shared_max_nbytes: int = 1 << 62
+    #: On groups with a shared arena and three ranks or more, allreduces of at
+    #: least this many bytes split the reduction among the ranks
+    #: (``shared_split``: two steps per round) instead of every rank reducing
+    #: every slot (``shared``: one step).
+    shared_split_nbytes: int = 64 << 10
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -86,7 +99,8 @@ _DEFAULTS = Config()
 _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
-           "store_max_frame_nbytes": (1024, None)}
+           "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
+           "shared_split_nbytes": (0, None)}
 
 
 def _from_env(name: str):
@@ -110,6 +124,9 @@ def _check(name: str, value):
     if (low is not None and value < low) or (high is not None and value > high):
         span = f"{low}..{high}" if high is not None else f"at least {low}"
         raise ValueError(f"{name} (NUMCOLL_{name.upper()}) must be {span}, got {value}")
+    if name == "arena_slot_nbytes" and value and (value < 4096 or value % 64):
+        raise ValueError(f"arena_slot_nbytes (NUMCOLL_ARENA_SLOT_NBYTES) must be 0 or a "
+                         f"multiple of 64 of at least 4096, got {value}")
     if name == "half_wire" and value not in ("float32", "native"):
         raise ValueError(f"half_wire must be 'float32' or 'native', got {value!r}")
     return value

@@ -23,6 +23,7 @@ from typing import Callable
 import transports
 
 from . import config as _config
+from .algorithms import SHARED
 from .call import Call
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
@@ -139,7 +140,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 # Every message an algorithm sends fits a slot: segments, and the
                 # whole buffers of the small-message algorithms.
                 shm_slot_nbytes=max(self._cfg.segment_nbytes, self._cfg.allreduce_small_nbytes,
-                                    self._cfg.broadcast_small_nbytes)))
+                                    self._cfg.broadcast_small_nbytes),
+                arena_slot_nbytes=self._cfg.arena_slot_nbytes))
+        if getattr(self._transport, "arena", None) is None and self._cfg.arena_slot_nbytes:
+            # No shared memory between these ranks: the shared algorithms are off.
+            self._cfg = dataclasses.replace(self._cfg, arena_slot_nbytes=0)
 
         self._lock = threading.Lock()
         self._next_seq = 0
@@ -262,6 +267,8 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if self._closed:
                 raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
                                    "group was shut down before it ran")
+            if work.call is not None and work.call.algorithm in SHARED:
+                self._wait_arena_turn(work)
             if record is not None:
                 self._recorder.started(record)
             comm = Comm(self._transport, work.seq, work.call, peer_note=self._abort_reason,
@@ -280,6 +287,31 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             with self._lock:
                 self._inflight.pop(key, None)
             work.get_future().set_result(result)
+
+    def _wait_arena_turn(self, work: Work) -> None:
+        """Let every earlier call that uses the shared arena finish first.
+
+        Each shared-algorithm call runs a fixed number of arena steps, and the
+        ranks match steps by count, so on every rank these calls must run in
+        sequence-number order; worker threads (and callers running their own
+        work in ``Work.wait``) may otherwise start them in any order. An
+        earlier one that no thread has claimed yet is run here.
+        """
+        deadline = time.monotonic() + work.call.timeout_s
+        for earlier in self._earlier_work(work):
+            if earlier.call is None or earlier.call.algorithm not in SHARED:
+                continue
+            if earlier._run_here is not None and earlier._claim():
+                earlier._run_here()
+            try:
+                earlier.get_future().wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise NumcollError(
+                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank} timed out "
+                    f"waiting for this rank's earlier {earlier.op_name} (collective "
+                    f"#{earlier.seq}), which shares the arena and must finish first") from None
+            except BaseException:  # noqa: BLE001 - its own Work reports it; the group is poisoned
+                pass
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.

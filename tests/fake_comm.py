@@ -30,11 +30,75 @@ class _Pending:
         self.peer, self.step, self.buf, self.done = peer, step, buf, done
 
 
+class _Arena:
+    """The shared arena of transports.shmarena, in memory: two sets of slots
+    and a step count per rank; a step waits (with a deadline) until every
+    rank has published it. A rank's view of it is :class:`_ArenaView`."""
+
+    def __init__(self, size: int, slot_nbytes: int):
+        self.slot_nbytes = slot_nbytes
+        self.slots = np.zeros((2, size, slot_nbytes), np.uint8)
+        self.nbytes = np.zeros((2, size), np.int64)
+        self.published = [0] * size
+        self.cond = threading.Condition()
+
+
+class _ArenaView:
+    def __init__(self, arena: _Arena, rank: int):
+        self._arena, self._rank = arena, rank
+        self.slot_nbytes = arena.slot_nbytes
+        self.next_step = 0
+
+    def mine(self, step: int) -> np.ndarray:
+        return self._arena.slots[step & 1, self._rank]
+
+
 class FakeComm:
-    def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None):
+    def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None,
+                 arena: _Arena | None = None):
         self.rank, self.size = rank, len(fabric)
         self._fabric = fabric
         self._log = log
+        self.arena = None if arena is None else _ArenaView(arena, rank)
+
+    def shared_step(self, payload=None, nbytes: int | None = None) -> int:
+        """Comm.shared_step: publish, then wait for every rank's part of the step."""
+        view, arena = self.arena, self.arena._arena
+        step = view.next_step
+        if payload is not None:
+            nbytes = payload.size
+            arena.slots[step & 1, self.rank, :nbytes] = payload
+        nbytes = nbytes or 0
+        assert nbytes <= arena.slot_nbytes, f"rank {self.rank}: {nbytes} bytes overflow the slot"
+        if self._log is not None:
+            self._log.append(nbytes)
+        deadline = time.monotonic() + WAIT_S
+        with arena.cond:
+            # The two-set rule of transports.shmarena: overwriting set step % 2
+            # is safe only once every rank has published step - 1.
+            assert min(arena.published) >= step, f"rank {self.rank} overwrote a set in use"
+            arena.nbytes[step & 1, self.rank] = nbytes
+            arena.published[self.rank] = step + 1
+            arena.cond.notify_all()
+            while min(arena.published) < step + 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.rank}: step {step} never completed")
+                arena.cond.wait(left)
+        view.next_step = step + 1
+        return step
+
+    def shared_view(self, step: int, peer: int, start: int, nbytes: int) -> np.ndarray:
+        arena = self._arena_checked(step)
+        assert start + nbytes <= arena.nbytes[step & 1, peer], (
+            f"rank {self.rank} reads bytes {start}..{start + nbytes} of rank {peer}'s "
+            f"{arena.nbytes[step & 1, peer]}")
+        return arena.slots[step & 1, peer, start:start + nbytes]
+
+    def _arena_checked(self, step: int) -> _Arena:
+        arena = self.arena._arena
+        assert step >= self.arena.next_step - 2, "read of a step whose set was reused"
+        return arena
 
     def isend(self, peer: int, step: int, buf) -> _Pending:
         assert 0 <= peer < self.size, f"rank {self.rank} sends to rank {peer}"
@@ -85,14 +149,17 @@ class FakeComm:
         return self.wait(r)
 
 
-def run_ranks(world_size: int, fn, log: list | None = None) -> list:
-    """fn(comm) on ``world_size`` thread ranks; their results; the first error re-raised."""
+def run_ranks(world_size: int, fn, log: list | None = None,
+              arena_slot_nbytes: int = 4096) -> list:
+    """fn(comm) on ``world_size`` thread ranks; their results; the first error re-raised.
+    The comms share an in-memory arena of ``arena_slot_nbytes`` per slot."""
     fabric = [_Inbox() for _ in range(world_size)]
+    arena = _Arena(world_size, arena_slot_nbytes)
     results, errors = [None] * world_size, []
 
     def body(rank):
         try:
-            results[rank] = fn(FakeComm(fabric, rank, log))
+            results[rank] = fn(FakeComm(fabric, rank, log, arena))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
             errors.append((rank, exc))
 
@@ -108,4 +175,5 @@ def run_ranks(world_size: int, fn, log: list | None = None) -> list:
     # Every message sent was received: nothing left over.
     leftovers = sum(len(q) for inbox in fabric for q in inbox.messages.values())
     assert leftovers == 0, f"{leftovers} messages were sent but never received"
+    assert len(set(arena.published)) == 1, f"ranks ran different arena steps: {arena.published}"
     return results

@@ -75,9 +75,10 @@ def test_broadcast(name, size):
             np.testing.assert_array_equal(got, data(root, count))
 
 
-@pytest.mark.parametrize("family", ["allgather", "reduce_scatter"])
+@pytest.mark.parametrize("family, name", [(f, n) for f in ("allgather", "reduce_scatter")
+                                          for n in sorted(CHOICES[f])])
 @pytest.mark.parametrize("size", WORLD_SIZES)
-def test_ring_halves_with_uneven_chunks(family, size):
+def test_ring_halves_with_uneven_chunks(family, name, size):
     # chunks of different sizes, some empty: rank r owns r % 3 * 2 elements
     sizes = [r % 3 * 2 for r in range(size)]
     chunks, start = [], 0
@@ -85,7 +86,7 @@ def test_ring_halves_with_uneven_chunks(family, size):
         chunks.append((start, n))
         start += n
     total = start
-    (algorithm,) = CHOICES[family].values()
+    algorithm = CHOICES[family][name]
 
     def rank_fn(comm):
         if family == "allgather":
@@ -176,6 +177,40 @@ def test_barrier_sends_log_p_empty_messages(size):
     run_ranks(size, lambda comm: CHOICES["barrier"]["dissemination"](comm), log)
     steps = (size - 1).bit_length()
     assert len(log) == size * steps and set(log) <= {0}
+
+
+@pytest.mark.parametrize("size", WORLD_SIZES)
+def test_shared_barrier_is_one_empty_step(size):
+    log = []
+    run_ranks(size, lambda comm: CHOICES["barrier"]["shared"](comm), log)
+    assert log == ([0] * size if size > 1 else [])
+
+
+@pytest.mark.parametrize("name, steps_per_round", [("shared", 1), ("shared_split", 2)])
+@pytest.mark.parametrize("size", [2, 3, 7])
+def test_shared_allreduce_synchronises_once_or_twice_per_round(name, steps_per_round, size):
+    """The docstrings' cost, counted: one (or two) arena steps per round of at
+    most a slot's bytes (here 64 bytes: 8 float64)."""
+    count = 8 * 5 + 3  # six rounds
+    log = []
+    results = run_ranks(size, lambda comm: CHOICES["allreduce"][name](
+        comm, HostBuffer(data(comm.rank, count), add)) or comm.arena.next_step, log,
+        arena_slot_nbytes=64)
+    assert results == [6 * steps_per_round] * size
+    assert len(log) == size * 6 * steps_per_round
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_shared_allreduce_is_bitwise_identical_on_every_rank(size):
+    """Float sums in rank order on every rank: no rank's result differs in the last bit."""
+    rng = np.random.default_rng(3)
+    inputs = [(rng.standard_normal(1000) * 10.0 ** rng.integers(-3, 4, 1000)).astype(np.float32)
+              for _ in range(size)]
+    for name in ("shared", "shared_split"):
+        results = run_ranks(size, lambda comm: (CHOICES["allreduce"][name](
+            comm, HostBuffer(b := inputs[comm.rank].copy(), add), 100), b)[1])
+        for got in results[1:]:
+            assert got.tobytes() == results[0].tobytes()
 
 
 @pytest.mark.parametrize("size", [2, 5, 8])

@@ -607,3 +607,40 @@ def test_mirror_freshness_ranges():
     assert r.covers(5, 12) and not r.covers(0, 5)
     r.discard(0, 100)
     assert not r.covers(5, 6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shared_algorithms_over_the_shm_arena(world_size, monkeypatch):
+    """Device arrays through the shared arena of the shm transport: the
+    algorithms stage through the buffer's host mirror as they do over rings."""
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "4096")  # several rounds
+    op, count = nc.ReduceOp.SUM, 1500
+
+    def body():
+        pg, rank = nc.get_default_group(), nc.get_rank()
+        size = world_size
+        for algorithm in ("shared", "shared_split"):
+            x = to_device(make_input(np.float32, count, rank, op))
+            pg.allreduce(x, nc.AllreduceOptions(algorithm=algorithm)).wait()
+            inputs = [make_input(np.float32, count, r, op) for r in range(size)]
+            assert_reduced(host(x), reduce_reference(op, np.float32, inputs), op, np.float32,
+                           algorithm)
+        b = to_device(make_input(np.int32, count, rank, op))
+        pg.broadcast(b, nc.BroadcastOptions(root_rank=size - 1, algorithm="shared")).wait()
+        np.testing.assert_array_equal(host(b), make_input(np.int32, count, size - 1, op))
+        out = to_device(np.zeros(size * count, np.float32))
+        work = pg.allgather_into_tensor(out, to_device(make_input(np.float32, count, rank, op)))
+        work.wait()
+        np.testing.assert_array_equal(host(out), np.concatenate(
+            [make_input(np.float32, count, r, op) for r in range(size)]))
+        part = to_device(np.zeros(count, np.float32))
+        pg.reduce_scatter_tensor(part, to_device(make_input(np.float32, size * count, rank,
+                                                            op))).wait()
+        whole = reduce_reference(op, np.float32, [make_input(np.float32, size * count, r, op)
+                                                  for r in range(size)])
+        assert_reduced(host(part), whole[rank * count:(rank + 1) * count], op, np.float32,
+                       "reduce_scatter")
+        return work.call.algorithm, pg.transport_kind
+
+    assert nc.launch(body, world_size, mode="thread", transport="shm", timeout=150) == \
+        [("shared", "shm")] * world_size

@@ -78,6 +78,9 @@ class TransportOptions:
         ZeroMQ transports: bytes a peer may have waiting for receives not
         posted yet before it is cut off (``None``:
         ``NUMCOLL_MAX_UNEXPECTED_NBYTES``, else 512 MiB).
+    arena_slot_nbytes : int
+        ``shm`` only: payload bytes per rank and step of the shared arena
+        (:mod:`transports.shmarena`); 0: no arena.
     """
 
     host: str = "127.0.0.1"
@@ -88,6 +91,7 @@ class TransportOptions:
     token: str | bytes | None = dataclasses.field(default=None, repr=False)
     curve: bool | None = None
     max_unexpected_nbytes: int | None = None
+    arena_slot_nbytes: int = 1 << 20
 
 
 _REGISTRY: dict[str, TransportFactory] = {}
@@ -202,7 +206,8 @@ def _shm(rank, size, store, options):
     from .shmring import ShmRingTransport
 
     # Rings hold two of the largest messages the ipc slots would carry.
-    return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes)
+    return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes,
+                            arena_slot_nbytes=options.arena_slot_nbytes)
 
 
 register("inproc", _inproc)

@@ -75,13 +75,15 @@ class MessageSizeError(TransportError):
 class StampMismatch(TransportError):
     """A message matched a receive by (peer, tag) but carried another stamp:
     the two ranks are not running the same call. ``local_stamp`` is the
-    receive's, ``remote_stamp`` the message's; the payload was dropped."""
+    receive's, ``remote_stamp`` the message's; the payload was dropped.
+    ``remote_seq``: the peer's sequence number, where it is known to differ."""
 
     def __init__(self, message: str, peer: int | None, local_stamp: bytes,
-                 remote_stamp: bytes):
+                 remote_stamp: bytes, remote_seq: int | None = None):
         super().__init__(message, peer)
         self.local_stamp = local_stamp
         self.remote_stamp = remote_stamp
+        self.remote_seq = remote_seq
 
 
 class Request(Protocol):

@@ -226,6 +226,16 @@ class Mailbox:
             req.buf[:] = payload
             req.complete(None, source=src)
 
+    def conflicting_stamp(self, peer: int, call: int, stamp: bytes) -> bytes | None:
+        """The stamp of a held message from ``peer`` of call ``call`` (tags with
+        ``tag >> CALL_SHIFT == call``) that is not ``stamp``, if there is one:
+        ``peer`` runs another call at this number."""
+        with self._lock:
+            for held in self._calls_held.get((peer, call)) or ():
+                if held and held != stamp:
+                    return held
+        return None
+
     def gone_reason(self, peer: int) -> str | None:
         """Why ``peer`` left, or ``None`` while it is connected."""
         return self._gone.get(peer)

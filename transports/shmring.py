@@ -68,13 +68,15 @@ from .base import (
     check_stamp,
 )
 from .mailbox import DISCARD, Mailbox, PendingRequest
+from .shmarena import SharedArena, arena_nbytes
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
 #: Store key of a rank's listening socket name.
 NAME_KEY = "shm/{rank}"
-#: The hello on a new connection: rank, pid, ring capacity, group size (+ the fd).
-HELLO = struct.Struct("<iiqq")
+#: The hello on a new connection: rank, pid, ring capacity, group size, arena
+#: slot size (+ the fd).
+HELLO = struct.Struct("<iiqqq")
 #: Chunks of a large message are not cut below this (unless it is the rest).
 MIN_CHUNK_NBYTES = 64 << 10
 #: While a send waits for room, the waiter returns from its GIL-free poll this often (ns).
@@ -191,10 +193,14 @@ class ShmRingTransport:
     spin_us, yield_us : float
         A waiter busy-polls for ``spin_us``, then polls with ``sched_yield``
         for ``yield_us`` more, then blocks.
+    arena_slot_nbytes : int
+        Payload bytes per rank and step of the shared arena
+        (:mod:`transports.shmarena`, ``self.arena``); 0: no arena.
     """
 
     def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0,
-                 inline_nbytes: int = 1 << 20, spin_us: float = 20.0, yield_us: float = 2000.0):
+                 inline_nbytes: int = 1 << 20, spin_us: float = 20.0, yield_us: float = 2000.0,
+                 arena_slot_nbytes: int = 0):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
         if size > 1 and not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
@@ -237,6 +243,12 @@ class ShmRingTransport:
         self._stride_words = (K.CTRL_NBYTES + self._capacity) // 8
         self._wake_fd = -1
         self._helper: threading.Thread | None = None
+        if arena_slot_nbytes < 0 or arena_slot_nbytes % 64:
+            raise ValueError(f"arena_slot_nbytes must be a non-negative multiple of 64, "
+                             f"got {arena_slot_nbytes}")
+        self._arena_slot_nbytes = arena_slot_nbytes if size > 1 else 0
+        #: The shared arena (:mod:`transports.shmarena`), or None.
+        self.arena: SharedArena | None = None
         if size == 1:
             return
         try:
@@ -255,8 +267,16 @@ class ShmRingTransport:
         """Index of the ring from ``peer`` in ``owner``'s region."""
         return peer if peer < owner else peer - 1
 
+    def _region_nbytes(self, owner: int) -> int:
+        """Bytes of ``owner``'s region: its inbound rings, and on rank 0 the arena
+        (page-aligned after the rings)."""
+        rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
+        if owner != 0 or not self._arena_slot_nbytes:
+            return rings
+        return _page_align(rings) + arena_nbytes(self.size, self._arena_slot_nbytes)
+
     def _connect(self, store: Rendezvous) -> None:
-        region_nbytes = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
+        region_nbytes = self._region_nbytes(self.rank)
         fd = os.memfd_create(f"numcoll-shm-rank{self.rank}", os.MFD_CLOEXEC)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -275,7 +295,8 @@ class ShmRingTransport:
             store.set(NAME_KEY.format(rank=self.rank), name[1:].encode())
             names = {p: "\0" + store.get(NAME_KEY.format(rank=p)).decode() for p in self._peers}
             deadline = time.monotonic() + self.timeout_s
-            hello = HELLO.pack(self.rank, os.getpid(), self._capacity, self.size)
+            hello = HELLO.pack(self.rank, os.getpid(), self._capacity, self.size,
+                               self._arena_slot_nbytes)
             for p in self._peers:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
                 self._out_sock[p] = sock
@@ -292,16 +313,19 @@ class ShmRingTransport:
                 except BaseException:
                     conn.close()
                     raise
-                peer, _pid, capacity, size = HELLO.unpack(msg) if len(msg) == HELLO.size else (-1,) * 4
+                peer, _pid, capacity, size, slot = (HELLO.unpack(msg) if len(msg) == HELLO.size
+                                                    else (-1,) * 5)
                 try:
                     if len(fds) != 1 or peer not in self._sendq or peer in self._in_sock \
-                            or capacity != self._capacity or size != self.size:
+                            or capacity != self._capacity or size != self.size \
+                            or slot != self._arena_slot_nbytes:
                         conn.close()
                         raise TransportError(
                             f"rank {self.rank}: bad shm hello (rank {peer}, ring {capacity} bytes, "
-                            f"group of {size}; expected ring {self._capacity}, group of "
-                            f"{self.size}): do all ranks use the same settings?")
-                    theirs = mmap.mmap(fds[0], region_nbytes)
+                            f"group of {size}, arena slot {slot} bytes; expected ring "
+                            f"{self._capacity}, group of {self.size}, arena slot "
+                            f"{self._arena_slot_nbytes}): do all ranks use the same settings?")
+                    theirs = mmap.mmap(fds[0], self._region_nbytes(peer))
                 finally:
                     for f in fds:
                         os.close(f)
@@ -310,6 +334,13 @@ class ShmRingTransport:
                 self._in_sock[peer] = conn
                 self._outbound[peer] = _Ring(np.frombuffer(theirs, np.uint8),
                                              self._index_in(peer, self.rank), self._capacity)
+                if peer == 0:
+                    arena_home = theirs
+            if self._arena_slot_nbytes:
+                home = np.frombuffer(region if self.rank == 0 else arena_home, np.uint8)
+                rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
+                self.arena = SharedArena(home, _page_align(rings), self.rank, self.size,
+                                         self._arena_slot_nbytes, self)
         finally:
             listener.close()
             os.close(fd)
@@ -389,6 +420,17 @@ class ShmRingTransport:
 
     def __repr__(self) -> str:
         return f"<ShmRingTransport rank {self.rank}/{self.size}{' closed' if self._closed else ''}>"
+
+    def _conflicting_call(self, peer: int, call: int, stamp: bytes) -> bytes | None:
+        """For the arena's slow waits: drain the rings (unless another thread
+        is), then the stamp of a message ``peer`` sent for call ``call`` that
+        is not ``stamp``, if any (see :meth:`Mailbox.conflicting_stamp`)."""
+        if self._plock.acquire(blocking=False):
+            try:
+                self._progress()
+            finally:
+                self._plock.release()
+        return self._mailbox.conflicting_stamp(peer, call, stamp)
 
     # --- progress (callers hold _plock) ---------------------------------------------------
 
@@ -698,6 +740,8 @@ class ShmRingTransport:
 
     def _release(self) -> None:
         """Close sockets and fds; drop the mappings (unmapped once no view remains)."""
+        if self.arena is not None:
+            self.arena.release()
         for sock in (*self._out_sock.values(), *self._in_sock.values()):
             sock.close()
         self._out_sock.clear()
@@ -714,6 +758,10 @@ class ShmRingTransport:
             except BufferError:  # a view is still alive (a waiter mid-poll): GC unmaps it
                 pass
         self._maps.clear()
+
+
+def _page_align(nbytes: int) -> int:
+    return (nbytes + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)
 
 
 def _remaining(deadline: float) -> float:

@@ -14,9 +14,17 @@ from .broadcast import broadcast_binomial, broadcast_chain
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
+from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
+                     barrier_shared, broadcast_shared, reduce_scatter_shared)
 
 __all__ = [
     "allgather_ring",
+    "allgather_shared",
+    "allreduce_shared",
+    "allreduce_shared_split",
+    "barrier_shared",
+    "broadcast_shared",
+    "reduce_scatter_shared",
     "allreduce_recursive_doubling",
     "allreduce_ring",
     "alltoall_pairwise",
@@ -37,15 +45,23 @@ __all__ = [
 #: The coalesced and ``*_tensor`` variants use their family's entry
 #: (``allreduce_coalesced`` -> "allreduce", ``allgather_into_tensor`` ->
 #: "allgather", ``reduce_scatter_tensor`` -> "reduce_scatter", ``alltoall_base``
-#: -> "alltoall").
+#: -> "alltoall"). The ``shared*`` algorithms need a transport with a shared
+#: arena (``shm``): see :data:`SHARED`.
 CHOICES = {
-    "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling},
-    "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain},
+    "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
+                  "shared": allreduce_shared, "shared_split": allreduce_shared_split},
+    "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
+                  "shared": broadcast_shared},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring},
-    "allgather": {"ring": allgather_ring},
+    "allgather": {"ring": allgather_ring, "shared": allgather_shared},
     "gather": {"direct": gather_direct},
     "scatter": {"direct": scatter_direct},
-    "reduce_scatter": {"ring": reduce_scatter_ring},
+    "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared},
     "alltoall": {"pairwise": alltoall_pairwise},
-    "barrier": {"dissemination": barrier_dissemination},
+    "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared},
 }
+
+#: The algorithms that run on the transport's shared arena: only groups whose
+#: ranks share memory offer them, and on a rank they must run in
+#: sequence-number order (they share one arena; see ``ProcessGroup._execute``).
+SHARED = frozenset({"shared", "shared_split"})

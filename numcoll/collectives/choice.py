@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ..algorithms import CHOICES
+from ..algorithms import CHOICES, SHARED
 from ..config import Config, forced_algorithm
 
 __all__ = ["Choice", "choose", "check_forced", "segment_count"]
@@ -32,10 +32,15 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     if name is None:
         name = _automatic(cfg, collective, nbytes, size)
     try:
-        return Choice(name, options[name])
+        choice = Choice(name, options[name])
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
+    if name in SHARED and not cfg.arena_slot_nbytes and size > 1:
+        raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share memory "
+                         "(the shm transport, with arena_slot_nbytes > 0); this group has "
+                         "no shared arena")
+    return choice
 
 
 def check_forced(cfg: Config) -> None:
@@ -52,15 +57,30 @@ def check_forced(cfg: Config) -> None:
 
 
 def _automatic(cfg: Config, collective: str, nbytes: int, size: int) -> str:
+    shared = _shared(cfg, collective, nbytes, size)
+    if shared is not None:
+        return shared
     if collective == "allreduce":
         return "recursive_doubling" if nbytes <= cfg.allreduce_small_nbytes else "ring"
     if collective == "broadcast":
         return "binomial" if nbytes <= cfg.broadcast_small_nbytes else "chain"
     if collective == "reduce":
         return "binomial" if nbytes <= cfg.allreduce_small_nbytes else "ring"
-    # One algorithm each: the table's only entry.
-    (only,) = CHOICES[collective]
+    # One algorithm each, besides the shared one: the table's other entry.
+    (only,) = (name for name in CHOICES[collective] if name not in SHARED)
     return only
+
+
+def _shared(cfg: Config, collective: str, nbytes: int, size: int) -> str | None:
+    """The shared-arena algorithm for this call, if the group has an arena
+    and one applies (the thresholds: see :mod:`numcoll.config`)."""
+    if not cfg.arena_slot_nbytes or size == 1 or nbytes > cfg.shared_max_nbytes:
+        return None
+    if collective == "allreduce":
+        return "shared_split" if size > 2 and nbytes >= cfg.shared_split_nbytes else "shared"
+    if collective == "reduce_scatter" and cfg.arena_slot_nbytes < 16 * size:
+        return None  # a round holds an element of every rank's chunk
+    return "shared" if "shared" in CHOICES[collective] else None
 
 
 def segment_count(cfg: Config, itemsize: int) -> int:

@@ -91,7 +91,7 @@ def test_allreduce_dtypes_and_ops(small_arena, dtype, op):
         assert got.tobytes() == results[0].tobytes()
 
 
-def test_broadcast_allgather_reduce_scatter_barrier(small_arena):
+def test_broadcast_reduce_allgather_reduce_scatter_barrier(small_arena):
     size, count = 3, 2500  # per rank: several rounds of a 4 KiB slot
     pgs = shm_groups(size)
 
@@ -103,6 +103,10 @@ def test_broadcast_allgather_reduce_scatter_barrier(small_arena):
             work = pg.broadcast(b, root=root)
             work.wait()
             out[f"broadcast{root}"] = (b, work.call.algorithm)
+            x = inputs(r, count)
+            work = pg.reduce(x, root=root)
+            work.wait()
+            out[f"reduce{root}"] = (x, work.call.algorithm)
         gathered = np.zeros(size * count, np.float32)
         work = pg.allgather_into_tensor(gathered, inputs(r, count))
         work.wait()
@@ -127,6 +131,12 @@ def test_broadcast_allgather_reduce_scatter_barrier(small_arena):
     for r, out in enumerate(results):
         for root in range(size):
             np.testing.assert_array_equal(out[f"broadcast{root}"][0], inputs(root, count))
+            if r == root:
+                np.testing.assert_allclose(out[f"reduce{root}"][0],
+                                           sum(inputs(q, count) for q in range(size)),
+                                           rtol=1e-5, atol=1e-3)
+            else:  # a non-root's array is left as it was
+                np.testing.assert_array_equal(out[f"reduce{root}"][0], inputs(r, count))
         everyone = np.concatenate([inputs(q, count) for q in range(size)])
         np.testing.assert_array_equal(out["allgather"][0], everyone)
         np.testing.assert_array_equal(out["allgather list"][0], everyone)

@@ -11,12 +11,11 @@ Rings
     index, so memory stays bounded whatever the message size, and two ranks
     sending each other huge messages at once cannot deadlock (whoever waits
     also drains, see below). One record is copied in by the sender and out
-    by the receiver, straight into the posted buffer; a receive posted
-    without a buffer (what reductions do) is *lent* a view of the ring
-    itself, so the reduction reads the peer's bytes in place, and the space
-    returns to the producer when the view dies. A chunked message is
-    assembled in a private buffer first (one more copy: the Mailbox can only
-    take a whole payload; see the report for the API that would avoid it).
+    by the receiver, straight into the posted buffer (or into a new one for
+    a receive posted without a buffer). A chunked message is assembled in a
+    private buffer first (one more copy: the Mailbox can only take a whole
+    payload). Collectives that read the peers' bytes in place use the
+    shared arena instead (:mod:`transports.shmarena`, ``self.arena``).
 Progress
     There is no I/O thread on the critical path: the thread that waits on a
     request makes progress itself (drains every inbound ring into the
@@ -49,7 +48,6 @@ import struct
 import threading
 import time
 import uuid
-import weakref
 import warnings
 from collections import deque
 
@@ -95,12 +93,6 @@ _POKE = b"\x01"
 _EMPTY = np.empty(0, np.uint8)
 #: Payloads up to this size come out of the ring as ``bytes`` (cheaper than an array).
 _SMALL_COPY_NBYTES = 4096
-#: A receive without a buffer could get a view of the ring itself (no copy) from
-#: this size. Off for now: with loans on, tests/test_shmring.py's
-#: test_lent_views_free_the_ring_in_order found ring space not given back in about
-#: one run in two (space a waiter then never gets: a hang until the deadline), and
-#: the cause is not found yet. Every payload is copied out of the ring instead.
-LEND_MIN_NBYTES = 1 << 62
 
 
 def ring_nbytes_for(inline_nbytes: int) -> int:
@@ -110,45 +102,21 @@ def ring_nbytes_for(inline_nbytes: int) -> int:
 
 
 class _Request(PendingRequest):
-    """A request whose ``wait`` drives the transport (see the module docstring).
+    """A request whose ``wait`` drives the transport (see the module docstring)."""
 
-    A receive without a buffer may be handed a view of the ring itself (a
-    *loan*, see ``ShmRingTransport._arrive``): the request keeps it only until
-    its first ``wait`` returns it, then only weakly, so the ring space is
-    given back as soon as the caller drops the view, not when the request
-    object dies.
-    """
-
-    __slots__ = ("_engine", "_loan", "_loan_ref")
+    __slots__ = ("_engine",)
 
     def __init__(self, engine: "ShmRingTransport", what: str, rank: int, peer: int, tag: int,
                  buf: memoryview | None = None, stamp: bytes = b"", whole_call: bool = False):
         super().__init__(what, rank, peer, tag, buf, stamp, whole_call)
         self._engine = engine
-        self._loan = None
-        self._loan_ref = None
-
-    def complete(self, result=None, source=None, after=None) -> None:
-        lent = self._engine._lending
-        if lent is not None and result is not None and result.obj is lent:
-            self._engine._lending = None
-            self._loan, result = lent, None
-        super().complete(result, source, after)
 
     def wait(self, deadline: float | None) -> memoryview | None:
         if not self._finished:
             start = time.monotonic()
             if not self._engine._wait_for(self, deadline):
                 raise self._timeout(start)
-        result = super().wait(deadline)
-        loan = self._loan
-        if loan is not None:
-            self._loan, self._loan_ref = None, weakref.ref(loan)
-        elif self._loan_ref is not None:
-            loan = self._loan_ref()
-            if loan is None:
-                return None  # the caller dropped it: the ring has its bytes back
-        return result if loan is None else memoryview(loan).toreadonly()
+        return super().wait(deadline)
 
 
 class _Send:
@@ -225,10 +193,7 @@ class ShmRingTransport:
         self._blocked: dict[int, bool] = {p: False for p in self._peers}
         self._cursor: dict[int, int] = {p: 0 for p in self._peers}  # read position per ring
         self._tail: dict[int, int] = {p: 0 for p in self._peers}  # TAIL as last written
-        self._freeable: dict[int, int] = {p: 0 for p in self._peers}  # ... up to the first loan
-        self._lent: dict[int, deque] = {p: deque() for p in self._peers}  # [end, returned]
-        self._partial: dict[int, list] = {}
-        self._lending: np.ndarray | None = None  # a loan on its way to a request  # src -> [tag, stamp, buffer, bytes filled]
+        self._partial: dict[int, list] = {}  # src -> [tag, stamp, buffer, bytes filled]
         self._gone: dict[int, str] = {}
         self._bye: set[int] = set()
         self._closed = False
@@ -483,7 +448,6 @@ class ShmRingTransport:
         ring = self._inbound[peer]
         data = ring.data
         cursor = self._cursor[peer]
-        lent = self._lent[peer]
         did = False
         while True:
             pos, word0, tag, nbytes, chunk, cursor = K.ring_next(ring.ctrl, ring.data64, cursor)
@@ -491,7 +455,6 @@ class ShmRingTransport:
                 break
             did = True
             end = cursor + (word0 >> 16)
-            loan = None
             kind = word0 & 0xFF
             if kind == K.KIND_FIRST:
                 stamp_nbytes = (word0 >> 8) & 0xFF
@@ -499,7 +462,7 @@ class ShmRingTransport:
                 stamp = data[start:start + stamp_nbytes].tobytes() if stamp_nbytes else b""
                 start += stamp_nbytes
                 if chunk == nbytes:
-                    loan = self._arrive(peer, tag, nbytes, data, start, stamp, end)
+                    self._arrive(peer, tag, nbytes, data, start, stamp, False)
                 else:
                     buf = np.empty(nbytes, np.uint8)
                     K.copy_bytes(buf, 0, data, start, chunk)
@@ -510,7 +473,7 @@ class ShmRingTransport:
                 part[3] += chunk
                 if part[3] == part[2].size:
                     del self._partial[peer]
-                    self._arrive(peer, part[0], part[2].size, part[2], 0, part[1], None)
+                    self._arrive(peer, part[0], part[2].size, part[2], 0, part[1], True)
             elif kind == K.KIND_BYE:  # after everything it sent
                 self._cursor[peer] = end
                 self._free(peer)
@@ -520,55 +483,32 @@ class ShmRingTransport:
             else:
                 raise TransportError(f"rank {self.rank}: corrupt shm ring from rank {peer} "
                                      f"(record kind {kind})")
-            if loan is not None:
-                if not lent:  # everything before this record is consumed
-                    self._freeable[peer] = cursor
-                lent.append(loan)
-            elif lent:  # consumed, but an older record is still lent out
-                lent.append([end, True])
             cursor = end
         self._cursor[peer] = cursor
         self._free(peer)
         return did
 
     def _free(self, peer: int) -> None:
-        """Advance TAIL over every record consumed or returned, in ring order:
-        up to the first record still lent out, or to the read position."""
-        lent = self._lent[peer]
-        while lent and lent[0][1]:
-            self._freeable[peer] = lent.popleft()[0]
-        tail = self._freeable[peer] if lent else self._cursor[peer]
+        """Give the producer back every record consumed (up to the read position)."""
+        tail = self._cursor[peer]
         if tail != self._tail[peer]:
             self._tail[peer] = tail
             if K.ring_free(self._inbound[peer].ctrl, tail):
                 self._poke(peer)
 
     def _arrive(self, src: int, tag: int, nbytes: int, data: np.ndarray, start: int,
-                stamp: bytes, end: int | None) -> list | None:
-        """Deliver a whole message; returns the loan if the receiver got a view
-        of the ring itself (``end``: where the record ends; None: ``data`` is
-        an assembled buffer of our own)."""
-        loan = None
+                stamp: bytes, assembled: bool) -> None:
+        """Deliver a whole message: bytes ``start:start + nbytes`` of ``data``,
+        the ring itself, or (``assembled``) a buffer of our own."""
 
         def read(into):
-            nonlocal loan
             if into is DISCARD or nbytes == 0:
                 return None if into is not None else memoryview(b"")
             if into is None:
-                if end is None:  # an assembled message: hand over the buffer itself
+                if assembled:  # hand over the buffer itself
                     return memoryview(data).toreadonly()
                 if nbytes <= _SMALL_COPY_NBYTES:
                     return memoryview(data[start:start + nbytes].tobytes())
-                if nbytes >= LEND_MIN_NBYTES and not self._mailbox._lock.locked():
-                    # A receive without a buffer is waiting (the mailbox reads an
-                    # unexpected message under its lock): lend it the ring's bytes,
-                    # so a reduction reads them in place. The record stays
-                    # ours until the view dies (see _returned).
-                    view = data[start:start + nbytes]
-                    loan = [end, False]
-                    weakref.finalize(view, self._returned, src, loan)
-                    self._lending = view  # the request's complete() takes it over
-                    return memoryview(view).toreadonly()
                 out = np.empty(nbytes, np.uint8)
                 K.copy_bytes(out, 0, data, start, nbytes)
                 return memoryview(out).toreadonly()
@@ -576,16 +516,6 @@ class ShmRingTransport:
             return None
 
         self._mailbox.arrive(src, tag, nbytes, read, stamp)
-        self._lending = None
-        return loan
-
-    def _returned(self, peer: int, loan: list) -> None:
-        """A lent view died (in any thread, at any time: so only flag it, and
-        have the space freed by a spinning waiter, which sees the epoch move,
-        or else by the helper; the producer may be waiting for exactly this room)."""
-        loan[1] = True
-        self._epoch[0] += 1
-        self._wake_helper()
 
     def _peer_gone(self, peer: int, reason: str) -> None:
         if peer in self._gone:

@@ -15,7 +15,7 @@ from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
-                     barrier_shared, broadcast_shared, reduce_scatter_shared)
+                     barrier_shared, broadcast_shared, reduce_scatter_shared, reduce_shared)
 
 __all__ = [
     "allgather_ring",
@@ -25,6 +25,7 @@ __all__ = [
     "barrier_shared",
     "broadcast_shared",
     "reduce_scatter_shared",
+    "reduce_shared",
     "allreduce_recursive_doubling",
     "allreduce_ring",
     "alltoall_pairwise",
@@ -52,7 +53,7 @@ CHOICES = {
                   "shared": allreduce_shared, "shared_split": allreduce_shared_split},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
                   "shared": broadcast_shared},
-    "reduce": {"binomial": reduce_binomial, "ring": reduce_ring},
+    "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared},
     "gather": {"direct": gather_direct},
     "scatter": {"direct": scatter_direct},

@@ -25,7 +25,7 @@ import numpy as np
 
 from .partition import chunk_bounds
 
-__all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_scatter_shared", "allgather_shared",
+__all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared", "reduce_scatter_shared", "allgather_shared",
            "broadcast_shared", "barrier_shared"]
 
 def _bytes(a) -> np.ndarray:
@@ -103,6 +103,29 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
         for peer, (first, n) in enumerate(chunks):
             if peer != rank and n:
                 _copy_in(buf, start + first, n, comm.shared_view(step, peer, 0, n * itemsize))
+
+
+def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> None:
+    """Reduce through the shared arena: per round every rank publishes its part
+    and the root combines all P slots in rank order; the others only publish
+    (their buffers are left as they were).
+    Cost per round of S bytes: one synchronisation; every rank copies S in,
+    the root reduces (P-1) S from shared memory.
+    """
+    size, rank, itemsize = comm.size, comm.rank, buf.itemsize
+    if size == 1:
+        return
+    per_round = _per_round(comm, itemsize, segment_count)
+    for start in range(0, buf.count, per_round):
+        count = min(per_round, buf.count - start)
+        nbytes = count * itemsize
+        step = comm.shared_step(_bytes(buf.send_view(start, count)))
+        if rank != root:
+            continue
+        if root != 0:
+            _copy_in(buf, start, count, comm.shared_view(step, 0, 0, nbytes))
+        for peer in range(1, size):
+            buf.reduce_from(start, count, comm.shared_view(step, peer, 0, nbytes))
 
 
 def reduce_scatter_shared(comm, buf, chunks, segment_count: int | None = None) -> None:

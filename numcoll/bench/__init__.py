@@ -5,7 +5,7 @@ Command line: ``numcoll-bench`` or ``python -m numcoll.bench`` (``--help``).
 From Python (a notebook, a script)::
 
     from numcoll import bench
-    plan = bench.make_plan("allreduce", bench.sizes_between(8, 64 << 20), world_size=2)
+    plan = bench.make_plan("allreduce", bench.SWEEPS["latency"].sizes, world_size=2)
     rows, info = bench.run_plan(plan)                    # numcoll, ranks as processes
     torch_rows, _ = bench.run_plan(plan, backend="torch")
     print(bench.format_table(bench.compare_rows(rows, torch_rows)))
@@ -26,6 +26,7 @@ from .runners import (
     TorchUnavailableError,
     numcoll_issue,
     numcoll_rank,
+    numcoll_step,
     rank_buffers,
     run_plan,
     run_plans,
@@ -36,6 +37,7 @@ from .runners import (
 from .sweep import (
     OPS,
     PLACEMENTS,
+    SWEEPS,
     Case,
     Plan,
     algorithm_name,
@@ -43,6 +45,7 @@ from .sweep import (
     format_nbytes,
     make_plan,
     metadata,
+    moves_data,
     parse_nbytes,
     sizes_between,
     summarize,
@@ -50,9 +53,10 @@ from .sweep import (
 )
 
 __all__ = [
-    "main", "OPS", "PLACEMENTS", "fill", "expected", "count_wrong", "run_plans", "Case", "Plan",
-    "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
-    "sizes_between", "make_plan", "summarize", "compare_rows", "format_table", "metadata",
-    "write_json", "rank_buffers", "numcoll_issue", "numcoll_rank", "torch_rank", "run_plan",
-    "torch_available", "torch_version", "TorchUnavailableError", "DEFAULT_TIMEOUT_S",
+    "main", "OPS", "PLACEMENTS", "SWEEPS", "fill", "expected", "count_wrong", "run_plans",
+    "Case", "Plan", "algorithm_name", "bus_factor", "parse_nbytes", "format_nbytes",
+    "sizes_between", "make_plan", "moves_data", "summarize", "compare_rows", "format_table",
+    "metadata", "write_json", "rank_buffers", "numcoll_issue", "numcoll_step", "numcoll_rank",
+    "torch_rank", "run_plan", "torch_available", "torch_version", "TorchUnavailableError",
+    "DEFAULT_TIMEOUT_S",
 ]

@@ -56,8 +56,9 @@ def expected(plan: Plan, case: Case, rank: int) -> np.ndarray | None:
         return np.concatenate([fill(k, block, dtype) for k in range(n)])
     if plan.op == "reduce_scatter":
         return _sum([fill(k, block, dtype, offset=rank * block) for k in range(n)])
-    # alltoall: block j of the result is block `rank` of rank j's input
-    return np.concatenate([fill(j, block, dtype, offset=rank * block) for j in range(n)])
+    if plan.op == "alltoall":  # block j of the result is block `rank` of rank j's input
+        return np.concatenate([fill(j, block, dtype, offset=rank * block) for j in range(n)])
+    raise ValueError(f"{plan.op} has no result to check")
 
 
 def _result(plan: Plan, inp: np.ndarray, out: np.ndarray | None) -> np.ndarray:

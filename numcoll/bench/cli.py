@@ -7,7 +7,7 @@ import sys
 
 import transports
 
-from .report import compare_rows, format_table, join_anchor, ratio
+from .report import compare_rows, format_mpi_table, format_table, join_anchor, ratio
 from .runners import (
     DEFAULT_TIMEOUT_S,
     TorchUnavailableError,
@@ -18,9 +18,14 @@ from .runners import (
 from .sweep import (
     OPS,
     PLACEMENTS,
+    SWEEPS,
+    Plan,
+    format_nbytes,
     make_plan,
     metadata,
+    moves_data,
     parse_nbytes,
+    placements_text,
     sizes_between,
     write_json,
 )
@@ -42,10 +47,40 @@ over all ranks (0 is the only right answer; the exit status is 1 otherwise).
 With --compare torch: "busbw x" = numcoll/gloo busbw (>1: numcoll faster),
 "time x" = numcoll/gloo time (<1: numcoll faster).
 
+Each iteration is one blocking call, as a user makes it: numcoll's module-level
+function on the default group (nc.all_reduce(x), nc.barrier(), ...) beside
+torch's (dist.all_reduce(x), dist.barrier()) and mpi4py's (comm.Allreduce,
+comm.Barrier). With --algorithm, numcoll calls the ProcessGroup method with the
+algorithm in its options and waits on its Work (the module functions take no
+algorithm).
+
+barrier moves no data: one row, size 0, and "-" for type, place, algbw, busbw
+and #wrong (nothing to check); it takes no sizes and no --sweep.
+
+sweeps (--sweep NAME; without it: -b 8 -e 64M -f 2):
+{sweeps}
+--iters and --warmup override a sweep's (--iters alone: warmup iters/10, 2 to 10).
+
 examples:
   python -m numcoll.bench --op allreduce --world-size 4 --sizes 8,1M,64M
   python -m numcoll.bench --op broadcast --algorithm chain --compare torch --json out.json
+  python -m numcoll.bench --op allgather --sweep latency --compare torch,mpi4py
+  python -m numcoll.bench --op barrier -n 4 --compare torch,mpi4py
 """
+
+
+#: -b, -e, -f without --sweep or --sizes (nccl-tests' whole range).
+_DEFAULT_SIZES = (8, 64 << 20, 2.0)
+
+
+def _describe_sweeps() -> str:
+    lines = []
+    for name, sweep in SWEEPS.items():
+        iters = ("iterations as by default" if sweep.iters is None else
+                 f"{sweep.iters} iterations (warmup {sweep.warmup}) per size")
+        lines.append(f"  {name:<10} {format_nbytes(sweep.min_nbytes)} .. "
+                     f"{format_nbytes(sweep.max_nbytes)}, factor {sweep.factor:g}, {iters}")
+    return "\n".join(lines)
 
 
 def _size(text: str) -> int:
@@ -76,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="numcoll-bench", description="nccl-tests-style sweeps of numcoll collectives "
         "on local ranks, optionally beside torch.distributed's gloo backend.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=_EPILOG.format(sweeps=_describe_sweeps()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
     p.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--mode", choices=("process", "thread"), default="process",
@@ -84,12 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=transports.KINDS, default=None,
                    help="numcoll transport (default: numcoll chooses; shm for local processes "
                         "on Linux, ipc elsewhere, inproc for threads)")
-    p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--min-bytes", "-b", type=_size, default=8, help="smallest size (default 8)")
-    p.add_argument("--max-bytes", "-e", type=_size, default=64 << 20,
-                   help="largest size (default 64M)")
-    p.add_argument("--factor", "-f", type=float, default=2.0,
-                   help="size multiplier between steps (default 2)")
+    p.add_argument("--dtype", default=None, help="element type (default float32)")
+    p.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
+                   help="a named size range, with iterations to suit it (see below; "
+                        "excludes --sizes, -b, -e, -f)")
+    p.add_argument("--min-bytes", "-b", type=_size, default=None,
+                   help=f"smallest size (default {_DEFAULT_SIZES[0]})")
+    p.add_argument("--max-bytes", "-e", type=_size, default=None,
+                   help=f"largest size (default {format_nbytes(_DEFAULT_SIZES[1])})")
+    p.add_argument("--factor", "-f", type=float, default=None,
+                   help=f"size multiplier between steps (default {_DEFAULT_SIZES[2]:g})")
     p.add_argument("--sizes", type=_sizes, default=None,
                    help="explicit comma-separated sizes, e.g. 8,1M,16M,64M (overrides -b/-e/-f)")
     p.add_argument("--iters", type=int, default=None,
@@ -99,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="untimed iterations per size (default: iters/10, 2 to 10)")
     p.add_argument("--algorithm", default=None,
                    help="force a numcoll algorithm (allreduce: ring, recursive_doubling; "
-                        "broadcast: binomial, chain; reduce: binomial, ring)")
+                        "broadcast: binomial, chain; reduce: binomial, ring); numcoll then "
+                        "runs through ProcessGroup + Work.wait() (see below)")
     p.add_argument("--sync-each-iter", action="store_true",
                    help="untimed barrier before every timed iteration (default: once per size, "
                         "as nccl-tests; then a broadcast/reduce root whose sends complete "
@@ -140,16 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup is not None and args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     try:
-        sizes = args.sizes or sizes_between(args.min_bytes, args.max_bytes, args.factor)
-        placements = [p for p in PLACEMENTS[args.op] if args.placement in ("both", p)]
-        if not placements:
-            raise ValueError(f"{args.op} has no {args.placement} form in numcoll; it is "
-                             f"{' or '.join(PLACEMENTS[args.op])}")
-        plans = [make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype,
-                           iters=args.iters, warmup=args.warmup, algorithm=args.algorithm,
-                           in_place=(p == "in-place"), sync_each_iter=args.sync_each_iter,
-                           check=args.check)
-                 for p in placements]
+        plans = _plans(args)
     except ValueError as exc:
         parser.error(str(exc))
     progress = "none" if args.quiet else args.progress
@@ -197,18 +229,20 @@ def main(argv: list[str] | None = None) -> int:
             rows = _with_mpi(rows, mpi_rows)
     meta = metadata(plan, mode=args.mode, transport=args.transport,
                     transport_used=info.get("transport"), compare=",".join(args.compare) or None,
-                    torch_version=torch_version())
+                    torch_version=torch_version(), sweep=args.sweep)
     meta["placements"] = [p.placement for p in plans]
 
     if args.json != "-":
         title = (f"# numcoll {plan.op}: world_size={plan.world_size} mode={args.mode} "
-                 f"transport={info.get('transport')} dtype={plan.dtype}"
+                 f"transport={info.get('transport')}"
+                 + (f" dtype={plan.dtype}" if plan.moves_data else "")
+                 + (f" sweep={args.sweep}" if args.sweep else "")
                  + (f" algorithm={plan.algorithm}" if plan.algorithm else "")
                  + (f"  vs torch {meta['torch_version']} gloo (processes, 1 thread/rank)"
                     if torch_rows is not None else ""))
         print(format_table(rows, title=title), flush=True)
         if mpi_rows is not None:
-            print(_mpi_table(rows), flush=True)
+            print(format_mpi_table(rows), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows)
     wrong = sum((r["wrong"] or 0) + (r.get("torch_wrong") or 0) + (r.get("mpi_wrong") or 0)
@@ -218,6 +252,48 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         status = status or 1
     return status
+
+
+def _plans(args: argparse.Namespace) -> list[Plan]:
+    """One plan per placement asked for; ValueError on arguments that do not fit
+    together (an option the op would not use included)."""
+    if not moves_data(args.op) and args.dtype is not None:
+        raise ValueError(f"{args.op} moves no data: --dtype does not apply")
+    sizes, iters, warmup = _sweep_sizes(args)
+    if args.placement != "both" and args.placement not in PLACEMENTS[args.op]:
+        raise ValueError(f"{args.op} has no {args.placement} form in numcoll; "
+                         f"{placements_text(args.op)}")
+    return [make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype or "float32",
+                      iters=iters, warmup=warmup, algorithm=args.algorithm,
+                      in_place=(p == "in-place"), sync_each_iter=args.sync_each_iter,
+                      check=args.check)
+            for p in PLACEMENTS[args.op] if args.placement in ("both", p)]
+
+
+def _sweep_sizes(args: argparse.Namespace) -> tuple[list[int], int | None, int | None]:
+    """(sizes, iters, warmup) from --sweep, --sizes or -b/-e/-f; ValueError on a
+    combination that would leave one of them unused."""
+    explicit = [flag for flag, value in (("--sizes", args.sizes), ("-b", args.min_bytes),
+                                         ("-e", args.max_bytes), ("-f", args.factor))
+                if value is not None]
+    if not moves_data(args.op):
+        if explicit or args.sweep:
+            raise ValueError(f"{args.op} moves no data: {(explicit or ['--sweep'])[0]} does "
+                             "not apply (its one row is size 0)")
+        return [], args.iters, args.warmup
+    if args.sweep is not None:
+        if explicit:
+            raise ValueError(f"--sweep {args.sweep} sets the sizes: drop {explicit[0]}, or "
+                             "drop --sweep")
+        sweep = SWEEPS[args.sweep]
+        if args.iters is not None:  # the sweep's warmup goes with its own iterations
+            return sweep.sizes, args.iters, args.warmup
+        return sweep.sizes, sweep.iters, args.warmup if args.warmup is not None else sweep.warmup
+    if args.sizes:
+        return args.sizes, args.iters, args.warmup
+    low, high, factor = (d if v is None else v for v, d in
+                         zip((args.min_bytes, args.max_bytes, args.factor), _DEFAULT_SIZES))
+    return sizes_between(low, high, factor), args.iters, args.warmup
 
 
 def _anchors(text: str) -> tuple[str, ...]:
@@ -235,26 +311,6 @@ def _with_mpi(rows: list[dict], mpi_rows: list[dict]) -> list[dict]:
         mpi_time_us=m["time_us"], mpi_busbw_gbps=m["busbw_gbps"], mpi_wrong=m.get("wrong"),
         mpi_time_ratio=ratio(row["time_us"], m["time_us"]),
         mpi_busbw_ratio=ratio(row["busbw_gbps"], m["busbw_gbps"])))
-
-
-def _mpi_table(rows: list[dict]) -> str:
-    """The same sizes against mpi4py: time and busbw, and numcoll's ratios."""
-    lines = ["# vs mpi4py (Open MPI, mpirun)",
-             f"{'size(B)':>12} {'place':>5} {'time(us)':>10} {'mpi(us)':>10} {'time x':>8} "
-             f"{'busbw':>8} {'mpi':>8} {'busbw x':>8} {'#wrong':>6}"]
-    for r in rows:
-        if "mpi_time_us" not in r:
-            continue
-        lines.append(
-            f"{r['size']:>12d} {r.get('placement', '')[:5]:>5} {r['time_us']:>10.1f} "
-            f"{r['mpi_time_us']:>10.1f} {_fmt(r['mpi_time_ratio']):>8} "
-            f"{r['busbw_gbps']:>8.3f} {r['mpi_busbw_gbps']:>8.3f} "
-            f"{_fmt(r['mpi_busbw_ratio']):>8} {r.get('mpi_wrong') or 0:>6}")
-    return "\n".join(lines)
-
-
-def _fmt(ratio) -> str:
-    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 def _by_size(rows: list[dict]) -> list[dict]:

@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 
 from .report import format_table
-from .sweep import OPS, Case, Plan, make_plan, parse_nbytes, summarize
+from .sweep import OPS, Case, Plan, make_plan, moves_data, parse_nbytes, summarize
 
 __all__ = ["mpi_available", "mpi_rank", "run_plan_mpi", "MpiUnavailableError", "main"]
 
@@ -60,7 +60,11 @@ def _mpi_step(MPI, comm, op: str, inp: np.ndarray, out: np.ndarray | None):
         return lambda: comm.Allgather(inp, out)
     if op == "reduce_scatter":
         return lambda: comm.Reduce_scatter_block(inp, out, op=MPI.SUM)
-    return lambda: comm.Alltoall(inp, out)
+    if op == "alltoall":
+        return lambda: comm.Alltoall(inp, out)
+    if op == "barrier":
+        return comm.Barrier
+    raise ValueError(f"mpi4py anchor: unknown op {op!r}")
 
 
 def mpi_rank(plan: Plan) -> list[np.ndarray] | None:
@@ -96,7 +100,7 @@ def run_plan_mpi(plan: Plan, *, timeout_s: float = 900.0,
                  mpirun: str = "mpirun") -> tuple[list[dict], dict]:
     """Run ``plan`` under ``mpirun -n world_size``; return (rows, info) like
     :func:`~numcoll.bench.runners.run_plan` (``backend`` "mpi4py")."""
-    if plan.dtype in ("float16", "bfloat16"):
+    if plan.moves_data and plan.dtype in ("float16", "bfloat16"):
         raise ValueError(f"MPI has no SUM for {plan.dtype}: compare with float32")
     if importlib.util.find_spec("mpi4py") is None or shutil.which(mpirun) is None:
         raise MpiUnavailableError(
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--op", choices=OPS, default="allreduce")
     p.add_argument("--world-size", "-n", type=int, default=2)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--sizes", default="8,1M,16M", help="comma-separated sizes, e.g. 8,1M,64M")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes (default 8,1M,16M; "
+                   "barrier takes none)")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
@@ -149,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(*args.worker)
         return 0
-    plan = make_plan(args.op, [parse_nbytes(s) for s in args.sizes.split(",") if s.strip()],
+    if not moves_data(args.op) and args.sizes is not None:
+        p.error(f"{args.op} moves no data: --sizes does not apply")
+    text = (args.sizes or "8,1M,16M") if moves_data(args.op) else ""
+    plan = make_plan(args.op, [parse_nbytes(s) for s in text.split(",") if s.strip()],
                      world_size=args.world_size, dtype=args.dtype, iters=args.iters,
                      warmup=args.warmup)
     rows, info = run_plan_mpi(plan)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["compare_rows", "join_anchor", "ratio", "format_table"]
+__all__ = ["compare_rows", "join_anchor", "ratio", "format_table", "format_mpi_table"]
 
 
 def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
@@ -88,3 +88,25 @@ def format_table(rows: list[dict], *, title: str | None = None) -> str:
             cells.append("-".rjust(w) if value is None else fmt.format(value).rjust(w))
         lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+def format_mpi_table(rows: list[dict]) -> str:
+    """The rows that have ``mpi_*`` columns, against mpi4py: time and busbw, and
+    numcoll's ratios ("-": none, as for a barrier's busbw; MPI's results are
+    not checked, so its #wrong is "-")."""
+    lines = ["# vs mpi4py (Open MPI, mpirun)",
+             f"{'size(B)':>12} {'place':>5} {'time(us)':>10} {'mpi(us)':>10} {'time x':>8} "
+             f"{'busbw':>8} {'mpi':>8} {'busbw x':>8} {'#wrong':>6}"]
+    for r in rows:
+        if "mpi_time_us" not in r:
+            continue
+        lines.append(
+            f"{r['size']:>12d} {_PLACE.get(r.get('placement'), '-'):>5} {r['time_us']:>10.1f} "
+            f"{r['mpi_time_us']:>10.1f} {_fmt(r['mpi_time_ratio']):>8} "
+            f"{_fmt(r['busbw_gbps'], 3):>8} {_fmt(r['mpi_busbw_gbps'], 3):>8} "
+            f"{_fmt(r['mpi_busbw_ratio']):>8} {_fmt(r.get('mpi_wrong'), 0):>6}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

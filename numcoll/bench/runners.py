@@ -4,13 +4,15 @@ launcher that runs a :class:`~numcoll.bench.sweep.Plan` on local ranks.
 Both backends are timed the same way, in every rank: buffers are allocated
 once per size, ``warmup`` untimed iterations run, the ranks meet in a
 barrier, then each of ``iters`` iterations is timed on its own with
-``time.perf_counter`` (issue + wait). Then, unless ``plan.check`` is off, the
-inputs are filled with rank-dependent values and the collective runs once
-more to count wrong elements (:mod:`numcoll.bench.check`). Every rank returns
-its per-iteration times and wrong counts;
-:func:`~numcoll.bench.sweep.summarize` takes, per iteration, the slowest rank,
-and reports the median over iterations (min, percentiles, max and each rank's
-median kept).
+``time.perf_counter``: one blocking call, as a user makes it (numcoll:
+``nc.all_reduce(x)``, torch: ``dist.all_reduce(x)``; with an algorithm forced,
+numcoll's ProcessGroup method with it in the options, then ``Work.wait()``).
+Then, unless ``plan.check`` is off, the inputs are filled with rank-dependent
+values and the collective runs once more to count wrong elements
+(:mod:`numcoll.bench.check`). Every rank returns its per-iteration times and
+wrong counts; :func:`~numcoll.bench.sweep.summarize` takes, per iteration, the
+slowest rank, and reports the median over iterations (min, percentiles, max
+and each rank's median kept).
 
 The rank functions (:func:`numcoll_rank`, :func:`torch_rank`) run inside a
 rank started by :func:`numcoll.launch`, so a notebook can launch them itself::
@@ -36,8 +38,8 @@ from .check import count_wrong, prepare_check
 from .progress import ProgressDisplay, Reporter
 from .sweep import Case, Plan, format_nbytes, summarize
 
-__all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "run_plan",
-           "run_plans", "torch_available", "torch_version", "TorchUnavailableError",
+__all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "numcoll_step",
+           "run_plan", "run_plans", "torch_available", "torch_version", "TorchUnavailableError",
            "DEFAULT_TIMEOUT_S"]
 
 #: Deadline of a whole sweep (and of each collective in it), in seconds.
@@ -107,8 +109,11 @@ def rank_buffers(plan: Plan, case: Case, rank: int = 0) -> tuple[np.ndarray, np.
 
     Buffers are written once (zeros: repeated SUMs neither overflow nor reach
     inf or denormals), which also maps every page before the timing starts.
+    A barrier's input is empty.
     """
     n, dtype = plan.world_size, plan.numpy_dtype
+    if not plan.moves_data:
+        return np.empty(0, dtype), None
 
     def filled(count: int) -> np.ndarray:
         a = np.empty(count, dtype)
@@ -124,14 +129,17 @@ def rank_buffers(plan: Plan, case: Case, rank: int = 0) -> tuple[np.ndarray, np.
     if plan.op == "reduce_scatter":
         inp = filled(case.count)
         return inp, (inp[rank * block:(rank + 1) * block] if plan.in_place else filled(block))
-    return filled(case.count), filled(case.count)  # alltoall
+    if plan.op == "alltoall":
+        return filled(case.count), filled(case.count)
+    raise ValueError(f"rank_buffers: unknown op {plan.op!r}")
 
 
 # -- numcoll -----------------------------------------------------------------------------
 def numcoll_issue(pg, plan: Plan, inp: np.ndarray,
                   out: np.ndarray | None) -> Callable[[], object]:
     """A callable that issues ``plan.op`` on ``pg`` over the buffers from
-    :func:`rank_buffers` and returns its Work (without waiting)."""
+    :func:`rank_buffers` and returns its Work (without waiting); the options
+    carry ``plan.algorithm``."""
     import numcoll as nc
 
     alg = plan.algorithm
@@ -145,10 +153,47 @@ def numcoll_issue(pg, plan: Plan, inp: np.ndarray,
         opts = nc.ReduceOptions(root_rank=0, algorithm=alg)
         return lambda: pg.reduce(inp, opts)
     if plan.op == "allgather":
-        return lambda: pg.allgather_into_tensor(out, inp)
+        opts = nc.AllgatherOptions(algorithm=alg)
+        return lambda: pg.allgather_into_tensor(out, inp, opts)
     if plan.op == "reduce_scatter":
-        return lambda: pg.reduce_scatter_tensor(out, inp)
-    return lambda: pg.alltoall_base(out, inp)
+        opts = nc.ReduceScatterOptions(algorithm=alg)
+        return lambda: pg.reduce_scatter_tensor(out, inp, opts)
+    if plan.op == "alltoall":
+        opts = nc.AllToAllOptions(algorithm=alg)
+        return lambda: pg.alltoall_base(out, inp, opts=opts)
+    if plan.op == "barrier":
+        opts = nc.BarrierOptions(algorithm=alg)
+        return lambda: pg.barrier(opts)
+    raise ValueError(f"numcoll_issue: unknown op {plan.op!r}")
+
+
+def numcoll_step(plan: Plan, inp: np.ndarray, out: np.ndarray | None) -> Callable[[], object]:
+    """A callable running one complete ``plan.op`` on this rank's default group,
+    over the buffers from :func:`rank_buffers`, the way a user calls it: the
+    module-level blocking function (``nc.all_reduce(inp)``), as the torch
+    anchor calls ``dist.all_reduce(inp)``. Those take no algorithm, so with
+    ``plan.algorithm`` set it is :func:`numcoll_issue` then ``Work.wait()``."""
+    import numcoll as nc
+
+    if plan.algorithm is not None:
+        issue = numcoll_issue(nc.get_default_group(), plan, inp, out)
+        return lambda: issue().wait()
+    # The functions are looked up at each call, as the torch anchor's are.
+    if plan.op == "allreduce":
+        return lambda: nc.all_reduce(inp)
+    if plan.op == "broadcast":
+        return lambda: nc.broadcast(inp, src=0)
+    if plan.op == "reduce":
+        return lambda: nc.reduce(inp, dst=0)
+    if plan.op == "allgather":
+        return lambda: nc.all_gather_into_tensor(out, inp)
+    if plan.op == "reduce_scatter":
+        return lambda: nc.reduce_scatter_tensor(out, inp)
+    if plan.op == "alltoall":
+        return lambda: nc.all_to_all_single(out, inp)
+    if plan.op == "barrier":
+        return lambda: nc.barrier()
+    raise ValueError(f"numcoll_step: unknown op {plan.op!r}")
 
 
 def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int = 0) -> dict:
@@ -162,14 +207,8 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
     import numcoll as nc
 
     pg = nc.get_default_group()
-    rank = pg.rank()
-
-    def make_step(inp, out):
-        issue = numcoll_issue(pg, plan, inp, out)
-        return lambda: issue().wait()
-
-    result = _run_cases(plan, rank, make_step, lambda: pg.barrier().wait(),
-                        reporter if rank == 0 else None, first_case, "numcoll")
+    result = _run_cases(plan, pg.rank(), lambda inp, out: numcoll_step(plan, inp, out),
+                        nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll")
     return {**result, "transport": pg.transport_kind}
 
 
@@ -225,7 +264,11 @@ def _torch_step(dist, plan: Plan, inp, out):
     if plan.op == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(out, inp)
-    return lambda: dist.all_to_all_single(out, inp)
+    if plan.op == "alltoall":
+        return lambda: dist.all_to_all_single(out, inp)
+    if plan.op == "barrier":
+        return dist.barrier
+    raise ValueError(f"torch anchor: unknown op {plan.op!r}")
 
 
 def _torch_init(torch_dist, timeout: timedelta) -> None:

@@ -5,11 +5,17 @@ list of :class:`Case` (one per message size). ``size`` is the nccl-tests
 size: the bytes of the per-rank buffer (allreduce, broadcast, reduce: the
 buffer; allgather: the *output*, n x input; reduce_scatter: the *input*,
 n x output; alltoall: the per-rank send buffer). ``count = size / itemsize``.
+A barrier moves no data: its plan has one case of size 0, no placement, no
+bandwidth and nothing for ``#wrong`` to check.
 
 Bandwidths follow nccl-tests' PERFORMANCE.md: ``algbw = size / time`` and
 ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for allreduce,
 ``(n-1)/n`` for allgather, reduce_scatter and alltoall, and 1 for broadcast
 and reduce, so that busbw is comparable to the link bandwidth whatever n.
+
+:data:`SWEEPS` holds the named size ranges of ``numcoll-bench --sweep``: a
+latency sweep (8 B to 64 KiB, many iterations) and a bandwidth sweep (1 MiB
+to 64 MiB).
 """
 
 from __future__ import annotations
@@ -28,12 +34,16 @@ import numpy as np
 __all__ = [
     "OPS",
     "PLACEMENTS",
+    "SWEEPS",
+    "Sweep",
     "Case",
     "Plan",
     "bus_factor",
     "parse_nbytes",
     "format_nbytes",
     "sizes_between",
+    "placements_text",
+    "moves_data",
     "make_plan",
     "algorithm_name",
     "summarize",
@@ -42,17 +52,21 @@ __all__ = [
 ]
 
 #: The collectives the benchmark knows.
-OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall")
+OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall",
+       "barrier")
+#: Collectives without a buffer: one case of size 0, no placement, no busbw,
+#: no #wrong.
+_NO_DATA_OPS = frozenset({"barrier"})
 #: Collectives whose buffer is split into world_size equal blocks: their size
 #: is rounded down to a multiple of world_size elements (as nccl-tests does).
 _SPLIT_OPS = frozenset({"allgather", "reduce_scatter", "alltoall"})
 #: The placements each collective has (in numcoll and torch alike): allreduce,
 #: broadcast and reduce write into their input; alltoall_base does not take
-#: aliased buffers.
+#: aliased buffers; barrier has no buffer, so its one plan has placement None.
 PLACEMENTS = {
     "allreduce": ("in-place",), "broadcast": ("in-place",), "reduce": ("in-place",),
     "allgather": ("out-of-place", "in-place"), "reduce_scatter": ("out-of-place", "in-place"),
-    "alltoall": ("out-of-place",),
+    "alltoall": ("out-of-place",), "barrier": (None,),
 }
 
 #: Default iteration policy: about this many bytes of buffer per size (so the
@@ -74,6 +88,8 @@ def bus_factor(op: str, world_size: int) -> float:
         return (n - 1) / n
     if op in ("broadcast", "reduce"):
         return 1.0
+    if op in _NO_DATA_OPS:
+        raise ValueError(f"{op} moves no data: it has no bus bandwidth")
     raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
 
 
@@ -117,6 +133,33 @@ def sizes_between(min_nbytes: int, max_nbytes: int, factor: float = 2) -> list[i
 
 
 @dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A named size range: ``min_nbytes`` to ``max_nbytes`` by ``factor``, and
+    the iterations per size (None: :func:`make_plan`'s default)."""
+
+    min_nbytes: int
+    max_nbytes: int
+    factor: float
+    iters: int | None = None
+    warmup: int | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes in bytes, as :func:`sizes_between` lists them."""
+        return sizes_between(self.min_nbytes, self.max_nbytes, self.factor)
+
+
+#: ``numcoll-bench --sweep NAME``. Latency: small messages, where one
+#: iteration takes tens of microseconds and a scheduler hiccup is an outlier,
+#: so many iterations (and a longer warmup) for a steady median. Bandwidth:
+#: the default iteration policy (200 at 1 MiB down to 32 at 64 MiB).
+SWEEPS = {
+    "latency": Sweep(8, 64 << 10, 2, iters=1000, warmup=100),
+    "bandwidth": Sweep(1 << 20, 64 << 20, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One message size of a sweep.
 
@@ -139,7 +182,7 @@ class Plan:
         its block of the output; reduce_scatter: the output is this rank's
         block of the input, as in nccl-tests). allreduce, broadcast and reduce
         are always in place (numcoll's and torch's calls write into the input);
-        alltoall never is.
+        alltoall never is; a barrier has no buffer (``placement`` None).
     sync_each_iter: an untimed barrier before every timed iteration (by default
         the ranks meet once per size, as in nccl-tests; then a broadcast root
         whose sends complete eagerly can run ahead of its receivers).
@@ -163,14 +206,37 @@ class Plan:
         return bfloat16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
 
     @property
-    def placement(self) -> str:
-        return "in-place" if self.in_place else "out-of-place"
+    def placement(self) -> str | None:
+        """"in-place", "out-of-place", or None (barrier: no buffer)."""
+        return _placement(self.op, self.in_place)
+
+    @property
+    def moves_data(self) -> bool:
+        """False for barrier: no size, no bandwidth, nothing to check."""
+        return moves_data(self.op)
 
     @property
     def label(self) -> str:
         """``allreduce``, ``allgather in-place``: what a progress bar calls it."""
         both = self.op in PLACEMENTS and len(PLACEMENTS[self.op]) > 1
         return f"{self.op} {self.placement}" if both else self.op
+
+
+def moves_data(op: str) -> bool:
+    """Whether ``op`` has a buffer (every op but barrier): sizes, busbw, #wrong."""
+    return op not in _NO_DATA_OPS
+
+
+def _placement(op: str, in_place: bool) -> str | None:
+    if op in _NO_DATA_OPS:
+        return None
+    return "in-place" if in_place else "out-of-place"
+
+
+def placements_text(op: str) -> str:
+    """``"it is out-of-place or in-place"``: the forms ``op`` has, for error messages."""
+    forms = [p for p in PLACEMENTS[op] if p is not None]
+    return f"it is {' or '.join(forms)}" if forms else "it has no buffer"
 
 
 def _default_iters(nbytes: int) -> int:
@@ -193,6 +259,9 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
     ``iters``/``warmup`` None: fewer iterations for larger sizes
     (about 2 GiB of buffer per size, 5 to 200 iterations). ``in_place`` None:
     the op's first placement in :data:`PLACEMENTS`.
+
+    A barrier moves no data: ``sizes`` must be empty, the plan has one case of
+    size 0 (200 iterations by default) and ``check`` is off (nothing to check).
     """
     from ..dtypes import SUPPORTED_DTYPES, dtype_name
 
@@ -211,10 +280,17 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
         _check_algorithm(op, algorithm)
     if in_place is None:
         in_place = PLACEMENTS[op][0] == "in-place"
-    placement = "in-place" if in_place else "out-of-place"
+    placement = "in-place" if in_place else _placement(op, False)
     if placement not in PLACEMENTS[op]:
-        raise ValueError(f"{op} has no {placement} form in numcoll; it is "
-                         f"{' or '.join(PLACEMENTS[op])}")
+        raise ValueError(f"{op} has no {placement} form in numcoll; {placements_text(op)}")
+    sizes = list(sizes)
+    if op in _NO_DATA_OPS:
+        if sizes:
+            raise ValueError(f"{op} moves no data: give no sizes (its one case is size 0)")
+        n_iters = iters if iters is not None else MAX_ITERS
+        n_warmup = warmup if warmup is not None else _default_warmup(n_iters)
+        return Plan(op, dtype, world_size, (Case(0, 0, n_iters, n_warmup),), algorithm, False,
+                    sync_each_iter, check=False)
     itemsize = names[dtype].itemsize
     per = world_size if op in _SPLIT_OPS else 1
     cases, seen = [], set()
@@ -265,18 +341,19 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
     percentiles (``time_us_p10``/``_p90``) beside it. ``rank_time_us`` keeps each
     rank's own median (a rank that arrives late waits least, so the *shortest*
     one is the rank the others waited for). ``rank_wrong[r][i]``: rank r's wrong
-    elements in case i (None: not checked); ``wrong`` is their sum.
+    elements in case i (None: not checked); ``wrong`` is their sum. A barrier's
+    row has size 0 and None for dtype, placement, algbw, busbw and wrong.
     """
     if len(rank_times) != plan.world_size:
         raise ValueError(f"expected times from {plan.world_size} ranks, got {len(rank_times)}")
-    factor = bus_factor(plan.op, plan.world_size)
+    factor = bus_factor(plan.op, plan.world_size) if plan.moves_data else None
     rows = []
     for i, case in enumerate(plan.cases):
         per_rank = np.stack([np.asarray(t[i], dtype=np.float64) for t in rank_times])
         per_iter = per_rank.max(axis=0)
         median_s = float(np.median(per_iter))
         p10_s, p90_s = (float(v) for v in np.percentile(per_iter, [10, 90]))
-        algbw = case.nbytes / median_s / 1e9 if median_s > 0 else None
+        algbw = case.nbytes / median_s / 1e9 if median_s > 0 and plan.moves_data else None
         wrong = None
         if rank_wrong is not None and all(w[i] is not None for w in rank_wrong):
             wrong = int(sum(w[i] for w in rank_wrong))
@@ -288,7 +365,7 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
             "world_size": plan.world_size,
             "size": case.nbytes,
             "count": case.count,
-            "dtype": plan.dtype,
+            "dtype": plan.dtype if plan.moves_data else None,
             "iters": case.iters,
             "warmup": case.warmup,
             "time_us": median_s * 1e6,
@@ -305,8 +382,10 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
 
 
 def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: str | None,
-             compare: str | None = None, torch_version: str | None = None) -> dict:
-    """What a reader of the results needs to reproduce or weigh them."""
+             compare: str | None = None, torch_version: str | None = None,
+             sweep: str | None = None) -> dict:
+    """What a reader of the results needs to reproduce or weigh them
+    (``sweep``: the :data:`SWEEPS` name the sizes came from, if any)."""
     from .. import __version__
 
     try:
@@ -319,7 +398,8 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "mode": mode,
         "transport": transport,
         "transport_used": transport_used,
-        "dtype": plan.dtype,
+        "dtype": plan.dtype if plan.moves_data else None,
+        "sweep": sweep,
         "algorithm": plan.algorithm,
         "sync_each_iter": plan.sync_each_iter,
         "check": plan.check,
@@ -331,8 +411,13 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "platform": platform.platform(),
         "host_cpu_count": os.cpu_count(),
         "host_cpus_usable": affinity,
-        "timing": ("per iteration: issue + wait, time.perf_counter; iteration time = max over "
-                   "ranks; reported time = median over iterations (min, p10, p90, max kept)"),
+        "timing": ("per iteration: one complete collective, time.perf_counter; iteration time "
+                   "= max over ranks; reported time = median over iterations (min, p10, p90, "
+                   "max kept)"),
+        "numcoll_call": ("ProcessGroup method with the algorithm in its options, then "
+                         "Work.wait()" if plan.algorithm else
+                         "module-level blocking function on the default group "
+                         "(nc.all_reduce(x), as torch's dist.all_reduce(x))"),
         "wrong": ("after timing, one more run on rank-dependent inputs; wrong = elements that "
                   "differ from the NumPy-computed result, summed over ranks"),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -1,0 +1,157 @@
+"""8-byte collectives between two ranks that are processes, over ``shm``, for pytest-benchmark.
+
+Run with ``python -m pytest benchmarks/bench_latency.py``. This is the small-message
+end of ``numcoll-bench --sweep latency`` as a regression suite: the same call
+(:func:`numcoll.bench.numcoll_step`: ``nc.barrier()``, ``nc.broadcast(x, src=0)``,
+the module-level blocking functions on the default group) between this process
+and one spawned peer, so both ranks poll at once as real ranks do (the
+ProcessGroups of ``bench_collectives.py`` share one process and its GIL).
+
+This process is rank 1 and times; the peer is rank 0, the broadcast root.
+Before each benchmark rank 1 tells the peer which collective to run and how
+many times (an int64 broadcast from rank 1, untimed), so the benchmark uses
+``benchmark.pedantic`` with a fixed number of rounds: 2000 (100 warmup), or
+50 (5 warmup) in quick mode. A broadcast round is preceded by an untimed
+barrier (pedantic's ``setup``): the root's sends complete without waiting for
+the receiver, so without it the root could run ahead and the receiver would
+time messages already there; with it, a round is the time from leaving the
+barrier to holding the root's data. A barrier round needs no such sync.
+"""
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import numcoll as nc
+from numcoll.bench import OPS, make_plan, moves_data, numcoll_step, rank_buffers
+
+pytestmark = pytest.mark.timeout(300)
+
+QUICK = os.environ.get("NUMCOLL_BENCH_QUICK", "0") not in ("", "0")
+ROUNDS, WARMUP_ROUNDS = (50, 5) if QUICK else (2000, 100)
+NBYTES = 8
+TRANSPORT = "shm"
+#: Deadline of the peer's start, of every collective and of the peer's exit, in seconds.
+WAIT_S = 60.0
+#: (op, untimed barrier before each round)
+CASES = [("barrier", False), ("broadcast", True)]
+
+
+def _plan(op: str):
+    return make_plan(op, [NBYTES] if moves_data(op) else [], world_size=2)
+
+
+def _serve(store_path: str) -> None:
+    """Rank 0, in the spawned peer: run what rank 1 announces until it says stop
+    (a count of 0)."""
+    nc.init_process_group(store=nc.FileStore(store_path, 2), rank=0, world_size=2,
+                          transport=TRANSPORT, timeout=timedelta(seconds=WAIT_S))
+    try:
+        control = np.zeros(3, np.int64)
+        while True:
+            nc.broadcast(control, src=1)
+            op_index, count, sync = (int(v) for v in control)
+            if count == 0:
+                return
+            plan = _plan(OPS[op_index])
+            step = numcoll_step(plan, *rank_buffers(plan, plan.cases[0], 0))
+            for _ in range(count):
+                if sync:
+                    nc.barrier()
+                step()
+    finally:
+        nc.destroy_process_group()
+
+
+class _Lockstep:
+    """Rank 1's end: announces each benchmark's collectives to the peer and
+    counts its own, so the two ranks always run the same number whatever
+    pytest-benchmark does (``--benchmark-disable`` makes one call, profiling
+    one more than the rounds): calls beyond the announcement announce one
+    more, and :meth:`finish` runs those announced but not made."""
+
+    def __init__(self):
+        self._control = np.zeros(3, np.int64)
+        self._op_index, self._sync, self._step = 0, False, None
+        self._left, self._ready = 0, False
+
+    def start(self, op: str, sync: bool, count: int) -> None:
+        plan = _plan(op)
+        self._op_index, self._sync = OPS.index(op), sync
+        self._step = numcoll_step(plan, *rank_buffers(plan, plan.cases[0], 1))
+        self._announce(count)
+
+    def _announce(self, count: int) -> None:
+        self._control[:] = (self._op_index, count, self._sync)
+        nc.broadcast(self._control, src=1)
+        self._left = count
+
+    def setup(self) -> None:
+        """Untimed, before each round: the barrier that lines the ranks up."""
+        if self._left == 0:
+            self._announce(1)
+        if self._sync:
+            nc.barrier()
+        self._ready = True
+
+    def round(self) -> None:
+        """Timed: one collective."""
+        if not self._ready:  # called without setup (pytest-benchmark's profiling run)
+            self.setup()
+        self._ready = False
+        self._left -= 1
+        self._step()
+
+    def finish(self) -> None:
+        while self._left:
+            self.setup()
+            self.round()
+
+    def stop(self) -> None:
+        self._announce(0)
+
+
+@pytest.fixture(scope="module")
+def lockstep():
+    """This process as rank 1 of a default group over ``shm``, the spawned peer as rank 0."""
+    root = tempfile.mkdtemp(prefix="numcoll-bench-latency-")
+    store_path = os.path.join(root, "store")
+    child = multiprocessing.get_context("spawn").Process(target=_serve, args=(store_path,),
+                                                         daemon=True)
+    child.start()
+    try:
+        nc.init_process_group(store=nc.FileStore(store_path, 2), rank=1, world_size=2,
+                              transport=TRANSPORT, timeout=timedelta(seconds=WAIT_S))
+        try:
+            ends = _Lockstep()
+            yield ends
+            ends.stop()
+        finally:
+            nc.destroy_process_group()
+        child.join(WAIT_S)
+    finally:
+        if child.is_alive():
+            child.terminate()
+            child.join(WAIT_S)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op, sync", CASES, ids=[op for op, _ in CASES])
+def test_process_ranks_8B(benchmark, lockstep, op, sync):
+    plan = _plan(op)
+    benchmark.group = f"2 process ranks over {TRANSPORT}, {NBYTES} B"
+    benchmark.extra_info.update(op=op, world_size=2, transport=TRANSPORT, ranks="processes",
+                                nbytes=plan.cases[0].nbytes, call="module-level blocking",
+                                sync_each_round=sync, timed_rank=1)
+    lockstep.start(op, sync, WARMUP_ROUNDS + ROUNDS)
+    try:
+        benchmark.pedantic(lockstep.round, setup=lockstep.setup, rounds=ROUNDS,
+                           warmup_rounds=WARMUP_ROUNDS)
+    finally:
+        lockstep.finish()  # the peer runs what was announced, or the next start would mismatch

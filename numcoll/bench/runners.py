@@ -36,7 +36,7 @@ import numpy as np
 
 from .check import count_wrong, prepare_check
 from .progress import ProgressDisplay, Reporter
-from .sweep import Case, Plan, format_nbytes, summarize
+from .sweep import Case, Plan, algorithm_name, format_nbytes, summarize
 
 __all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "numcoll_step",
            "run_plan", "run_plans", "torch_available", "torch_version", "TorchUnavailableError",
@@ -201,6 +201,7 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
 
     Returns ``{"times": [per-iteration seconds, one array per case],
     "wrong": [wrong elements per case, None if unchecked],
+    "algorithms": [the algorithm that ran each case],
     "transport": the group's transport}``. ``reporter``: rank 0 reports its
     progress there (see :mod:`numcoll.bench.progress`).
     """
@@ -209,7 +210,9 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
     pg = nc.get_default_group()
     result = _run_cases(plan, pg.rank(), lambda inp, out: numcoll_step(plan, inp, out),
                         nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll")
-    return {**result, "transport": pg.transport_kind}
+    # The group's own configuration says what ran (e.g. whether it has a shared arena).
+    algorithms = [algorithm_name(plan, case, pg._cfg) for case in plan.cases]
+    return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 
 def _numcoll_session(plans: list[Plan], reporter: Reporter | None) -> list[dict]:
@@ -373,9 +376,10 @@ def run_plans(plans: list[Plan], *, backend: str = "numcoll", mode: str = "proce
             per_rank = launch(_torch_session, world_size, args=(plans, timeout_s, reporter),
                               mode="process", timeout=timeout_s)
     rows = [summarize(plan, [r[i]["times"] for r in per_rank], backend=backend,
-                      rank_wrong=[r[i]["wrong"] for r in per_rank])
+                      rank_wrong=[r[i]["wrong"] for r in per_rank],
+                      algorithms=per_rank[0][i].get("algorithms"))
             for i, plan in enumerate(plans)]
-    info = {k: v for k, v in per_rank[0][0].items() if k not in ("times", "wrong")}
+    info = {k: v for k, v in per_rank[0][0].items() if k not in ("times", "wrong", "algorithms")}
     return rows, info
 
 

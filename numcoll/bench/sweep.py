@@ -317,13 +317,15 @@ def _check_algorithm(op: str, algorithm: str) -> None:
                          f"{', '.join(sorted(CHOICES[op]))}")
 
 
-def algorithm_name(plan: Plan, case: Case) -> str:
-    """The numcoll algorithm that runs ``case`` (forced, or chosen by size)."""
+def algorithm_name(plan: Plan, case: Case, cfg=None) -> str:
+    """The numcoll algorithm that runs ``case`` (forced, or chosen by size) on a
+    group configured as ``cfg`` (default: the current configuration, as a group
+    whose ranks share memory would have it)."""
     from ..collectives.choice import choose
     from ..config import current
     from ..dtypes import is_half
 
-    cfg = current()
+    cfg = cfg if cfg is not None else current()
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
@@ -332,7 +334,8 @@ def algorithm_name(plan: Plan, case: Case) -> str:
 
 def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
               backend: str = "numcoll",
-              rank_wrong: Sequence[Sequence[int | None]] | None = None) -> list[dict]:
+              rank_wrong: Sequence[Sequence[int | None]] | None = None,
+              algorithms: Sequence[str] | None = None) -> list[dict]:
     """One row per case from every rank's per-iteration times (seconds).
 
     ``rank_times[r][i]`` holds rank r's iteration times for case i. The time
@@ -343,6 +346,8 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
     one is the rank the others waited for). ``rank_wrong[r][i]``: rank r's wrong
     elements in case i (None: not checked); ``wrong`` is their sum. A barrier's
     row has size 0 and None for dtype, placement, algbw, busbw and wrong.
+    ``algorithms[i]``: the algorithm that ran case i, as the ranks reported it
+    (default: :func:`algorithm_name`).
     """
     if len(rank_times) != plan.world_size:
         raise ValueError(f"expected times from {plan.world_size} ranks, got {len(rank_times)}")
@@ -361,7 +366,8 @@ def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,
             "backend": backend,
             "op": plan.op,
             "placement": plan.placement,
-            "algorithm": algorithm_name(plan, case) if backend == "numcoll" else "gloo",
+            "algorithm": ((algorithms[i] if algorithms is not None
+                           else algorithm_name(plan, case)) if backend == "numcoll" else "gloo"),
             "world_size": plan.world_size,
             "size": case.nbytes,
             "count": case.count,

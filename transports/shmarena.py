@@ -166,6 +166,9 @@ class SharedArena:
         self._payloads = [[self._region[h + r * self._stride + HEADER_NBYTES:
                                         h + (r + 1) * self._stride]
                            for r in range(size)] for h in self._first_header]
+        self._headers = [[self._region[h + r * self._stride:
+                                       h + r * self._stride + HEADER_NBYTES].view(np.int64)
+                          for r in range(size)] for h in self._first_header]
         #: Steps this rank has published (equal on every rank between calls).
         self._step = 0
 
@@ -205,7 +208,7 @@ class SharedArena:
 
     def nbytes(self, step: int, rank: int) -> int:
         """The payload size ``rank`` published for ``step``."""
-        return int(self._header_words(self._first_header[step & 1], rank)[3])
+        return int(self._headers[step & 1][rank][3])
 
     def wait(self, step: int, seq: int, stamp: bytes, deadline: float | None,
              call: int | None = None) -> None:
@@ -271,7 +274,7 @@ class SharedArena:
     def release(self) -> None:
         """Drop the views of the mapping (the transport is closing)."""
         self._region = self._ctrl = None
-        self._payloads = []
+        self._payloads = self._headers = []
 
     # -- headers, for error messages ------------------------------------------------
     def _header_words(self, first: int, peer: int) -> np.ndarray:

@@ -160,14 +160,16 @@ class ShmRingTransport:
         larger ones are chunked. Rings are sized to hold two such records.
     spin_us, yield_us : float
         A waiter busy-polls for ``spin_us``, then polls with ``sched_yield``
-        for ``yield_us`` more, then blocks.
+        for ``yield_us`` more, then blocks. With more ranks than this process
+        may use CPUs, it does not busy-poll at all: the rank it waits for may
+        need this very core, and ``sched_yield`` hands it over.
     arena_slot_nbytes : int
         Payload bytes per rank and step of the shared arena
         (:mod:`transports.shmarena`, ``self.arena``); 0: no arena.
     """
 
     def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0,
-                 inline_nbytes: int = 1 << 20, spin_us: float = 20.0, yield_us: float = 2000.0,
+                 inline_nbytes: int = 1 << 20, spin_us: float = 5.0, yield_us: float = 2000.0,
                  arena_slot_nbytes: int = 0):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
@@ -180,7 +182,7 @@ class ShmRingTransport:
         self._capacity = ring_nbytes_for(inline_nbytes)
         self._max_chunk = self._capacity // 2 - 512
         self._min_chunk = min(MIN_CHUNK_NBYTES, self._max_chunk)
-        self._spin_ns = int(spin_us * 1000)
+        self._spin_ns = int(spin_us * 1000) if size <= _usable_cpus() else 0
         self._yield_ns = int(yield_us * 1000)
         self._peers = [p for p in range(size) if p != rank]
         self._plock = threading.Lock()  # progress: ring reads and writes, the send queues
@@ -688,6 +690,13 @@ class ShmRingTransport:
             except BufferError:  # a view is still alive (a waiter mid-poll): GC unmaps it
                 pass
         self._maps.clear()
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _page_align(nbytes: int) -> int:

@@ -152,8 +152,9 @@ def test_sparse_allreduce_matches_numpy_and_is_identical_on_every_rank(world_siz
         assert values.tobytes() == results[0][1].tobytes()
 
 
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
 @pytest.mark.parametrize("ratio", [0.0, 1e9])
-def test_dense_fallback_gives_the_sparse_result(monkeypatch, ratio):
+def test_dense_fallback_gives_the_sparse_result(monkeypatch, ratio, transport):
     """ratio 0 forces the dense allreduce, 1e9 the gather; both give the same sum with
     the same indices, including explicit zeros and entries that cancel."""
     monkeypatch.setenv("NUMCOLL_SPARSE_DENSE_RATIO", str(ratio))
@@ -168,7 +169,8 @@ def test_dense_fallback_gives_the_sparse_result(monkeypatch, ratio):
         nc.all_reduce(sp)
         return sp.indices.tolist(), sp.values.tolist()
 
-    results = nc.launch(body, 2, mode="thread")
+    # shm: the group has a shared arena, which the sparse call's inner allreduce must not use
+    results = nc.launch(body, 2, mode="thread", transport=transport)
     assert results[0] == results[1]
     assert results[0] == ([[0, 1, 4]], [[1.0, 1.0], [1.0, 5.0], [0.0, 0.0]])
 

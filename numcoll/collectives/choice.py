@@ -22,15 +22,17 @@ class Choice(NamedTuple):
 
 
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
-           size: int) -> Choice:
+           size: int, shared: bool = True) -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
-    on ``nbytes`` bytes over ``size`` ranks."""
+    on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
+    shared arena's (for a collective run inside another call, whose arena
+    turn was not taken)."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
     if name is None:
-        name = _automatic(cfg, collective, nbytes, size)
+        name = _automatic(cfg, collective, nbytes, size, shared)
     try:
         choice = Choice(name, options[name])
     except KeyError:
@@ -56,10 +58,10 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
-def _automatic(cfg: Config, collective: str, nbytes: int, size: int) -> str:
-    shared = _shared(cfg, collective, nbytes, size)
-    if shared is not None:
-        return shared
+def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool) -> str:
+    on_arena = _shared(cfg, collective, nbytes, size) if shared else None
+    if on_arena is not None:
+        return on_arena
     if collective == "allreduce":
         return "recursive_doubling" if nbytes <= cfg.allreduce_small_nbytes else "ring"
     if collective == "broadcast":

@@ -162,7 +162,8 @@ def _dense_sum(comm, cfg, indices, values, shape, sparse_dims) -> SparseCOO:
     rows_in = np.ascontiguousarray(values).reshape(len(keys), row_count)
     _scatter_rows_kernel(dense, mask, keys, rows_in.astype(wire, copy=False))
     op = ReduceOp.BOR if dtype == np.bool_ else ReduceOp.SUM
-    algorithm = choose(cfg, "allreduce", None, flat.nbytes, comm.size)
+    # Over the rings, as the rest of this call: its arena turn is not taken.
+    algorithm = choose(cfg, "allreduce", None, flat.nbytes, comm.size, shared=False)
     algorithm.run(_Phase(comm, 2), HostBuffer(flat, compile_op(op, wire)),
                   segment_count(cfg, wire.itemsize))
     out_keys = np.flatnonzero(mask)

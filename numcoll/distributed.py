@@ -77,7 +77,7 @@ from .point_to_point import (  # noqa: F401 - the module API re-exports them
     recv,
     send,
 )
-from .process_group import ProcessGroup, run_blocking
+from .process_group import ProcessGroup, _run_blocking
 
 __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
@@ -221,10 +221,10 @@ def _finish(async_op: bool, collective, *args, **kwargs):
     """``collective(*args, **kwargs)``, a ProcessGroup method: its Work with
     ``async_op``; else wait for it and return None. A blocking call runs on
     this thread when the group has nothing else in flight (no queue, no
-    worker: :func:`numcoll.process_group.run_blocking`)."""
+    worker: :func:`numcoll.process_group._run_blocking`)."""
     if async_op:
         return collective(*args, **kwargs)
-    run_blocking(collective, *args, **kwargs)
+    _run_blocking(collective, *args, **kwargs)
     return None
 
 

@@ -4,7 +4,7 @@ A call validates its arguments on the caller's thread (so a rejected call does
 not take a sequence number and cannot desynchronise the ranks), takes the next
 sequence number, and queues the work; ``Options.threads`` worker threads run
 queued work, each collective on a :class:`~numcoll.comm.Comm` whose tags carry
-the sequence number. A caller that will wait at once (:func:`run_blocking`,
+the sequence number. A caller that will wait at once (:func:`_run_blocking`,
 what the module API's ``async_op=False`` uses) runs the work on its own thread
 instead when the group has nothing else in flight. The collectives themselves
 are in :mod:`numcoll.collectives`.
@@ -37,7 +37,7 @@ from .errors import GroupPoisonedError, NumcollError
 from .store import PrefixStore, Store
 from .work import Work
 
-__all__ = ["ProcessGroup", "run_blocking"]
+__all__ = ["ProcessGroup"]
 
 _SHUTDOWN = object()
 # How long shutdown() lets queued work finish before failing it: every work has
@@ -52,7 +52,7 @@ _ABORT_PUBLISH_S = 0.25
 
 class _Caller(threading.local):
     """Per thread: whether the collective being called will be waited for at
-    once (set by :func:`run_blocking`, taken by the next ``_enqueue``)."""
+    once (set by :func:`_run_blocking`, taken by the next ``_enqueue``)."""
 
     blocking = False
 
@@ -60,7 +60,7 @@ class _Caller(threading.local):
 _caller = _Caller()
 
 
-def run_blocking(collective: Callable, *args, **kwargs) -> None:
+def _run_blocking(collective: Callable, *args, **kwargs) -> None:
     """Call ``collective(*args, **kwargs)``, a :class:`ProcessGroup` collective method,
     for a caller that waits for it at once: return when it has completed, or
     raise its error (the one ``Work.wait()`` would raise).
@@ -253,7 +253,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         so the n-th collective is number n on every rank). Point-to-point ops
         pass ``collective=False``: they are matched by tag and take none.
 
-        Under :func:`run_blocking` it returns None once the work has completed
+        Under :func:`_run_blocking` it returns None once the work has completed
         (raising its error), and runs the work right here when the group has
         nothing in flight. That keeps each rank's order: nothing in flight
         means every earlier call of this group on this rank has completed, so

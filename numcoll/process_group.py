@@ -74,7 +74,7 @@ def _run_blocking(collective: Callable, *args, **kwargs) -> None:
         work = collective(*args, **kwargs)
     finally:
         _caller.blocking = False
-    if work is not None:  # the method queued nothing itself (the flag was not taken)
+    if work is not None:  # it returned its Work without taking the flag: wait for it
         work.wait()
 
 

@@ -93,23 +93,25 @@ class Comm:
     :class:`~numcoll.errors.CollectiveMismatchError` instead of taking its bytes.
     """
 
+    #: Whether a timeout looks for the rank the peer was stuck on (a monitored
+    #: barrier's timeouts are its answer, not a failure to explain).
+    follow_stalls = True
+
     def __init__(self, transport, seq: int, call: Call,
                  peer_note: Callable[[int], bytes | None] | None = None, record=None,
                  stall_note: Callable[[int, str], None] | None = None):
+        # One is built for every collective run: plain assignments only.
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
-        self.seq = max(seq, 0)
+        self.seq = seq if seq > 0 else 0
         self.call = call
         self.op_name = call.name
-        self.timeout_s = call.timeout_s
-        self.deadline = time.monotonic() + call.timeout_s
+        self.timeout_s = timeout_s = call.timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self.stamp = call.stamp()
         self._peer_note = peer_note
         self._stall_note = stall_note  # publishes "this rank is stuck waiting for peer"
-        #: Whether a timeout looks for the rank the peer was stuck on (a monitored
-        #: barrier's timeouts are its answer, not a failure to explain).
-        self.follow_stalls = True
         self._record = record  # the flight recorder's entry: waiting_for is kept current
 
     # -- posting ----------------------------------------------------------------

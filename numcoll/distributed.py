@@ -64,11 +64,8 @@ from .logs import get_logger, set_rank
 from .ops import ReduceOp
 from .options import (
     AllreduceCoalescedOptions,
-    AllreduceOptions,
     BarrierOptions,
-    BroadcastOptions,
     GatherOptions,
-    ReduceOptions,
     ReduceScatterOptions,
     ScatterOptions,
 )
@@ -80,7 +77,7 @@ from .point_to_point import (  # noqa: F401 - the module API re-exports them
     recv,
     send,
 )
-from .process_group import ProcessGroup
+from .process_group import ProcessGroup, _run_blocking
 
 __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
@@ -220,10 +217,14 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return -1 if pg is None else pg.size()
 
 
-def _finish(work, async_op: bool):
+def _finish(async_op: bool, collective, *args, **kwargs):
+    """``collective(*args, **kwargs)``, a ProcessGroup method: its Work with
+    ``async_op``; else wait for it and return None. A blocking call runs on
+    this thread when the group has nothing else in flight (no queue, no
+    worker: :func:`numcoll.process_group._run_blocking`)."""
     if async_op:
-        return work
-    work.wait()
+        return collective(*args, **kwargs)
+    _run_blocking(collective, *args, **kwargs)
     return None
 
 
@@ -263,7 +264,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _resolve(group, "all_reduce")
     if pg is None:
         return None
-    return _finish(pg.allreduce([tensor], AllreduceOptions(reduce_op=op)), async_op)
+    return _finish(async_op, pg.allreduce, [tensor], op=op)
 
 
 def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
@@ -273,8 +274,8 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False):
         return None
     tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
     _same_dtype(tensors)
-    return _finish(pg.allreduce_coalesced(tensors, AllreduceCoalescedOptions(reduce_op=op)),
-                   async_op)
+    return _finish(async_op, pg.allreduce_coalesced, tensors,
+                   AllreduceCoalescedOptions(reduce_op=op))
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
@@ -282,8 +283,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     pg = _resolve(group, "broadcast")
     if pg is None:
         return None
-    opts = BroadcastOptions(root_rank=_peer(pg, src, group_src, "src"))
-    return _finish(pg.broadcast([tensor], opts), async_op)
+    return _finish(async_op, pg.broadcast, [tensor], root=_peer(pg, src, group_src, "src"))
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
@@ -291,8 +291,8 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     pg = _resolve(group, "reduce")
     if pg is None:
         return None
-    opts = ReduceOptions(reduce_op=op, root_rank=_peer(pg, dst, group_dst, "dst"))
-    return _finish(pg.reduce([tensor], opts), async_op)
+    return _finish(async_op, pg.reduce, [tensor], op=op,
+                   root=_peer(pg, dst, group_dst, "dst"))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -302,7 +302,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return None
     tensor_list = _tensor_list(tensor_list, "tensor_list")
     _same_dtype(tensor_list, tensor)
-    return _finish(pg.allgather([tensor_list], [tensor]), async_op)
+    return _finish(async_op, pg.allgather, [tensor_list], [tensor])
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -310,7 +310,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     pg = _resolve(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    return _finish(pg.allgather_into_tensor(output_tensor, input_tensor), async_op)
+    return _finish(async_op, pg.allgather_into_tensor, output_tensor, input_tensor)
 
 
 def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, async_op=False):
@@ -331,7 +331,7 @@ def all_gather_coalesced(output_tensor_lists, input_tensor_list, group=None, asy
                             f"{type(output_tensor_list)} elements instead.")
         _same_dtype(output_tensor_list)
         outputs.append(list(output_tensor_list))
-    return _finish(pg.allgather_coalesced(outputs, input_tensor_list), async_op)
+    return _finish(async_op, pg.allgather_coalesced, outputs, input_tensor_list)
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -349,7 +349,7 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         raise ValueError("Argument ``gather_list`` must NOT be specified on non-destination "
                          "ranks.")
     outputs = [gather_list] if pg.rank() == root else []
-    return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
+    return _finish(async_op, pg.gather, outputs, [tensor], GatherOptions(root_rank=root))
 
 
 def gather_single(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
@@ -375,7 +375,7 @@ def gather_single(tensor, gather_tensor=None, dst=None, group=None, async_op=Fal
         flat = flat.reshape(-1)
         outputs = [[flat[r * part.size:(r + 1) * part.size].reshape(part.shape)
                     for r in range(pg.size())]]
-    return _finish(pg.gather(outputs, [tensor], GatherOptions(root_rank=root)), async_op)
+    return _finish(async_op, pg.gather, outputs, [tensor], GatherOptions(root_rank=root))
 
 
 def gather_into_tensor(tensor, gather_tensor=None, dst=None, group=None, async_op=False,
@@ -410,7 +410,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
     elif scatter_list:
         raise ValueError("Argument ``scatter_list`` must NOT be specified on non-source ranks.")
     inputs = [scatter_list] if pg.rank() == root else []
-    return _finish(pg.scatter([tensor], inputs, ScatterOptions(root_rank=root)), async_op)
+    return _finish(async_op, pg.scatter, [tensor], inputs, ScatterOptions(root_rank=root))
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
@@ -425,8 +425,8 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
         return None
     input_list = _tensor_list(input_list, "input_list")
     _same_dtype(output, input_list)
-    return _finish(pg.reduce_scatter([output], [input_list],
-                                     ReduceScatterOptions(reduce_op=op)), async_op)
+    return _finish(async_op, pg.reduce_scatter, [output], [input_list],
+                   ReduceScatterOptions(reduce_op=op))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -435,8 +435,8 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     pg = _resolve(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    return _finish(pg.reduce_scatter_tensor(output, input, ReduceScatterOptions(reduce_op=op)),
-                   async_op)
+    return _finish(async_op, pg.reduce_scatter_tensor, output, input,
+                   ReduceScatterOptions(reduce_op=op))
 
 
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -452,7 +452,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     output_tensor_list = _tensor_list(output_tensor_list, "output_tensor_list")
     input_tensor_list = _tensor_list(input_tensor_list, "input_tensor_list")
     _same_dtype(output_tensor_list, input_tensor_list)
-    return _finish(pg.alltoall(output_tensor_list, input_tensor_list), async_op)
+    return _finish(async_op, pg.alltoall, output_tensor_list, input_tensor_list)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
@@ -462,8 +462,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if pg is None:
         return None
     _same_dtype(output, input)
-    return _finish(pg.alltoall_base(output, input, output_split_sizes, input_split_sizes),
-                   async_op)
+    return _finish(async_op, pg.alltoall_base, output, input, output_split_sizes,
+                   input_split_sizes)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
@@ -472,7 +472,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout: timedelta | No
     if pg is None:
         return None
     _check_timeout(timeout, "barrier")
-    return _finish(pg.barrier(BarrierOptions(timeout=timeout)), async_op)
+    return _finish(async_op, pg.barrier, BarrierOptions(timeout=timeout))
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks=False):
@@ -481,5 +481,4 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
     if pg is None:
         return None
     _check_timeout(timeout, "monitored_barrier")
-    pg.monitored_barrier(timeout, wait_all_ranks).wait()
-    return None
+    return _finish(False, pg.monitored_barrier, timeout, wait_all_ranks)

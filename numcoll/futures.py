@@ -26,7 +26,7 @@ class Future:
         self._completed = False
         self._value: Any = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Future], None]] = []
+        self._callbacks: list[Callable[[Future], None]] | None = None  # made when one is added
 
     # -- completion (called by the thread that ran the operation) --------------
     def set_result(self, value: Any) -> None:
@@ -43,10 +43,11 @@ class Future:
                 raise RuntimeError("Future already completed")
             self._value, self._error = value, error
             self._completed = True
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks, None
         self._done_lock.release()
-        for cb in callbacks:
-            _run_callback(cb, self)
+        if callbacks:
+            for cb in callbacks:
+                _run_callback(cb, self)
 
     # -- observation ------------------------------------------------------------
     def done(self) -> bool:
@@ -79,6 +80,8 @@ class Future:
         """Run ``fn(self)`` when done (immediately, on this thread, if already done)."""
         with self._state_lock:
             if not self._completed:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         _run_callback(fn, self)

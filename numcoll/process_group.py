@@ -4,8 +4,10 @@ A call validates its arguments on the caller's thread (so a rejected call does
 not take a sequence number and cannot desynchronise the ranks), takes the next
 sequence number, and queues the work; ``Options.threads`` worker threads run
 queued work, each collective on a :class:`~numcoll.comm.Comm` whose tags carry
-the sequence number. The collectives themselves are in
-:mod:`numcoll.collectives`.
+the sequence number. A caller that will wait at once (:func:`_run_blocking`,
+what the module API's ``async_op=False`` uses) runs the work on its own thread
+instead when the group has nothing else in flight. The collectives themselves
+are in :mod:`numcoll.collectives`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,34 @@ _SHUTDOWN_DRAIN_S = 2.0
 # closes its transport (peers that see the close then read the reason). The
 # write goes on in the background: a dead store must not slow the abort.
 _ABORT_PUBLISH_S = 0.25
+
+
+class _Caller(threading.local):
+    """Per thread: whether the collective being called will be waited for at
+    once (set by :func:`_run_blocking`, taken by the next ``_enqueue``)."""
+
+    blocking = False
+
+
+_caller = _Caller()
+
+
+def _run_blocking(collective: Callable, *args, **kwargs) -> None:
+    """Call ``collective(*args, **kwargs)``, a :class:`ProcessGroup` collective method,
+    for a caller that waits for it at once: return when it has completed, or
+    raise its error (the one ``Work.wait()`` would raise).
+
+    The group runs it on this thread when it has no other work in flight: no
+    queue, no worker wake-up (see ``ProcessGroup._enqueue``); otherwise it is
+    queued behind that work and this thread waits for it.
+    """
+    _caller.blocking = True
+    try:
+        work = collective(*args, **kwargs)
+    finally:
+        _caller.blocking = False
+    if work is not None:  # it returned its Work without taking the flag: wait for it
+        work.wait()
 
 
 @dataclasses.dataclass
@@ -123,6 +153,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         check_forced(self._cfg)
         self._timeout_s = opts.timeout.total_seconds()
         self._reduction_plans: dict = {}  # (op, dtype, on device) -> Reduction
+        self._call_plans: dict = {}  # see Reductions._call_plan
 
         # A generation counter keeps a group re-created on the same store from
         # reading the previous group's addresses.
@@ -219,14 +250,32 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             return self._next_seq
 
     def _enqueue(self, call: Call, run: Callable[[Comm, Work], object],
-                 collective: bool = True) -> Work:
+                 collective: bool = True) -> Work | None:
         """Queue ``run(comm, work)`` for ``call``; its return value becomes the
         future's value.
 
         Collectives take the next sequence number (in call order, under the lock,
         so the n-th collective is number n on every rank). Point-to-point ops
         pass ``collective=False``: they are matched by tag and take none.
+
+        Under :func:`_run_blocking` it returns None once the work has completed
+        (raising its error), and runs the work right here when the group has
+        nothing in flight. That keeps each rank's order: nothing in flight
+        means every earlier call of this group on this rank has completed, so
+        this one overtakes nothing, and the check is made under the lock that
+        hands out sequence numbers, so a later call from another thread finds
+        this one in flight and is queued behind it. With work in flight the
+        call is queued as usual and the caller waits (running it itself if no
+        worker has started it, as ``Work.wait`` does). The caller would block
+        in ``wait()`` anyway and is not one of the group's workers, so running
+        here holds up nothing the queued path would not: it only skips the
+        queue and the worker wake-up. Either way the work runs through
+        :meth:`_execute`: the same records, failure handling and poisoning.
         """
+        caller = _caller
+        blocking = caller.blocking
+        if blocking:
+            caller.blocking = False  # this call only, not work its run may start
         with self._lock:
             self._check_usable(call.name)
             seq = -1
@@ -235,12 +284,20 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             work = Work(call.name, seq, call=call)
             if self._recorder is not None:
                 work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call)
-            key = work.order = next(self._order)
+            here = blocking and not self._inflight
+            work.order = key = next(self._order)
+            # Registered either way: a barrier or shutdown() on another thread
+            # waits for it like any other work.
             self._inflight[key] = work
-            item = (work, run, key)
-            work._run_here = lambda: self._execute(item)
-            self._queue.put(item)
-        return work
+            if not here:
+                work._queued(self._execute, run)
+                self._queue.put((work, run))
+        if not blocking:
+            return work
+        if here:
+            self._execute(work, run)
+        work.wait()
+        return None
 
     def _earlier_work(self, work: Work) -> list[Work]:
         """Work queued on this rank before ``work`` and not finished yet."""
@@ -252,12 +309,13 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             item = self._queue.get()
             if item is _SHUTDOWN:
                 return
-            if item[0]._claim():  # else a waiting caller already ran it
-                self._execute(item)
+            work, run = item
+            if work._claim():  # else a waiting caller already ran it
+                self._execute(work, run)
 
-    def _execute(self, item) -> None:
-        """Run one queued work and complete its future (on a worker or the caller)."""
-        work, run, key = item
+    def _execute(self, work: Work, run: Callable[[Comm, Work], object]) -> None:
+        """Run one work and complete its future: the one place work runs, on a
+        worker, on a caller waiting for it, or on a blocking caller."""
         record = work.record
         try:
             if self._poisoned is not None:
@@ -271,21 +329,21 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 self._wait_arena_turn(work)
             if record is not None:
                 self._recorder.started(record)
-            comm = Comm(self._transport, work.seq, work.call, peer_note=self._abort_reason,
-                        record=record, stall_note=self._publish_stall)
+            comm = Comm(self._transport, work.seq, work.call, self._abort_reason, record,
+                        self._publish_stall)
             result = run(comm, work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
             exc = self._fail(work, exc)
             if record is not None:
                 self._recorder.ended(record, exc)
             with self._lock:
-                self._inflight.pop(key, None)
+                self._inflight.pop(work.order, None)
             work.get_future().set_exception(exc)
         else:
             if record is not None:
                 self._recorder.ended(record)
             with self._lock:
-                self._inflight.pop(key, None)
+                self._inflight.pop(work.order, None)
             work.get_future().set_result(result)
 
     def _wait_arena_turn(self, work: Work) -> None:

@@ -19,7 +19,7 @@ class Work:
     """One enqueued collective. Completed by a ProcessGroup worker thread."""
 
     __slots__ = ("op_name", "seq", "call", "record", "order", "_future", "_source_rank",
-                 "_claim_lock", "_run_here")
+                 "_claim_lock", "_execute", "_run")
 
     def __init__(self, op_name: str, seq: int, future: Future | None = None, call=None):
         self.op_name = op_name
@@ -30,10 +30,22 @@ class Work:
         self.order = -1  # position in this rank's queue (collectives and p2p alike)
         self._future = future if future is not None else Future()
         self._source_rank: int | None = None
+        # Set when the work is queued (see _queued); a blocking caller that
+        # runs it at once needs none of them.
+        self._claim_lock = None
+        self._execute = self._run = None
+
+    def _queued(self, execute, run) -> None:
+        """The work is in its group's queue; ``execute(self, run)`` runs it.
+
+        Kept as two references, not a closure over this Work: a Work that
+        refers to itself is a reference cycle, and a cycle per call keeps the
+        garbage collector busy.
+        """
         # Whoever acquires this runs the work: a worker thread, or the caller
         # of wait() if no worker has started it yet.
         self._claim_lock = threading.Lock()
-        self._run_here = None
+        self._execute, self._run = execute, run
 
     def _claim(self) -> bool:
         return self._claim_lock.acquire(blocking=False)
@@ -50,8 +62,8 @@ class Work:
         # up yet, run it on this thread and save two thread hand-offs (most of
         # a small collective's latency). Not with a wait timeout, which must
         # be able to return before the work's own deadline.
-        if timeout is None and self._run_here is not None and self._claim():
-            self._run_here()
+        if timeout is None and self._execute is not None and self._claim():
+            self._execute(self, self._run)
         self._future.wait(timeout)
         return True
 

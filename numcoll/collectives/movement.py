@@ -13,6 +13,9 @@ from .memory import memory_of
 
 __all__ = ["DataMovement"]
 
+# Read, never written: a call without options uses it instead of building one.
+_BROADCAST_DEFAULTS = BroadcastOptions()
+
 
 class DataMovement:
     """Mixin of :class:`~numcoll.ProcessGroup`: the data-movement collectives."""
@@ -25,7 +28,7 @@ class DataMovement:
         """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` into every
         array on every rank. ``root`` overrides ``opts.root_rank``."""
         name = "broadcast"
-        opts = opts or BroadcastOptions()
+        opts = opts or _BROADCAST_DEFAULTS
         root_rank = opts.root_rank if root is None else root
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)

@@ -17,9 +17,32 @@ from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["Reductions"]
 
+# Read, never written: a call without options uses these instead of building one.
+_ALLREDUCE_DEFAULTS = AllreduceOptions()
+_REDUCE_DEFAULTS = ReduceOptions()
+# Call plans a group keeps (see Reductions._call_plan): one per shape, dtype and op in use.
+_CALL_PLANS_KEPT = 256
+
 
 class Reductions:
     """Mixin of :class:`~numcoll.ProcessGroup`: the reducing collectives."""
+
+    def _call_plan(self, key: tuple):
+        """What an earlier call with the same ``key`` worked out (None if none):
+        a :class:`Reduction`, the algorithm, the segment size and the
+        :class:`Call`. A key holding an unhashable option finds nothing; the
+        checks then say what is wrong with it."""
+        try:
+            return self._call_plans.get(key)
+        except TypeError:
+            return None
+
+    def _keep_call_plan(self, key: tuple, plan: tuple) -> tuple:
+        plans = self._call_plans
+        if len(plans) >= _CALL_PLANS_KEPT:  # many shapes: start again, not grow forever
+            plans.clear()
+        plans[key] = plan
+        return plan
 
     def _reduction(self, op, dtype, name, xp) -> Reduction:
         # A plan per (op, dtype, memory) and group: building one (checks and a
@@ -39,9 +62,10 @@ class Reductions:
         ``opts.reduce_op``. The future's value is the list of arrays.
         """
         name = "allreduce"
-        opts = _with_op(opts or AllreduceOptions(), op)
+        opts = opts or _ALLREDUCE_DEFAULTS
+        reduce_op = opts.reduce_op if op is None else op
         if is_sparse_call(arrays):
-            return allreduce_sparse(self, arrays, opts)
+            return allreduce_sparse(self, arrays, _with_op(opts, op))
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
         if not arrays:
@@ -49,13 +73,25 @@ class Reductions:
         xp = memory_of(name, arrays)
         check_same_type_and_size(arrays, name)
         check_writable(arrays, name)
-        red = self._reduction(opts.reduce_op, arrays[0].dtype, name, xp)
-        nbytes = arrays[0].size * red.wire_dtype.itemsize
-        algorithm = choose(self._cfg, name, opts.algorithm, nbytes, self._size)
-        seg = segment_count(self._cfg, red.wire_dtype.itemsize)
-        call = Call(name, self._timeout_for(opts, name), arrays[0].dtype, arrays[0].size,
-                    root=-1, algorithm=algorithm.name, input_sizes=shapes(arrays),
-                    output_sizes=shapes(arrays), nbytes=nbytes, **op_fields(opts.reduce_op))
+        first = arrays[0]
+        # Everything below follows from these (the checks above made every
+        # array alike), so a repeated call reuses it: the plan, algorithm and
+        # call descriptor are most of a small call's cost.
+        key = (name, first.dtype, first.shape, len(arrays), xp.is_device, reduce_op,
+               opts.algorithm, opts.timeout, self._timeout_s)
+        plan = self._call_plan(key)
+        if plan is None:
+            red = self._reduction(reduce_op, first.dtype, name, xp)
+            nbytes = first.size * red.wire_dtype.itemsize
+            algorithm = choose(self._cfg, name, opts.algorithm, nbytes, self._size)
+            call = Call(name, self._timeout_for(opts, name), first.dtype, first.size,
+                        root=-1, algorithm=algorithm.name, input_sizes=shapes(arrays),
+                        output_sizes=shapes(arrays), nbytes=nbytes, op=reduce_op.name,
+                        custom_op=reduce_op.is_custom)
+            plan = self._keep_call_plan(key, (red, algorithm,
+                                              segment_count(self._cfg, red.wire_dtype.itemsize),
+                                              call))
+        red, algorithm, seg, call = plan
 
         def run(comm, work):
             steps = xp.steps(red)
@@ -118,34 +154,34 @@ class Reductions:
         Other ranks' arrays are left unchanged (they reduce in a scratch copy).
         """
         name = "reduce"
-        opts = _with_op(opts or ReduceOptions(), op)
-        if root is not None:
-            opts = dataclasses.replace(opts, root_rank=root)
+        opts = opts or _REDUCE_DEFAULTS
+        reduce_op = opts.reduce_op if op is None else op
+        root_rank = opts.root_rank if root is None else root
         outs = originals(arrays)
         arrays = as_array_list(arrays, name)
-        check_root_rank(opts.root_rank, self._size, name)
+        check_root_rank(root_rank, self._size, name)
         check_root_tensor(opts.root_tensor, len(arrays), name)
         if len(arrays) != 1:
             raise ValueError(f"{name}: requires a single-element tensor list "
                              f"(got {len(arrays)})")
         arr = arrays[0]
         xp = memory_of(name, arrays)
-        is_root = self._rank == opts.root_rank
+        is_root = self._rank == root_rank
         if is_root:
             check_writable(arrays, name)
-        red = self._reduction(opts.reduce_op, arr.dtype, name, xp)
+        red = self._reduction(reduce_op, arr.dtype, name, xp)
         algorithm = choose(self._cfg, name, opts.algorithm, arr.size * red.wire_dtype.itemsize,
                            self._size)
         seg = segment_count(self._cfg, red.wire_dtype.itemsize)
         call = Call(name, self._timeout_for(opts, name), arr.dtype, arr.size,
-                    root=opts.root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
+                    root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
                     output_sizes=shapes(arrays) if is_root else (), nbytes=nbytes_of(arrays),
-                    **op_fields(opts.reduce_op))
+                    **op_fields(reduce_op))
 
         def run(comm, work):
             steps = xp.steps(red)
             buf, in_place = steps.load(arrays) if is_root else (steps.to_wire(arr), False)
-            algorithm.run(comm, xp.buffer(buf, steps.reduce), opts.root_rank, seg)
+            algorithm.run(comm, xp.buffer(buf, steps.reduce), root_rank, seg)
             if is_root:
                 steps.finish(buf)
                 if not in_place:

@@ -41,7 +41,11 @@ def is_sparse_call(arrays) -> bool:
     """True when ``arrays`` is, or contains, a SparseCOO (the sparse collectives apply)."""
     if isinstance(arrays, SparseCOO):
         return True
-    return isinstance(arrays, (list, tuple)) and any(isinstance(a, SparseCOO) for a in arrays)
+    if isinstance(arrays, (list, tuple)):
+        for a in arrays:  # a loop, not any(): every allreduce asks
+            if isinstance(a, SparseCOO):
+                return True
+    return False
 
 
 def check_coalesced_layouts(arrays, name: str) -> None:

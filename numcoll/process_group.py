@@ -359,8 +359,8 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         for earlier in self._earlier_work(work):
             if earlier.call is None or earlier.call.algorithm not in SHARED:
                 continue
-            if earlier._run_here is not None and earlier._claim():
-                earlier._run_here()
+            if earlier._execute is not None and earlier._claim():
+                earlier._execute(earlier, earlier._run)
             try:
                 earlier.get_future().wait(max(0.0, deadline - time.monotonic()))
             except TimeoutError:

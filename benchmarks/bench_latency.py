@@ -1,4 +1,5 @@
-"""8-byte collectives between two ranks that are processes, over ``shm``, for pytest-benchmark.
+"""8-byte collectives (barrier, broadcast, allreduce) between two ranks that are processes,
+over ``shm`` (its shared arena), for pytest-benchmark.
 
 Run with ``python -m pytest benchmarks/bench_latency.py``. This is the small-message
 end of ``numcoll-bench --sweep latency`` as a regression suite: the same call
@@ -29,6 +30,7 @@ import pytest
 
 import numcoll as nc
 from numcoll.bench import OPS, make_plan, moves_data, numcoll_step, rank_buffers
+from numcoll.bench.sweep import algorithm_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +41,7 @@ TRANSPORT = "shm"
 #: Deadline of the peer's start, of every collective and of the peer's exit, in seconds.
 WAIT_S = 60.0
 #: (op, untimed barrier before each round)
-CASES = [("barrier", False), ("broadcast", True)]
+CASES = [("barrier", False), ("broadcast", True), ("allreduce", False)]
 
 
 def _plan(op: str):
@@ -148,6 +150,8 @@ def test_process_ranks_8B(benchmark, lockstep, op, sync):
     benchmark.group = f"2 process ranks over {TRANSPORT}, {NBYTES} B"
     benchmark.extra_info.update(op=op, world_size=2, transport=TRANSPORT, ranks="processes",
                                 nbytes=plan.cases[0].nbytes, call="module-level blocking",
+                                algorithm=algorithm_name(plan, plan.cases[0],
+                                                         nc.get_default_group()._cfg),
                                 sync_each_round=sync, timed_rank=1)
     lockstep.start(op, sync, WARMUP_ROUNDS + ROUNDS)
     try:

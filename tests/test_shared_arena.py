@@ -286,3 +286,34 @@ def test_a_killed_rank_is_named_by_every_survivor_within_a_second():
     for kind, peer, waited_s in survivors:
         assert kind == "PeerError" and peer == 2, survivors
         assert waited_s < 0.3 + 1.0, survivors  # the kill came 0.3 s into the wait
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op", [nc.ReduceOp.SUM, nc.ReduceOp.AVG])
+def test_reduce_scatter_reads_the_input_in_place_and_leaves_it_alone(small_arena, in_place,
+                                                                      op):
+    """The shared reduce-scatter reads the input where it lies and writes only
+    this rank's share, into the output: out of place the input is unchanged,
+    in place (the output is the input's share) the share holds the result."""
+    size, count = 3, 2000
+
+    def body(pg):
+        r = pg.rank()
+        whole = inputs(r, size * count)
+        before = whole.copy()
+        out = whole[r * count:(r + 1) * count] if in_place else np.zeros(count, np.float32)
+        pg.reduce_scatter_tensor(out, whole, nc.ReduceScatterOptions(reduce_op=op)).wait()
+        if not in_place:
+            np.testing.assert_array_equal(whole, before)
+        return out.copy()
+
+    pgs = shm_groups(size)
+    try:
+        results = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    total = sum(inputs(q, size * count).astype(np.float64) for q in range(size))
+    if op == nc.ReduceOp.AVG:
+        total /= size
+    for r, got in enumerate(results):
+        np.testing.assert_allclose(got, total[r * count:(r + 1) * count], rtol=1e-5, atol=1e-3)

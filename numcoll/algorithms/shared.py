@@ -38,6 +38,18 @@ def _copy_in(buf, start: int, count: int, src) -> None:
     buf.recv_done(start, count)
 
 
+def _combine(comm, buf, step: int, start: int, count: int, at: int = 0) -> None:
+    """``buf``'s elements ``start:start + count`` := the reduction, in rank
+    order, of what every rank published at ``step`` from byte ``at`` on. On
+    rank 0 those elements already hold rank 0's part (what it published), so
+    the others start from a copy of it and rank 0 from its own buffer."""
+    nbytes = count * buf.itemsize
+    if comm.rank != 0:
+        _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
+    for peer in range(1, comm.size):
+        buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
+
+
 def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1) -> int:
     """Elements per round of each of ``parts`` pieces: what fits the arena's
     slot, and at most ``segment_count`` (so tests can force many rounds)."""
@@ -58,19 +70,14 @@ def allreduce_shared(comm, buf, segment_count: int | None = None) -> None:
     and for two ranks at any size.
     Source: DeepSpeed's shared-memory allreduce (Intel), see the module docstring.
     """
-    size, rank, itemsize = comm.size, comm.rank, buf.itemsize
+    size, itemsize = comm.size, buf.itemsize
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
     for start in range(0, buf.count, per_round):
         count = min(per_round, buf.count - start)
-        nbytes = count * itemsize
         step = comm.shared_step(_bytes(buf.send_view(start, count)))
-        # Rank 0's part is in its buffer already: the others start from a copy of it.
-        if rank != 0:
-            _copy_in(buf, start, count, comm.shared_view(step, 0, 0, nbytes))
-        for peer in range(1, size):
-            buf.reduce_from(start, count, comm.shared_view(step, peer, 0, nbytes))
+        _combine(comm, buf, step, start, count)
 
 
 def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
@@ -94,11 +101,7 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
         chunks = chunk_bounds(count, size)
         first, n = chunks[rank]
         if n:
-            at, nbytes = first * itemsize, n * itemsize
-            if rank != 0:
-                _copy_in(buf, start + first, n, comm.shared_view(step, 0, at, nbytes))
-            for peer in range(1, size):
-                buf.reduce_from(start + first, n, comm.shared_view(step, peer, at, nbytes))
+            _combine(comm, buf, step, start + first, n, first * itemsize)
         step = comm.shared_step(_bytes(buf.send_view(start + first, n)) if n else None)
         for peer, (first, n) in enumerate(chunks):
             if peer != rank and n:
@@ -118,14 +121,9 @@ def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> Non
     per_round = _per_round(comm, itemsize, segment_count)
     for start in range(0, buf.count, per_round):
         count = min(per_round, buf.count - start)
-        nbytes = count * itemsize
         step = comm.shared_step(_bytes(buf.send_view(start, count)))
-        if rank != root:
-            continue
-        if root != 0:
-            _copy_in(buf, start, count, comm.shared_view(step, 0, 0, nbytes))
-        for peer in range(1, size):
-            buf.reduce_from(start, count, comm.shared_view(step, peer, 0, nbytes))
+        if rank == root:
+            _combine(comm, buf, step, start, count)
 
 
 def reduce_scatter_shared(comm, buf, chunks, segment_count: int | None = None) -> None:
@@ -154,11 +152,7 @@ def reduce_scatter_shared(comm, buf, chunks, segment_count: int | None = None) -
         first, n = pieces[rank]
         if not n:
             continue
-        at = sum(k for _, k in pieces[:rank]) * itemsize
-        if rank != 0:
-            _copy_in(buf, first, n, comm.shared_view(step, 0, at, n * itemsize))
-        for peer in range(1, size):
-            buf.reduce_from(first, n, comm.shared_view(step, peer, at, n * itemsize))
+        _combine(comm, buf, step, first, n, sum(k for _, k in pieces[:rank]) * itemsize)
 
 
 def allgather_shared(comm, buf, chunks, segment_count: int | None = None) -> None:

@@ -13,8 +13,9 @@ from .memory import memory_of
 
 __all__ = ["DataMovement"]
 
-# Read, never written: a call without options uses it instead of building one.
+# Read, never written: a call without options uses these instead of building one.
 _BROADCAST_DEFAULTS = BroadcastOptions()
+_ALLGATHER_DEFAULTS = AllgatherOptions()
 
 
 class DataMovement:
@@ -38,13 +39,20 @@ class DataMovement:
         check_same_type_and_size(arrays, name)
         check_writable(arrays, name)
         src = arrays[opts.root_tensor]
-        itemsize = src.dtype.itemsize
-        algorithm = choose(self._cfg, name, opts.algorithm, src.size * itemsize, self._size)
-        seg = self._segment(itemsize)
         is_root = self._rank == root_rank
-        call = Call(name, self._timeout_for(opts, name), src.dtype, src.size, root=root_rank,
-                    algorithm=algorithm.name, input_sizes=shapes(arrays),
-                    output_sizes=shapes(arrays), nbytes=src.size * itemsize)
+        # A repeated call reuses its algorithm, segment size and descriptor (see
+        # Reductions._call_plan); the checks above ran all the same.
+        key = (name, src.dtype, src.shape, len(arrays), xp.is_device, root_rank,
+               opts.algorithm, opts.timeout, self._timeout_s)
+        plan = self._call_plan(key)
+        if plan is None:
+            itemsize = src.dtype.itemsize
+            algorithm = choose(self._cfg, name, opts.algorithm, src.size * itemsize, self._size)
+            call = Call(name, self._timeout_for(opts, name), src.dtype, src.size,
+                        root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
+                        output_sizes=shapes(arrays), nbytes=src.size * itemsize)
+            plan = self._keep_call_plan(key, (algorithm, self._segment(itemsize), call))
+        algorithm, seg, call = plan
 
         def run(comm, work):
             flat = xp.flat(src, copy_in=is_root)
@@ -167,7 +175,7 @@ class DataMovement:
                                         _name: str = "allgather_into_tensor_coalesced"):
         """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
         name = _name
-        opts = opts or AllgatherOptions()
+        opts = opts or _ALLGATHER_DEFAULTS
         outs = originals(outputs)
         outputs = as_array_list(outputs, name)
         inputs = as_array_list(inputs, name)
@@ -175,11 +183,18 @@ class DataMovement:
         xp = memory_of(name, outputs, inputs)
         check_same_dtype(inputs, name)
         check_writable(outputs, name)
-        per_rank = sum(a.size for a in inputs)
-        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].dtype.itemsize)
         direct = len(outputs) == 1 and xp.contiguous(outputs[0])
-        algorithm, call = self._gather_call(name, opts, inputs, outputs, per_rank)
+        key = (name, inputs[0].dtype, tuple(a.shape for a in inputs),
+               tuple(a.shape for a in outputs), xp.is_device, opts.algorithm, opts.timeout,
+               self._timeout_s)
+        plan = self._call_plan(key)
+        if plan is None:
+            per_rank = sum(a.size for a in inputs)
+            chunks = [(r * per_rank, per_rank) for r in range(self._size)]
+            algorithm, call = self._gather_call(name, opts, inputs, outputs, per_rank)
+            plan = self._keep_call_plan(key, (per_rank, chunks, algorithm,
+                                              self._segment(inputs[0].dtype.itemsize), call))
+        per_rank, chunks, algorithm, seg, call = plan
 
         def run(comm, work):
             # One pair with a contiguous output: gather straight into it.

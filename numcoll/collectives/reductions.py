@@ -6,6 +6,8 @@ import dataclasses
 
 from ..arrays import as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, op_fields, shapes
+from ..algorithms import SHARED
+from ..buffers import ShareBuffer
 from ..kernels.pack_plan import PackPlan
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from ..reduction import Reduction
@@ -267,8 +269,24 @@ class Reductions:
                     output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
                     **op_fields(opts.reduce_op))
 
+        # One host pair that travels as it is, on the shared arena: the
+        # algorithm reads the input where it lies and writes only this rank's
+        # share, straight into the output (no copy of the whole input).
+        in_place_share = (algorithm.name in SHARED and len(inputs) == 1 and not xp.is_device
+                          and not red.widen and red.factor is None
+                          and inputs[0].flags.c_contiguous and outputs[0].flags.c_contiguous)
+
         def run(comm, work):
             steps = xp.steps(red)
+            if in_place_share:
+                whole, own = inputs[0].reshape(-1), outputs[0].reshape(-1)
+                mine = whole[self._rank * share:(self._rank + 1) * share]
+                if not xp.overlaps(own, mine):  # else the output is that share already
+                    xp.assign(own, mine)
+                algorithm.run(comm, ShareBuffer(whole, own, self._rank * share, steps.reduce),
+                              chunks, seg)
+                steps.finish(own)
+                return [outs]
             # Lay the buffer out share-major: [rank 0's share of every pair,
             # rank 1's share of every pair, ...], so one ring moves them all.
             if len(inputs) == 1:

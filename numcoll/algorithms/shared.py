@@ -40,10 +40,19 @@ def _copy_in(buf, start: int, count: int, src) -> None:
 
 def _combine(comm, buf, step: int, start: int, count: int, at: int = 0) -> None:
     """``buf``'s elements ``start:start + count`` := the reduction, in rank
-    order, of what every rank published at ``step`` from byte ``at`` on. On
-    rank 0 those elements already hold rank 0's part (what it published), so
-    the others start from a copy of it and rank 0 from its own buffer."""
+    order, of what every rank published at ``step`` from byte ``at`` on.
+
+    Those elements hold this rank's own part on entry (what it published).
+    Rank 0 starts from them; the others start from a copy of rank 0's part.
+    Two ranks need no copy: rank 1 combines rank 0's part into its own, and
+    op(x1, x0) == op(x0, x1) bit for bit for the commutative ops (which
+    recursive doubling assumes as well).
+    """
     nbytes = count * buf.itemsize
+    if comm.size == 2:
+        peer = 1 - comm.rank
+        buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
+        return
     if comm.rank != 0:
         _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
     for peer in range(1, comm.size):

@@ -31,6 +31,7 @@ __all__ = ["Comm", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP", "MAX_U
 _SEQ_BITS = 31
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
 
@@ -39,7 +40,7 @@ def collective_tag(seq: int, step: int) -> int:
     """Tag of message ``step`` of collective number ``seq`` (seq wraps at 2**31)."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step {step} out of range")
-    return ((seq & ((1 << _SEQ_BITS) - 1)) << _STEP_BITS) | step
+    return ((seq & _SEQ_MASK) << _STEP_BITS) | step
 
 
 def p2p_tag(user_tag: int) -> int:
@@ -178,8 +179,8 @@ class Comm:
         arena = self.transport.arena
         try:
             step = arena.put(payload, self.seq, self.stamp, nbytes)
-            arena.wait(step, self.seq, self.stamp, self.deadline,
-                       collective_tag(self.seq, 0) >> CALL_SHIFT)
+            # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
+            arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & _SEQ_MASK)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "recv") from exc
         return step
@@ -189,12 +190,14 @@ class Comm:
         (read in place: valid until this rank's step after next); a peer that
         published fewer bytes fails as a wrong-size message."""
         arena = self.transport.arena
-        published = arena.nbytes(step, peer)
-        if start + nbytes > published:
-            exc = MessageSizeError(f"rank {peer} published {published} bytes, this rank "
-                                   f"reads bytes {start}..{start + nbytes}", peer)
-            raise self._translate(exc, peer, "recv")
-        return arena.view(step, peer, start, nbytes)
+        try:
+            published = arena.nbytes(step, peer)
+            if start + nbytes > published:
+                raise MessageSizeError(f"rank {peer} published {published} bytes, this rank "
+                                       f"reads bytes {start}..{start + nbytes}", peer)
+            return arena.view(step, peer, start, nbytes)
+        except TransportError as exc:
+            raise self._translate(exc, peer, "recv") from exc
 
     def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None]:
         """After a timeout on ``peer``: the stalled rank at the end of the chain

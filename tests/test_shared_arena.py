@@ -317,3 +317,28 @@ def test_reduce_scatter_reads_the_input_in_place_and_leaves_it_alone(small_arena
         total /= size
     for r, got in enumerate(results):
         np.testing.assert_allclose(got, total[r * count:(r + 1) * count], rtol=1e-5, atol=1e-3)
+
+
+def test_shutdown_fails_a_waiting_step_promptly():
+    """A rank waiting in an arena step for a peer that never comes, whose group
+    is shut down from another thread: the wait fails (the group was shut down)
+    within the shutdown's bounded drain, not at the collective's deadline."""
+    pgs = shm_groups(2, timeout=timedelta(seconds=60))
+    caught = {}
+
+    def waiter():
+        try:
+            pgs[0].allreduce(np.ones(4, np.float32)).wait()
+        except nc.NumcollError as exc:
+            caught["error"] = exc
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    pgs[0].shutdown()
+    t.join(30)
+    elapsed = time.monotonic() - start
+    pgs[1].shutdown()
+    assert "shut down" in str(caught.get("error")), caught
+    assert elapsed < 10, elapsed

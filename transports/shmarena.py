@@ -181,7 +181,7 @@ class SharedArena:
     def mine(self, step: int) -> np.ndarray:
         """This rank's payload of ``step`` (uint8, writable): fill it, then
         :meth:`put` with ``payload=None`` and the bytes written."""
-        return self._payloads[step & 1][self.rank]
+        return self._open(self._payloads)[step & 1][self.rank]
 
     def put(self, payload: np.ndarray | None, seq: int, stamp: bytes,
             nbytes: int | None = None) -> int:
@@ -208,7 +208,7 @@ class SharedArena:
 
     def nbytes(self, step: int, rank: int) -> int:
         """The payload size ``rank`` published for ``step``."""
-        return int(self._headers[step & 1][rank][3])
+        return int(self._open(self._headers)[step & 1][rank][3])
 
     def wait(self, step: int, seq: int, stamp: bytes, deadline: float | None,
              call: int | None = None) -> None:
@@ -220,7 +220,9 @@ class SharedArena:
         t = self._transport
         s0, s1 = _stamp_words(stamp)
         first = self._first_header[step & 1]
-        region, ctrl = self._region, self._ctrl
+        # Local references: close() may drop the arena's meanwhile (the mapping
+        # stays alive while they do).
+        region, ctrl, headers = self._region, self._ctrl, self._headers
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
         now = time.monotonic_ns()
@@ -238,10 +240,10 @@ class SharedArena:
                 return
             if got < -1:
                 peer = -2 - got
+                theirs = headers[step & 1][peer]
                 raise StampMismatch(
                     f"shared-memory step on rank {self.rank}: rank {peer} published another "
-                    "call", peer, stamp, self._header_stamp(first, peer),
-                    remote_seq=self._header_seq(first, peer))
+                    "call", peer, stamp, theirs[1:3].tobytes(), remote_seq=int(theirs[0]))
             peer = got
             if t._closed:
                 raise TransportClosed(f"rank {self.rank}'s transport was closed", peer)
@@ -268,7 +270,7 @@ class SharedArena:
     def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None) -> np.ndarray:
         """``rank``'s payload of ``step`` (uint8, read-only by convention), bytes
         ``start:start + nbytes``; valid until the step after next begins."""
-        payload = self._payloads[step & 1][rank]
+        payload = self._open(self._payloads)[step & 1][rank]
         return payload[start:] if nbytes is None else payload[start:start + nbytes]
 
     def release(self) -> None:
@@ -276,16 +278,10 @@ class SharedArena:
         self._region = self._ctrl = None
         self._payloads = self._headers = []
 
-    # -- headers, for error messages ------------------------------------------------
-    def _header_words(self, first: int, peer: int) -> np.ndarray:
-        at = first + peer * self._stride
-        return self._region[at:at + 32].view(np.int64)
-
-    def _header_seq(self, first: int, peer: int) -> int:
-        return int(self._header_words(first, peer)[0])
-
-    def _header_stamp(self, first: int, peer: int) -> bytes:
-        return self._header_words(first, peer)[1:3].tobytes()
+    def _open(self, views: list) -> list:
+        if not views:
+            raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
+        return views
 
 
 _EMPTY = np.empty(0, np.uint8)

@@ -1,5 +1,5 @@
-"""8-byte collectives (barrier, broadcast, allreduce) between two ranks that are processes,
-over ``shm`` (its shared arena), for pytest-benchmark.
+"""Collectives between two ranks that are processes, over ``shm`` (its shared arena), for
+pytest-benchmark: 8-byte barrier, broadcast and allreduce, and a 1 MiB allreduce.
 
 Run with ``python -m pytest benchmarks/bench_latency.py``. This is the small-message
 end of ``numcoll-bench --sweep latency`` as a regression suite: the same call
@@ -36,16 +36,17 @@ pytestmark = pytest.mark.timeout(300)
 
 QUICK = os.environ.get("NUMCOLL_BENCH_QUICK", "0") not in ("", "0")
 ROUNDS, WARMUP_ROUNDS = (50, 5) if QUICK else (2000, 100)
-NBYTES = 8
 TRANSPORT = "shm"
 #: Deadline of the peer's start, of every collective and of the peer's exit, in seconds.
 WAIT_S = 60.0
-#: (op, untimed barrier before each round)
-CASES = [("barrier", False), ("broadcast", True), ("allreduce", False)]
+#: (op, untimed barrier before each round, bytes): the 8-byte latency of the arena,
+#: and one bandwidth-bound allreduce (a round of a whole 1 MiB slot).
+CASES = [("barrier", False, 0), ("broadcast", True, 8), ("allreduce", False, 8),
+         ("allreduce", False, 1 << 20)]
 
 
-def _plan(op: str):
-    return make_plan(op, [NBYTES] if moves_data(op) else [], world_size=2)
+def _plan(op: str, nbytes: int):
+    return make_plan(op, [nbytes] if moves_data(op) else [], world_size=2)
 
 
 def _serve(store_path: str) -> None:
@@ -54,13 +55,13 @@ def _serve(store_path: str) -> None:
     nc.init_process_group(store=nc.FileStore(store_path, 2), rank=0, world_size=2,
                           transport=TRANSPORT, timeout=timedelta(seconds=WAIT_S))
     try:
-        control = np.zeros(3, np.int64)
+        control = np.zeros(4, np.int64)
         while True:
             nc.broadcast(control, src=1)
-            op_index, count, sync = (int(v) for v in control)
+            op_index, count, sync, nbytes = (int(v) for v in control)
             if count == 0:
                 return
-            plan = _plan(OPS[op_index])
+            plan = _plan(OPS[op_index], nbytes)
             step = numcoll_step(plan, *rank_buffers(plan, plan.cases[0], 0))
             for _ in range(count):
                 if sync:
@@ -78,18 +79,18 @@ class _Lockstep:
     more, and :meth:`finish` runs those announced but not made."""
 
     def __init__(self):
-        self._control = np.zeros(3, np.int64)
-        self._op_index, self._sync, self._step = 0, False, None
+        self._control = np.zeros(4, np.int64)
+        self._op_index, self._sync, self._nbytes, self._step = 0, False, 0, None
         self._left, self._ready = 0, False
 
-    def start(self, op: str, sync: bool, count: int) -> None:
-        plan = _plan(op)
-        self._op_index, self._sync = OPS.index(op), sync
+    def start(self, op: str, sync: bool, nbytes: int, count: int) -> None:
+        plan = _plan(op, nbytes)
+        self._op_index, self._sync, self._nbytes = OPS.index(op), sync, nbytes
         self._step = numcoll_step(plan, *rank_buffers(plan, plan.cases[0], 1))
         self._announce(count)
 
     def _announce(self, count: int) -> None:
-        self._control[:] = (self._op_index, count, self._sync)
+        self._control[:] = (self._op_index, count, self._sync, self._nbytes)
         nc.broadcast(self._control, src=1)
         self._left = count
 
@@ -143,17 +144,22 @@ def lockstep():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _case_id(case) -> str:
+    op, _, nbytes = case
+    return op if not nbytes else f"{op}-{nbytes >> 20}MiB" if nbytes >= 1 << 20 else f"{op}-{nbytes}B"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("op, sync", CASES, ids=[op for op, _ in CASES])
-def test_process_ranks_8B(benchmark, lockstep, op, sync):
-    plan = _plan(op)
-    benchmark.group = f"2 process ranks over {TRANSPORT}, {NBYTES} B"
+@pytest.mark.parametrize("op, sync, nbytes", CASES, ids=[_case_id(c) for c in CASES])
+def test_process_ranks(benchmark, lockstep, op, sync, nbytes):
+    plan = _plan(op, nbytes)
+    benchmark.group = f"2 process ranks over {TRANSPORT}, {plan.cases[0].nbytes} B"
     benchmark.extra_info.update(op=op, world_size=2, transport=TRANSPORT, ranks="processes",
                                 nbytes=plan.cases[0].nbytes, call="module-level blocking",
                                 algorithm=algorithm_name(plan, plan.cases[0],
                                                          nc.get_default_group()._cfg),
                                 sync_each_round=sync, timed_rank=1)
-    lockstep.start(op, sync, WARMUP_ROUNDS + ROUNDS)
+    lockstep.start(op, sync, nbytes, WARMUP_ROUNDS + ROUNDS)
     try:
         benchmark.pedantic(lockstep.round, setup=lockstep.setup, rounds=ROUNDS,
                            warmup_rounds=WARMUP_ROUNDS)

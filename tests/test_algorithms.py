@@ -112,11 +112,12 @@ def test_ring_halves_with_uneven_chunks(family, name, size):
             np.testing.assert_array_equal(got, whole[s:s + n])
 
 
+@pytest.mark.parametrize("name", sorted(CHOICES["gather"]))
 @pytest.mark.parametrize("size", WORLD_SIZES)
-def test_gather_and_scatter(size):
+def test_gather_and_scatter(name, size):
     count = 4
     root = size // 2
-    gather, scatter = CHOICES["gather"]["direct"], CHOICES["scatter"]["direct"]
+    gather, scatter = CHOICES["gather"][name], CHOICES["scatter"][name]
 
     def rank_fn(comm):
         send = data(comm.rank, count)

@@ -342,3 +342,36 @@ def test_shutdown_fails_a_waiting_step_promptly():
     pgs[1].shutdown()
     assert "shut down" in str(caught.get("error")), caught
     assert elapsed < 10, elapsed
+
+
+def test_gather_and_scatter_every_root(small_arena):
+    size, count = 3, 2500  # several rounds of a 4 KiB slot (scatter: 1/3 of it per rank)
+
+    def body(pg):
+        r = pg.rank()
+        out = {}
+        for root in range(size):
+            targets = [np.zeros(count, np.float32) for _ in range(size)] if r == root else []
+            work = pg.gather([targets] if r == root else [], [inputs(r, count)],
+                             nc.GatherOptions(root_rank=root))
+            work.wait()
+            out[f"gather{root}"] = (targets, work.call.algorithm)
+            got = np.zeros(count, np.float32)
+            sources = [[inputs(100 + q, count) for q in range(size)]] if r == root else []
+            work = pg.scatter([got], sources, nc.ScatterOptions(root_rank=root))
+            work.wait()
+            out[f"scatter{root}"] = (got, work.call.algorithm)
+        return out
+
+    pgs = shm_groups(size)
+    try:
+        results = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    for r, out in enumerate(results):
+        assert {v[1] for v in out.values()} == {"shared"}
+        for root in range(size):
+            if r == root:
+                for q, t in enumerate(out[f"gather{root}"][0]):
+                    np.testing.assert_array_equal(t, inputs(q, count))
+            np.testing.assert_array_equal(out[f"scatter{root}"][0], inputs(100 + r, count))

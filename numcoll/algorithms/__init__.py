@@ -15,7 +15,8 @@ from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
-                     barrier_shared, broadcast_shared, reduce_scatter_shared, reduce_shared)
+                     barrier_shared, broadcast_shared, gather_shared, reduce_scatter_shared,
+                     reduce_shared, scatter_shared)
 
 __all__ = [
     "allgather_ring",
@@ -33,10 +34,12 @@ __all__ = [
     "broadcast_binomial",
     "broadcast_chain",
     "gather_direct",
+    "gather_shared",
     "reduce_binomial",
     "reduce_ring",
     "reduce_scatter_ring",
     "scatter_direct",
+    "scatter_shared",
 ]
 
 #: The one table of algorithms: for every collective family, the algorithms
@@ -55,8 +58,8 @@ CHOICES = {
                   "shared": broadcast_shared},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared},
-    "gather": {"direct": gather_direct},
-    "scatter": {"direct": scatter_direct},
+    "gather": {"direct": gather_direct, "shared": gather_shared},
+    "scatter": {"direct": scatter_direct, "shared": scatter_shared},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared},
     "alltoall": {"pairwise": alltoall_pairwise},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared},

@@ -25,8 +25,9 @@ import numpy as np
 
 from .partition import chunk_bounds
 
-__all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared", "reduce_scatter_shared", "allgather_shared",
-           "broadcast_shared", "barrier_shared"]
+__all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
+           "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
+           "scatter_shared", "barrier_shared"]
 
 def _bytes(a) -> np.ndarray:
     return a.view(np.uint8)
@@ -202,6 +203,54 @@ def broadcast_shared(comm, buf, root: int, segment_count: int | None = None) -> 
         else:
             step = comm.shared_step(None)
             _copy_in(buf, start, count, comm.shared_view(step, root, 0, count * itemsize))
+
+
+def gather_shared(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None) -> None:
+    """Gather through the shared arena: per round every other rank publishes a
+    piece of ``send_buf`` (at most C bytes) and the root copies each into
+    ``recv_bufs[q]`` (its own is copied by the caller). Cost per round: one
+    synchronisation; one copy in per rank, P-1 copies out at the root."""
+    size, itemsize = comm.size, send_buf.itemsize
+    if size == 1:
+        return
+    per_round = _per_round(comm, itemsize, segment_count)
+    for start in range(0, send_buf.count, per_round):
+        count = min(per_round, send_buf.count - start)
+        if comm.rank != root:
+            comm.shared_step(_bytes(send_buf.send_view(start, count)))
+            continue
+        step = comm.shared_step(None)
+        for peer in range(size):
+            if peer != root:
+                _copy_in(recv_bufs[peer], start, count,
+                         comm.shared_view(step, peer, 0, count * itemsize))
+
+
+def scatter_shared(comm, send_bufs, recv_buf, root: int,
+                   segment_count: int | None = None) -> None:
+    """Scatter through the shared arena: per round the root publishes a piece
+    of every ``send_bufs[q]`` (at most C/P bytes each, rank q's at offset
+    q C/P) and rank q copies its own out (the root's is copied by the caller).
+    Cost per round: one synchronisation; the root copies P-1 pieces in, every
+    other rank one out."""
+    size, rank, itemsize = comm.size, comm.rank, recv_buf.itemsize
+    if size == 1:
+        return
+    per_peer = _per_round(comm, itemsize, segment_count, parts=size)
+    stride = per_peer * itemsize
+    for start in range(0, recv_buf.count, per_peer):
+        count = min(per_peer, recv_buf.count - start)
+        nbytes = count * itemsize
+        if rank == root:
+            slot = comm.arena.mine(comm.arena.next_step)
+            for peer in range(size):
+                if peer != root:
+                    np.copyto(slot[peer * stride:peer * stride + nbytes],
+                              _bytes(send_bufs[peer].send_view(start, count)))
+            comm.shared_step(None, (size - 1) * stride + nbytes)
+            continue
+        step = comm.shared_step(None)
+        _copy_in(recv_buf, start, count, comm.shared_view(step, root, rank * stride, nbytes))
 
 
 def barrier_shared(comm) -> None:

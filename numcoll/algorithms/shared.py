@@ -11,7 +11,7 @@ steps; every rank runs the same rounds, which the arena's step counts check.
 
 Reductions are combined in rank order (rank 0's part, then 1's, ...) by
 whichever rank computes an element, so every rank ends with bitwise the same
-result, as with the ring.
+result, as with the ring (two ranks: see ``_combine``).
 
 Prior art: the shared-memory allreduce Intel contributed to DeepSpeed (and,
 briefly, Gloo: pytorch/gloo#458): copy in, flag, wait, every rank reduces all
@@ -28,6 +28,7 @@ from .partition import chunk_bounds
 __all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
            "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
            "scatter_shared", "barrier_shared"]
+
 
 def _bytes(a) -> np.ndarray:
     return a.view(np.uint8)

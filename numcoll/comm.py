@@ -199,6 +199,11 @@ class Comm:
         except TransportError as exc:
             raise self._translate(exc, peer, "recv") from exc
 
+    def size_mismatch(self, peer: int, detail: str):
+        """Fail as a wrong-size message from ``peer`` (for algorithms that learn
+        the sizes a peer uses from what it published)."""
+        raise self._translate(MessageSizeError(detail, peer), peer, "recv")
+
     def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None]:
         """After a timeout on ``peer``: the stalled rank at the end of the chain
         of ranks waiting for each other, if it is not ``peer`` itself.

@@ -95,6 +95,9 @@ class FakeComm:
             f"{arena.nbytes[step & 1, peer]}")
         return arena.slots[step & 1, peer, start:start + nbytes]
 
+    def size_mismatch(self, peer: int, detail: str):
+        raise AssertionError(f"rank {self.rank}: wrong size from rank {peer}: {detail}")
+
     def _arena_checked(self, step: int) -> _Arena:
         arena = self.arena._arena
         assert step >= self.arena.next_step - 2, "read of a step whose set was reused"

@@ -138,9 +138,10 @@ def test_gather_and_scatter(name, size):
         np.testing.assert_array_equal(results[q][1], data(q + 100, count))
 
 
+@pytest.mark.parametrize("name", sorted(CHOICES["alltoall"]))
 @pytest.mark.parametrize("size", WORLD_SIZES)
-def test_alltoall_with_uneven_splits(size):
-    algorithm = CHOICES["alltoall"]["pairwise"]
+def test_alltoall_with_uneven_splits(name, size):
+    algorithm = CHOICES["alltoall"][name]
 
     def n(src, dst):  # how much src sends dst
         return (src + 2 * dst) % 4

@@ -375,3 +375,63 @@ def test_gather_and_scatter_every_root(small_arena):
                 for q, t in enumerate(out[f"gather{root}"][0]):
                     np.testing.assert_array_equal(t, inputs(q, count))
             np.testing.assert_array_equal(out[f"scatter{root}"][0], inputs(100 + r, count))
+
+
+def _block(src, dst, n):
+    return np.arange(n, dtype=np.float32) + 1000 * src + 100 * dst
+
+
+def test_alltoall_uneven_splits_in_rounds(small_arena):
+    """alltoall_base with split sizes that differ per pair (some empty, some
+    several rounds of the 4 KiB slot), and the list form."""
+    size = 3
+
+    def n(src, dst):  # elements src sends dst
+        return (src * 700 + dst * 900) % 2000
+
+    def body(pg):
+        r = pg.rank()
+        send_sizes = [n(r, q) for q in range(size)]
+        recv_sizes = [n(q, r) for q in range(size)]
+        inp = np.concatenate([_block(r, q, n(r, q)) for q in range(size)])
+        out = np.zeros(sum(recv_sizes), np.float32)
+        work = pg.alltoall_base(out, inp, recv_sizes, send_sizes)
+        work.wait()
+        outs = [np.zeros(500, np.float32) for _ in range(size)]
+        pg.alltoall(outs, [_block(r, q, 500) for q in range(size)]).wait()
+        return out, outs, work.call.algorithm
+
+    pgs = shm_groups(size)
+    try:
+        results = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    for r, (out, outs, used) in enumerate(results):
+        assert used == "shared"
+        np.testing.assert_array_equal(out, np.concatenate([_block(q, r, n(q, r))
+                                                           for q in range(size)]))
+        for q in range(size):
+            np.testing.assert_array_equal(outs[q], _block(q, r, 500))
+
+
+def test_alltoall_split_sizes_that_disagree_fail_as_a_wrong_size():
+    pgs = shm_groups(2, timeout=timedelta(seconds=20))
+
+    def body(pg):
+        r = pg.rank()
+        # rank 0 sends rank 1 three elements; rank 1 expects two
+        send = [2, 3] if r == 0 else [2, 2]
+        recv = [2, 2]
+        inp = np.zeros(sum(send), np.float32)
+        out = np.zeros(sum(recv), np.float32)
+        try:
+            pg.alltoall_base(out, inp, recv, send).wait()
+        except nc.NumcollError as exc:
+            return exc
+        return None
+
+    try:
+        errors = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    assert isinstance(errors[1], nc.PeerError) and "wrong size" in str(errors[1]), errors

@@ -15,8 +15,8 @@ from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
-                     barrier_shared, broadcast_shared, gather_shared, reduce_scatter_shared,
-                     reduce_shared, scatter_shared)
+                     alltoall_shared, barrier_shared, broadcast_shared, gather_shared,
+                     reduce_scatter_shared, reduce_shared, scatter_shared)
 
 __all__ = [
     "allgather_ring",
@@ -30,6 +30,7 @@ __all__ = [
     "allreduce_recursive_doubling",
     "allreduce_ring",
     "alltoall_pairwise",
+    "alltoall_shared",
     "barrier_dissemination",
     "broadcast_binomial",
     "broadcast_chain",
@@ -61,7 +62,7 @@ CHOICES = {
     "gather": {"direct": gather_direct, "shared": gather_shared},
     "scatter": {"direct": scatter_direct, "shared": scatter_shared},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared},
-    "alltoall": {"pairwise": alltoall_pairwise},
+    "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared},
 }
 

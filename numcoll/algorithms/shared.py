@@ -27,7 +27,7 @@ from .partition import chunk_bounds
 
 __all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
            "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
-           "scatter_shared", "barrier_shared"]
+           "scatter_shared", "alltoall_shared", "barrier_shared"]
 
 
 def _bytes(a) -> np.ndarray:
@@ -61,10 +61,12 @@ def _combine(comm, buf, step: int, start: int, count: int, at: int = 0) -> None:
         buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
 
 
-def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1) -> int:
+def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1,
+               reserved_nbytes: int = 0) -> int:
     """Elements per round of each of ``parts`` pieces: what fits the arena's
-    slot, and at most ``segment_count`` (so tests can force many rounds)."""
-    fits = comm.arena.slot_nbytes // (parts * itemsize)
+    slot (less ``reserved_nbytes``), and at most ``segment_count`` (so tests
+    can force many rounds)."""
+    fits = (comm.arena.slot_nbytes - reserved_nbytes) // (parts * itemsize)
     if fits < 1:
         raise ValueError(f"the shared arena's {comm.arena.slot_nbytes}-byte slot cannot hold "
                          f"{parts} elements of {itemsize} bytes")
@@ -252,6 +254,59 @@ def scatter_shared(comm, send_bufs, recv_buf, root: int,
             continue
         step = comm.shared_step(None)
         _copy_in(recv_buf, start, count, comm.shared_view(step, root, rank * stride, nbytes))
+
+
+def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
+                    segment_count: int | None = None) -> None:
+    """All-to-all through the shared arena: per round every rank publishes a
+    piece of its block for every other rank (at most (C - H)/P bytes each, at
+    a fixed stride) and copies its own piece out of every other rank's slot
+    (this rank's own block is copied by the caller).
+
+    Ranks send each other different amounts, so each slot starts with a
+    header of H bytes: the rounds this rank needs and what it sends to each
+    rank in all. Round 0 agrees on the number of rounds (the most any rank
+    needs), and a block of another size than the receiver expects fails as a
+    wrong-size message. Cost per round: one synchronisation; each rank copies
+    P-1 pieces in and P-1 out.
+    """
+    size, rank, itemsize = comm.size, comm.rank, send_buf.itemsize
+    if size == 1:
+        return
+    head = -(-8 * (size + 1) // 64) * 64  # rounds + a count per rank, 64-byte aligned
+    per_peer = _per_round(comm, itemsize, segment_count, parts=size,
+                          reserved_nbytes=head)
+    stride = per_peer * itemsize
+    others = [q for q in range(size) if q != rank]
+    longest = max([send_chunks[q][1] for q in others] + [recv_chunks[q][1] for q in others])
+    rounds = mine = -(-longest // per_peer)
+    offset = j = 0
+    while j == 0 or j < rounds:
+        slot = comm.arena.mine(comm.arena.next_step)
+        table = slot[:head].view(np.int64)
+        table[0] = mine
+        table[1:size + 1] = [n for _, n in send_chunks]
+        for q in others:
+            first, n = send_chunks[q]
+            k = max(0, min(per_peer, n - offset))
+            if k:
+                at = head + q * stride
+                np.copyto(slot[at:at + k * itemsize], _bytes(send_buf.send_view(first + offset, k)))
+        step = comm.shared_step(None, head + size * stride)
+        for p in others:
+            first, n = recv_chunks[p]
+            if j == 0:
+                theirs = comm.shared_view(step, p, 0, head).view(np.int64)
+                rounds = max(rounds, int(theirs[0]))
+                if theirs[1 + rank] != n:
+                    comm.size_mismatch(p, f"rank {p} sends this rank {int(theirs[1 + rank])} "
+                                          f"elements, this rank expects {n}")
+            k = max(0, min(per_peer, n - offset))
+            if k:
+                _copy_in(recv_buf, first + offset, k,
+                         comm.shared_view(step, p, head + rank * stride, k * itemsize))
+        offset += per_peer
+        j += 1
 
 
 def barrier_shared(comm) -> None:

@@ -80,8 +80,9 @@ def _shared(cfg: Config, collective: str, nbytes: int, size: int) -> str | None:
         return None
     if collective == "allreduce":
         return "shared_split" if size > 2 and nbytes >= cfg.shared_split_nbytes else "shared"
-    if collective in ("reduce_scatter", "scatter") and cfg.arena_slot_nbytes < 16 * size:
-        return None  # a round holds an element for every rank
+    if collective in ("reduce_scatter", "scatter", "alltoall") and \
+            cfg.arena_slot_nbytes < 16 * size + 8 * (size + 8):
+        return None  # a round holds an element for every rank (and alltoall's table)
     return "shared" if "shared" in CHOICES[collective] else None
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .partition import chunk_bounds
+from .partition import chunk_bounds, segments
 
 __all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
            "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
@@ -87,8 +87,7 @@ def allreduce_shared(comm, buf, segment_count: int | None = None) -> None:
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
-    for start in range(0, buf.count, per_round):
-        count = min(per_round, buf.count - start)
+    for start, count in segments(0, buf.count, per_round):
         step = comm.shared_step(_bytes(buf.send_view(start, count)))
         _combine(comm, buf, step, start, count)
 
@@ -108,8 +107,7 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
-    for start in range(0, buf.count, per_round):
-        count = min(per_round, buf.count - start)
+    for start, count in segments(0, buf.count, per_round):
         step = comm.shared_step(_bytes(buf.send_view(start, count)))
         chunks = chunk_bounds(count, size)
         first, n = chunks[rank]
@@ -132,8 +130,7 @@ def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> Non
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
-    for start in range(0, buf.count, per_round):
-        count = min(per_round, buf.count - start)
+    for start, count in segments(0, buf.count, per_round):
         step = comm.shared_step(_bytes(buf.send_view(start, count)))
         if rank == root:
             _combine(comm, buf, step, start, count)
@@ -199,8 +196,7 @@ def broadcast_shared(comm, buf, root: int, segment_count: int | None = None) -> 
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
-    for start in range(0, buf.count, per_round):
-        count = min(per_round, buf.count - start)
+    for start, count in segments(0, buf.count, per_round):
         if comm.rank == root:
             comm.shared_step(_bytes(buf.send_view(start, count)))
         else:
@@ -217,8 +213,7 @@ def gather_shared(comm, send_buf, recv_bufs, root: int, segment_count: int | Non
     if size == 1:
         return
     per_round = _per_round(comm, itemsize, segment_count)
-    for start in range(0, send_buf.count, per_round):
-        count = min(per_round, send_buf.count - start)
+    for start, count in segments(0, send_buf.count, per_round):
         if comm.rank != root:
             comm.shared_step(_bytes(send_buf.send_view(start, count)))
             continue
@@ -241,8 +236,7 @@ def scatter_shared(comm, send_bufs, recv_buf, root: int,
         return
     per_peer = _per_round(comm, itemsize, segment_count, parts=size)
     stride = per_peer * itemsize
-    for start in range(0, recv_buf.count, per_peer):
-        count = min(per_peer, recv_buf.count - start)
+    for start, count in segments(0, recv_buf.count, per_peer):
         nbytes = count * itemsize
         if rank == root:
             slot = comm.arena.mine(comm.arena.next_step)

@@ -1,6 +1,8 @@
 """Collective algorithms, written against a small send/recv interface (a
 :class:`numcoll.comm.Comm`) and a work buffer (:mod:`numcoll.buffers`) that
-knows how to reduce. They never see sockets, dtypes or kernels.
+knows how to reduce. They never see sockets, dtypes or kernels. The
+``shared`` ones (:mod:`.shared`) use the Comm's shared-arena steps instead of
+messages, on groups whose ranks share memory.
 
 Naming: ``<collective>_<algorithm>``. Each docstring gives the cost in steps
 and bytes (P ranks, S bytes) and the source.

@@ -43,8 +43,9 @@ class Config:
     #: the arena and those algorithms off). Rank 0's region holds 2 x P slots,
     #: whose pages are only touched as messages need them.
     arena_slot_nbytes: int = 1 << 20
-    #: On groups with a shared arena, collectives of up to this many bytes
-    #: (per rank) use the ``shared`` algorithms; larger ones the ring family.
+    #: On groups with a shared arena, collectives of up to this many bytes (as
+    #: the size rules count them: a rank's buffer; allgather's whole output)
+    #: use the ``shared`` algorithms; larger ones the ring family.
     shared_max_nbytes: int = 1 << 62
     #: On groups with a shared arena and three ranks or more, allreduces of at
     #: least this many bytes split the reduction among the ranks

@@ -57,10 +57,10 @@ class HostBuffer:
         # ``incoming`` is typically the received ZeroMQ frame itself: reducing
         # straight from it saves a copy into a scratch buffer.
         x = np.frombuffer(incoming, dtype=self.dtype, count=count)
-        self._reduce(self.array[start:start + count], x)
+        self._reduce(self.recv_view(start, count), x)
 
 
-class ShareBuffer:
+class ShareBuffer(HostBuffer):
     """A reduce-scatter's buffer on the host without a copy of the input: reads
     (``send_view``) come from ``array``, the whole flat input, which is never
     written; this rank's share, elements ``start:start + own.size``, is
@@ -69,17 +69,11 @@ class ShareBuffer:
     read each piece of it before writing it (``reduce_scatter_shared``).
     """
 
-    __slots__ = ("array", "own", "start", "count", "itemsize", "dtype", "_reduce")
+    __slots__ = ("own", "start")
 
     def __init__(self, array: np.ndarray, own: np.ndarray, start: int, reduce: Callable):
-        self.array, self.own, self.start = array, own, start
-        self.count = array.size
-        self.itemsize = array.itemsize
-        self.dtype = array.dtype
-        self._reduce = reduce
-
-    def send_view(self, start: int, count: int) -> np.ndarray:
-        return self.array[start:start + count]
+        super().__init__(array, reduce)
+        self.own, self.start = own, start
 
     def recv_view(self, start: int, count: int) -> np.ndarray:
         at = start - self.start
@@ -87,10 +81,3 @@ class ShareBuffer:
             raise ValueError(f"ShareBuffer: elements {start}..{start + count} are outside "
                              f"this rank's share {self.start}..{self.start + self.own.size}")
         return self.own[at:at + count]
-
-    def recv_done(self, start: int, count: int) -> None:
-        """Nothing to do on the host."""
-
-    def reduce_from(self, start: int, count: int, incoming) -> None:
-        x = np.frombuffer(incoming, dtype=self.dtype, count=count)
-        self._reduce(self.recv_view(start, count), x)

@@ -61,6 +61,13 @@ def _combine(comm, buf, step: int, start: int, count: int, at: int = 0) -> None:
         buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
 
 
+def _published_rounds(comm, buf, segment_count: int | None):
+    """Publish ``buf`` round by round (a step each, at most a slot of bytes);
+    yield ``(start, count, step)`` once every rank has published that round."""
+    for start, count in segments(0, buf.count, _per_round(comm, buf.itemsize, segment_count)):
+        yield start, count, comm.shared_step(_bytes(buf.send_view(start, count)))
+
+
 def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1,
                reserved_nbytes: int = 0) -> int:
     """Elements per round of each of ``parts`` pieces: what fits the arena's
@@ -83,12 +90,9 @@ def allreduce_shared(comm, buf, segment_count: int | None = None) -> None:
     and for two ranks at any size.
     Source: DeepSpeed's shared-memory allreduce (Intel), see the module docstring.
     """
-    size, itemsize = comm.size, buf.itemsize
-    if size == 1:
+    if comm.size == 1:
         return
-    per_round = _per_round(comm, itemsize, segment_count)
-    for start, count in segments(0, buf.count, per_round):
-        step = comm.shared_step(_bytes(buf.send_view(start, count)))
+    for start, count, step in _published_rounds(comm, buf, segment_count):
         _combine(comm, buf, step, start, count)
 
 
@@ -106,9 +110,7 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
     size, rank, itemsize = comm.size, comm.rank, buf.itemsize
     if size == 1:
         return
-    per_round = _per_round(comm, itemsize, segment_count)
-    for start, count in segments(0, buf.count, per_round):
-        step = comm.shared_step(_bytes(buf.send_view(start, count)))
+    for start, count, step in _published_rounds(comm, buf, segment_count):
         chunks = chunk_bounds(count, size)
         first, n = chunks[rank]
         if n:
@@ -126,13 +128,10 @@ def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> Non
     Cost per round of S bytes: one synchronisation; every rank copies S in,
     the root reduces (P-1) S from shared memory.
     """
-    size, rank, itemsize = comm.size, comm.rank, buf.itemsize
-    if size == 1:
+    if comm.size == 1:
         return
-    per_round = _per_round(comm, itemsize, segment_count)
-    for start, count in segments(0, buf.count, per_round):
-        step = comm.shared_step(_bytes(buf.send_view(start, count)))
-        if rank == root:
+    for start, count, step in _published_rounds(comm, buf, segment_count):
+        if comm.rank == root:
             _combine(comm, buf, step, start, count)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import transports
-from transports import shmring_kernels as K
+from transports.shm import ring as K
 
 pytestmark = pytest.mark.timeout(300)
 

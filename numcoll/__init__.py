@@ -14,9 +14,14 @@ Quick start::
     print(nc.launch(step, world_size=4, mode="thread"))
 """
 
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
+import sys as _sys
+
 from . import futures
 from ._version import __version__
-from .distributed import (
+from .api.collectives import (
     Backend,
     GroupMember,
     P2POp,
@@ -80,12 +85,12 @@ from .data_parallel import (
     hooks,
 )
 from .dtypes import bfloat16
-from . import flight_recorder
+from .diagnostics import flight_recorder
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
                      NumcollError, PeerError)
 from .futures import Future
-from .launch import LaunchError, LaunchTimeoutError, RankFailedError, launch
-from .objects import (
+from .launcher.local import LaunchError, LaunchTimeoutError, RankFailedError, launch
+from .api.objects import (
     all_gather_object,
     broadcast_object_list,
     gather_object,
@@ -107,10 +112,10 @@ from .options import (
     ScatterOptions,
 )
 from .process_group import ProcessGroup
-from .sparse import SparseCOO
-from .init_methods import register_rendezvous_handler, rendezvous
-from .store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
-from .tcpstore import TCPStore
+from .memory.sparse import SparseCOO
+from .bootstrap.init_methods import register_rendezvous_handler, rendezvous
+from .bootstrap.store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
+from .bootstrap.tcpstore import TCPStore
 from .work import Work
 
 __all__ = [
@@ -149,3 +154,47 @@ __all__ = [
     "launch",
     "__version__",
 ]
+
+
+# -- old import paths ------------------------------------------------------------------
+#: Modules that moved, under the names users and scripts may still use: ``import
+#: numcoll.distributed`` gives the module API, ``python -m numcoll.fr DIR`` runs the
+#: flight-recorder analyser. Bound here and nowhere else.
+_ALIASES = {
+    "numcoll.distributed": "numcoll.api",
+    "numcoll.flight_recorder": "numcoll.diagnostics.flight_recorder",
+    "numcoll.fr": "numcoll.diagnostics.fr_trace",
+    "numcoll.demo": "numcoll.bench.demo",
+    "numcoll.faults": "numcoll.bench.faults",
+}
+
+
+class _AliasFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """Imports an old name as the module it moved to (the same module object,
+    not a copy), and runs it with ``python -m old.name``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _ALIASES:
+            return None
+        moved = _importlib_util.find_spec(_ALIASES[name])
+        return _importlib_util.spec_from_loader(name, self, origin=moved.origin)
+
+    def create_module(self, spec):
+        module = _importlib.import_module(_ALIASES[spec.name])
+        spec.loader_state = module.__spec__  # the import system overwrites it: restored below
+        return module
+
+    def exec_module(self, module):
+        """Nothing to run (``create_module`` returned the imported module): give
+        it back its own ``__spec__``."""
+        module.__spec__ = module.__spec__.loader_state
+
+    def get_code(self, name):
+        """For ``python -m``: run the moved module as ``__main__``, in its own package."""
+        return compile(f"import runpy; runpy.run_module({_ALIASES[name]!r}, "
+                       "run_name='__main__', alter_sys=True)", f"<numcoll alias {name}>",
+                       "exec")
+
+
+if not any(isinstance(f, _AliasFinder) for f in _sys.meta_path):
+    _sys.meta_path.append(_AliasFinder())

@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "run":
-        from .run import main as run_main
+        from .launcher.run import main as run_main
 
         return run_main(rest)
     if command == "demo":
-        from .demo import main as demo_main
+        from .bench.demo import main as demo_main
 
         return demo_main(rest) or 0
     if command == "bench":

@@ -168,7 +168,7 @@ class Comm:
     # -- the shared arena (shm transport) -----------------------------------------
     @property
     def arena(self):
-        """The transport's shared arena (:mod:`transports.shmarena`), or None."""
+        """The transport's shared arena (:mod:`transports.shm.arena`), or None."""
         return getattr(self.transport, "arena", None)
 
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:

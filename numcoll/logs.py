@@ -1,7 +1,7 @@
 """The ``numcoll`` logger.
 
 numcoll logs through the standard :mod:`logging` module, under the logger
-named ``numcoll`` (children: ``numcoll.rendezvous``, ``numcoll.run`` ...). A
+named ``numcoll`` (children: ``numcoll.rendezvous``, ``numcoll.launcher.run`` ...). A
 library should not configure logging, so by default the logger only has a
 handler when the environment asks for one:
 

@@ -35,7 +35,7 @@ from .collectives.reductions import Reductions
 from .comm import Comm, abort_note
 from .diagnostics import flight_recorder
 from .errors import GroupPoisonedError, NumcollError
-from .store import PrefixStore, Store
+from .bootstrap.store import PrefixStore, Store
 from .work import Work
 
 __all__ = ["ProcessGroup"]

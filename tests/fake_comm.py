@@ -31,7 +31,7 @@ class _Pending:
 
 
 class _Arena:
-    """The shared arena of transports.shmarena, in memory: two sets of slots
+    """The shared arena of transports.shm.arena, in memory: two sets of slots
     and a step count per rank; a step waits (with a deadline) until every
     rank has published it. A rank's view of it is :class:`_ArenaView`."""
 
@@ -74,7 +74,7 @@ class FakeComm:
             self._log.append(nbytes)
         deadline = time.monotonic() + WAIT_S
         with arena.cond:
-            # The two-set rule of transports.shmarena: overwriting set step % 2
+            # The two-set rule of transports.shm.arena: overwriting set step % 2
             # is safe only once every rank has published step - 1.
             assert min(arena.published) >= step, f"rank {self.rank} overwrote a set in use"
             arena.nbytes[step & 1, self.rank] = nbytes

@@ -8,7 +8,7 @@ import pytest
 
 from numcoll.algorithms import CHOICES
 from numcoll.algorithms.partition import chunk_bounds
-from numcoll.buffers import HostBuffer
+from numcoll.memory.buffers import HostBuffer
 
 from fake_comm import run_ranks
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import numcoll as nc
-from numcoll.collectives.memory import HostArrays
+from numcoll.memory.host import HostArrays
 from numcoll.diagnostics import flight_recorder as fr
 from numcoll.process_group import ProcessGroup
 from numcoll.work import Work

@@ -10,14 +10,14 @@ import time
 import pytest
 
 import numcoll as nc
-from numcoll.init_methods import rendezvous
-from numcoll.launcher_env import (
+from numcoll.bootstrap.init_methods import rendezvous
+from numcoll.bootstrap.launcher_env import (
     detect_environment,
     first_slurm_host,
     local_host_for,
     master_address,
 )
-from numcoll.tcpstore import StoreConnectionError
+from numcoll.bootstrap.tcpstore import StoreConnectionError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ of 16 MiB allreduces, a rank SIGSTOPped with a 2 s group timeout, a rank that
 returns early, strangers that connect and never speak plus 200 store clients at
 once, and a soak of 1,000 async + 10,000 back-to-back allreduces.
 
-Each scenario runs once (module fixtures, see :mod:`numcoll.faults`); the tests
+Each scenario runs once (module fixtures, see :mod:`numcoll.bench.faults`); the tests
 assert on its figures: every survivor raises, promptly, nobody hangs, no wrong
 result, the error names the culprit, nothing is left behind.
 """
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
               pytest.mark.skipif("not sys.platform.startswith('linux')")]
 
 # Generous bounds for a loaded 2-core machine; the figures themselves are in
-# `python -m numcoll.faults` (a dead peer is typically seen in ~0.3 s).
+# `python -m numcoll.bench.faults` (a dead peer is typically seen in ~0.3 s).
 DEAD_PEER_S = 2.0
 GROUP_TIMEOUT_S = 2.0
 STALL_NAMING = ("a survivor whose own deadline passes first names the peer it waited for "
@@ -25,7 +25,7 @@ STALL_NAMING = ("a survivor whose own deadline passes first names the peer it wa
 
 def _faults():
     # Imported here, not at collection: test_api checks which submodules are public.
-    from numcoll import faults
+    from numcoll.bench import faults
 
     return faults
 

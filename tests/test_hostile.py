@@ -26,12 +26,12 @@ import pytest
 import zmq
 
 import numcoll as nc
-from numcoll.store import StoreTimeoutError
-from numcoll.tcpstore import StoreAuthError, StoreConnectionError, TCPStore
+from numcoll.bootstrap.store import StoreTimeoutError
+from numcoll.bootstrap.tcpstore import StoreAuthError, StoreConnectionError, TCPStore
 from test_transports import DictStore, FileStore, connect, deadline, payload
 from transports import PeerClosed, TransportTimeout
-from transports import zmq_transport as zt
-from transports.shm import SharedSlabs
+from transports.zmq import transport as zt
+from transports.zmq.slabs import SharedSlabs
 
 HOST = "127.0.0.1"
 #: Below the zero-copy threshold (inline), and above it (data frame, or a
@@ -137,7 +137,7 @@ def test_garbage_frames_are_dropped_and_logged(zkind, caplog):
 
 
 def test_drop_log_is_rate_limited(caplog):
-    from transports.auth import DropLog
+    from transports.zmq.auth import DropLog
 
     drops = DropLog("who", burst=2, interval_s=0.2)
     for i in range(5):
@@ -563,7 +563,7 @@ def test_store_drops_a_client_that_never_reads():
 
 
 def test_store_serves_clients_past_200_idle_connections(monkeypatch):
-    import numcoll.tcpstore as tcp
+    import numcoll.bootstrap.tcpstore as tcp
 
     monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.5)
     for token in (None, "s3cret"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import numcoll as nc
-from numcoll.launch import LaunchTimeoutError
+from numcoll.launcher import LaunchTimeoutError
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -230,7 +230,7 @@ def test_a_module_the_ranks_cannot_import_is_one_clear_error(tmp_path):
     assert run.stderr.count("Traceback") == 1, run.stderr
     assert len(run.stderr.splitlines()) < 30, run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("numcoll.launch.LaunchError: launch: the ranks could not load the "
+    assert last.startswith("numcoll.launcher.local.LaunchError: launch: the ranks could not load the "
                            "function: ModuleNotFoundError: No module named 'hidden_mod'")
     assert "must be importable by the ranks" in last
 
@@ -254,7 +254,7 @@ def _stalls(_):
 
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(monkeypatch):
-    monkeypatch.setattr(sys.modules["numcoll.launch"], "_FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(sys.modules["numcoll.launcher.local"], "_FAILURE_GRACE_S", 1.0)
     with pytest.raises(nc.RankFailedError) as info:
         nc.launch(_stalls, 2, args=(None,), timeout=60, group_timeout=1.0, transport="tcp")
     assert info.value.rank == 1, info.value

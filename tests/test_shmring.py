@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from transports import ANY_SOURCE, PeerClosed, StampMismatch
-from transports import shmring_kernels as K
-from transports.shmring import ShmRingTransport, ring_nbytes_for
+from transports.shm import ring as K
+from transports.shm.transport import ShmRingTransport, ring_nbytes_for
 
 from test_transports import FileStore, our_threads
 from test_transports import connect as _connect

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-import numcoll.init_methods as rdzv
+import numcoll.bootstrap.init_methods as rdzv
 from numcoll.errors import CollectiveTimeoutError, NumcollError
-from numcoll.store import (
+from numcoll.bootstrap.store import (
     DEFAULT_STORE_TIMEOUT,
     FileStore,
     HashStore,
@@ -26,7 +26,7 @@ from numcoll.store import (
     Store,
     StoreTimeoutError,
 )
-from numcoll.tcpstore import StoreConnectionError, TCPStore
+from numcoll.bootstrap.tcpstore import StoreConnectionError, TCPStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -508,8 +508,8 @@ def test_register_rendezvous_handler(monkeypatch):
 
 
 def test_public_names():
-    import numcoll.store as store_module
-    import numcoll.tcpstore as tcp_module
+    import numcoll.bootstrap.store as store_module
+    import numcoll.bootstrap.tcpstore as tcp_module
 
     for module in (store_module, tcp_module, rdzv):
         for name in module.__all__:

@@ -56,7 +56,7 @@ def test_torch_script_passes_on_torch_itself(name):
 
 def test_torch_tensors_are_used_in_place_bfloat16_and_requires_grad_included():
     torch = pytest.importorskip("torch")
-    from numcoll.arrays import as_array
+    from numcoll.memory.arrays import as_array
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8,
                   torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,

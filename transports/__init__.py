@@ -70,7 +70,7 @@ class TransportOptions:
         each side instead of a socket's); ``shm_slots=0`` turns this off.
     token : str or bytes, optional
         ZeroMQ transports: a shared secret every connection must prove
-        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.auth`.
+        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.zmq.auth`.
     curve : bool, optional
         ZeroMQ transports: encrypt every connection with CURVE, admitting only
         the group's keys (``None``: ``NUMCOLL_CURVE=1``).
@@ -80,7 +80,7 @@ class TransportOptions:
         ``NUMCOLL_MAX_UNEXPECTED_NBYTES``, else 512 MiB).
     arena_slot_nbytes : int
         ``shm`` only: payload bytes per rank and step of the shared arena
-        (:mod:`transports.shmarena`); 0: no arena.
+        (:mod:`transports.shm.arena`); 0: no arena.
     """
 
     host: str = "127.0.0.1"
@@ -131,7 +131,7 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
         this process), ``tcp`` (any hosts), ``ipc`` (processes on one host:
         Unix domain sockets plus shared-memory slots), ``shm`` (processes on one
         Linux host: shared-memory rings polled by the waiting thread,
-        :mod:`transports.shmring`); or a factory.
+        :mod:`transports.shm.transport`); or a factory.
     rank, size : int
         This rank and the group size.
     store : Rendezvous
@@ -183,8 +183,8 @@ def _inproc(rank, size, store, options):
 
 def _zmq(scheme):
     def factory(rank, size, store, options):
-        from . import auth  # zmq is imported only when used
-        from .zmq_transport import MAX_UNEXPECTED_NBYTES, ZmqTransport
+        from .zmq import auth
+        from .zmq.transport import MAX_UNEXPECTED_NBYTES, ZmqTransport
 
         token, curve = auth.from_env(options.token, options.curve)
         cap = options.max_unexpected_nbytes
@@ -203,7 +203,7 @@ def _zmq(scheme):
 
 
 def _shm(rank, size, store, options):
-    from .shmring import ShmRingTransport
+    from .shm.transport import ShmRingTransport
 
     # Rings hold two of the largest messages the ipc slots would carry.
     return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes,

@@ -8,7 +8,7 @@ with the same (peer, tag) — or from any peer, for ``ANY_SOURCE``. Messages wit
 the same (sender, receiver, tag) arrive in the order they were sent.
 
 Implementations: :mod:`transports.inproc` (ranks are threads of one process)
-and :mod:`transports.zmq_transport` (``tcp://`` and ``ipc://``).
+and :mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``).
 """
 
 from __future__ import annotations

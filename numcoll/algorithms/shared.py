@@ -1,7 +1,7 @@
 """Algorithms for ranks that share memory: one synchronisation per step.
 
 On a group whose transport has a shared arena (the ``shm`` transport, ranks
-on one host; :mod:`transports.shmarena`), a step is: every rank copies its
+on one host; :mod:`transports.shm.arena`), a step is: every rank copies its
 part into its own slot, publishes it and waits for every rank's
 (:meth:`numcoll.comm.Comm.shared_step`); then each rank reads what it needs
 straight from the others' slots (:meth:`~numcoll.comm.Comm.shared_view`) --

@@ -355,7 +355,7 @@ def run_plans(plans: list[Plan], *, backend: str = "numcoll", mode: str = "proce
     "auto" (a bar in a notebook or on a terminal, one line per size otherwise),
     "bar", "lines", or False.
     """
-    from ..launch import launch
+    from ..launcher.local import launch
 
     plans = list(plans)
     sizes = {plan.world_size for plan in plans}

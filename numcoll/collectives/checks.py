@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from ..arrays import _describe
+from ..memory.arrays import _describe
 
 __all__ = ["check_root_rank", "check_root_tensor", "check_same_dtype", "originals",
            "root_list", "check_pairs", "check_peer", "timeout_seconds"]

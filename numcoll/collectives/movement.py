@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from ..arrays import _describe, as_array, as_array_list, check_same_type_and_size, check_writable
+from ..memory.arrays import _describe, as_array, as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, shapes
 from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
 from .choice import choose, segment_count
-from .memory import memory_of
+from ..memory.host import memory_of
 
 __all__ = ["DataMovement"]
 

@@ -8,14 +8,14 @@ from datetime import timedelta
 from transports import ANY_SOURCE
 
 from ..algorithms.partition import segments
-from ..arrays import as_array_list, check_writable
+from ..memory.arrays import as_array_list, check_writable
 from ..call import Call, shapes
 from ..comm import p2p_tag
 from ..errors import CollectiveTimeoutError, NumcollError
 from ..options import BarrierOptions
 from .checks import check_peer, originals, timeout_seconds
 from .choice import choose, segment_count
-from .memory import memory_of
+from ..memory.host import memory_of
 
 __all__ = ["PointToPoint"]
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..arrays import as_array_list, check_same_type_and_size, check_writable
+from ..memory.arrays import as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, op_fields, shapes
 from ..algorithms import SHARED
-from ..buffers import ShareBuffer
+from ..memory.buffers import ShareBuffer
 from ..kernels.pack_plan import PackPlan
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
-from ..reduction import Reduction
+from ..memory.reduction import Reduction
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
 from .choice import choose, segment_count
-from .memory import memory_of
+from ..memory.host import memory_of
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["Reductions"]

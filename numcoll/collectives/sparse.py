@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..algorithms import allgather_ring
-from ..buffers import HostBuffer
+from ..memory.buffers import HostBuffer
 from ..call import Call
 from ..dtypes import dtype_name, is_half
 from ..kernels.cpu import compile_op
 from ..kernels.sparse import _gather_rows_kernel, _scatter_rows_kernel
 from ..ops import ReduceOp
-from ..sparse import SparseCOO, coalesce_entries
+from ..memory.sparse import SparseCOO, coalesce_entries
 from .choice import choose, segment_count
 from .checks import originals
 

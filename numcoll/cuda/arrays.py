@@ -23,7 +23,7 @@ def as_device_array(obj, op: str):
 
     Raises ``TypeError`` ("invalid tensor type") when numba.cuda is missing or
     the dtype is not one numcoll supports. An array whose interface says it
-    is read-only is marked so that :func:`numcoll.arrays.check_writable`
+    is read-only is marked so that :func:`numcoll.memory.arrays.check_writable`
     refuses it as an output.
     """
     try:

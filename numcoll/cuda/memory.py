@@ -2,7 +2,7 @@
 the reduction steps on the GPU.
 
 :class:`DeviceArrays` is the device twin of
-:class:`numcoll.collectives.memory.HostArrays`: the collectives call the same
+:class:`numcoll.memory.host.HostArrays`: the collectives call the same
 few methods (``empty``, ``flat``, ``assign``, ``write``, ``pack``, ``buffer``,
 ``steps``) and never branch on where the arrays live. One instance serves
 one call; everything it queues runs on its own stream, which is synchronised
@@ -194,7 +194,7 @@ class DeviceArrays:
 
 
 class DeviceSteps:
-    """The steps of a :class:`~numcoll.reduction.Reduction`, run on the device.
+    """The steps of a :class:`~numcoll.memory.reduction.Reduction`, run on the device.
 
     Same methods and semantics as the host ones (``reduce``, ``to_wire``,
     ``load``, ``finish``, ``store``), queued on the collective's stream.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import as_array_list, check_writable
+from ..memory.arrays import as_array_list, check_writable
 from .buckets import compute_bucket_assignment_by_size
 from ..kernels.pack_plan import PackPlan
 
@@ -27,7 +27,7 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     contiguous copies. CUDA arrays (all of them, contiguous) are packed by one
     kernel launch per buffer.
     """
-    from .. import groups as dist  # group resolution and rank translation
+    from ..api import groups as dist
 
     name = "broadcast_coalesced"
     pg = dist._resolve(group)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..arrays import as_array
+from ..memory.arrays import as_array
 
 __all__ = ["DEFAULT_FIRST_BUCKET_BYTES", "compute_bucket_assignment_by_size"]
 
@@ -77,7 +77,7 @@ def compute_bucket_assignment_by_size(
 
 
 def _key_and_nbytes(a, name: str):
-    from ..sparse import SparseCOO  # a sparse array is refused, as torch does
+    from ..memory.sparse import SparseCOO  # a sparse array is refused, as torch does
 
     if isinstance(a, SparseCOO):
         raise TypeError(f"{name}: No support for sparse tensors.")

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from ..arrays import as_array_list
+from ..memory.arrays import as_array_list
 from ..dtypes import dtype_name, is_half
 from ..futures import Future
 from ..kernels.cpu import scale_into
@@ -106,7 +106,7 @@ class Reducer:
                  find_unused_parameters: bool = False):
         name = "Reducer"
         if group is None:
-            from ..distributed import get_default_group
+            from ..api.collectives import get_default_group
 
             group = get_default_group()
         self._pg = group

@@ -9,7 +9,7 @@ or a failure each rank can say what it was doing and whom it waited for.
 last N records per process (default 2000; 0 turns the recorder off). When a
 group is poisoned (a timeout, a dead peer, a mismatch) and
 ``NUMCOLL_FR_DUMP_DIR`` is set, the rank writes its records there as
-``numcoll_fr_rank{rank}.json``; ``python -m numcoll.fr DIR`` merges the ranks'
+``numcoll_fr_rank{rank}.json``; ``python -m numcoll.diagnostics.fr_trace DIR`` merges the ranks'
 dumps and says which rank is missing from which collective.
 
 Times are ``time.time_ns()`` (wall clock), so records of ranks in different

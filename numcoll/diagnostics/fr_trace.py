@@ -2,7 +2,7 @@
 ``fr_trace`` does: which rank is missing from which collective, which ranks
 are stuck waiting for whom, and where ranks ran different collectives.
 
-Usage: ``python -m numcoll.fr DIR`` (the ``NUMCOLL_FR_DUMP_DIR`` of a run).
+Usage: ``python -m numcoll.diagnostics.fr_trace DIR`` (the ``NUMCOLL_FR_DUMP_DIR`` of a run).
 """
 
 from __future__ import annotations
@@ -99,3 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if not findings:
         print("every recorded collective completed on every rank")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,7 +4,7 @@ Entries are given as linear indices (``np.ravel_multi_index`` of the sparse
 coordinates) and rows of values. A stable sort keeps entries with equal
 indices in input order, so the segment sums add them in a fixed order: ranks
 that coalesce the same gathered entries get bitwise identical sums.
-Private: :mod:`numcoll.sparse` validates and shapes the arrays.
+Private: :mod:`numcoll.memory.sparse` validates and shapes the arrays.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ hanging: at once if it answers anything else or hangs up, after
 an HMAC-SHA256 over both sides' random numbers and the server proves the same
 back: neither side trusts a peer that does not know the token, the token
 never travels, and a recorded handshake cannot be replayed. The server drops
-(and logs, logger ``numcoll.store``) connections that fail; it caps the size
+(and logs, logger ``numcoll.bootstrap.store``) connections that fail; it caps the size
 of a request frame (``max_frame_nbytes``, 64 MiB by default) and the bytes of
 replies a connection has not read (a client that never reads is dropped), and
 answers a malformed request with an error, never by dying. Clients bound
@@ -45,8 +45,8 @@ import struct
 import threading
 import time
 
-from . import config as _config
-from .errors import NumcollError
+from .. import config as _config
+from ..errors import NumcollError
 from .store import (
     DEFAULT_STORE_TIMEOUT,
     Store,
@@ -93,7 +93,7 @@ _READY_KEY = _RESERVED_PREFIX + "ready"
 _LENGTH = struct.Struct("!I")
 _GREETING_NBYTES = len(GREETING_MAGIC) + 1 + _CHALLENGE_NBYTES
 
-log = logging.getLogger("numcoll.store")
+log = logging.getLogger("numcoll.bootstrap.store")
 
 
 class _Op(enum.IntEnum):

@@ -2,7 +2,7 @@
 leaves early, when strangers connect and stay silent or crowd the store, and
 whether long runs of collectives stay correct without growing.
 
-``python -m numcoll.faults`` runs every scenario on ranks launched as processes
+``python -m numcoll.bench.faults`` runs every scenario on ranks launched as processes
 and prints the fault table (scenario, detection time, message, leftovers);
 ``tests/test_faults.py`` runs the same scenarios and asserts on the figures.
 
@@ -27,9 +27,9 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import distributed as dist
-from .launch import LaunchTimeoutError, RankFailedError, launch
-from .tcpstore import TCPStore
+from ..api import collectives as dist
+from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
+from ..bootstrap.tcpstore import TCPStore
 
 __all__ = ["Figures", "run_scenario", "SCENARIOS", "soak", "format_table", "main"]
 

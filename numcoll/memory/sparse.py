@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from .arrays import is_device_array
-from .dtypes import dtype_name, is_half, is_supported
-from .kernels.sparse import _coalesce_kernel
+from ..dtypes import dtype_name, is_half, is_supported
+from ..kernels.sparse import _coalesce_kernel
 
 __all__ = ["SparseCOO"]
 

@@ -5,7 +5,7 @@ Rings
     has no name, so nothing can be left in ``/dev/shm``, even after SIGKILL)
     holding its *inbound* rings, one per peer: lock-free single-producer /
     single-consumer byte rings (layout and memory ordering:
-    :mod:`transports.shmring_kernels`). A message up to ``inline_nbytes`` is
+    :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
     one record (header, stamp, payload); a larger one is cut into chunks
     that follow each other through the ring, flow-controlled by its read
     index, so memory stays bounded whatever the message size, and two ranks
@@ -15,7 +15,7 @@ Rings
     a receive posted without a buffer). A chunked message is assembled in a
     private buffer first (one more copy: the Mailbox can only take a whole
     payload). Collectives that read the peers' bytes in place use the
-    shared arena instead (:mod:`transports.shmarena`, ``self.arena``).
+    shared arena instead (:mod:`transports.shm.arena`, ``self.arena``).
 Progress
     There is no I/O thread on the critical path: the thread that waits on a
     request makes progress itself (drains every inbound ring into the
@@ -53,8 +53,8 @@ from collections import deque
 
 import numpy as np
 
-from . import shmring_kernels as K
-from .base import (
+from . import ring as K
+from ..base import (
     RECV,
     SEND,
     PeerClosed,
@@ -65,8 +65,8 @@ from .base import (
     check_peer,
     check_stamp,
 )
-from .mailbox import DISCARD, Mailbox, PendingRequest
-from .shmarena import SharedArena, arena_nbytes
+from ..mailbox import DISCARD, Mailbox, PendingRequest
+from .arena import SharedArena, arena_nbytes
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
@@ -165,7 +165,7 @@ class ShmRingTransport:
         need this very core, and ``sched_yield`` hands it over.
     arena_slot_nbytes : int
         Payload bytes per rank and step of the shared arena
-        (:mod:`transports.shmarena`, ``self.arena``); 0: no arena.
+        (:mod:`transports.shm.arena`, ``self.arena``); 0: no arena.
     """
 
     def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0,
@@ -214,7 +214,7 @@ class ShmRingTransport:
             raise ValueError(f"arena_slot_nbytes must be a non-negative multiple of 64, "
                              f"got {arena_slot_nbytes}")
         self._arena_slot_nbytes = arena_slot_nbytes if size > 1 else 0
-        #: The shared arena (:mod:`transports.shmarena`), or None.
+        #: The shared arena (:mod:`transports.shm.arena`), or None.
         self.arena: SharedArena | None = None
         if size == 1:
             return

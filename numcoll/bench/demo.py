@@ -1,4 +1,4 @@
-"""A short multi-rank demo: ``python -m numcoll.demo [--world-size 4] [--mode process]``.
+"""A short multi-rank demo: ``python -m numcoll.bench.demo [--world-size 4] [--mode process]``.
 
 Starts local ranks, runs each kind of collective once, checks every result
 against the expected value and prints what happened, then times a few

@@ -9,10 +9,10 @@ The checks made here, before the process group sees the call, keep torch's
 words (``tensors with different dtypes``, ``Invalid function argument``).
 
 This module holds init/destroy and the collectives, and re-exports the rest
-of the API: group bookkeeping and rank translation (:mod:`numcoll.groups`),
-sends, receives and their batches (:mod:`numcoll.point_to_point`), backend
-queries (:mod:`numcoll.backend`); the object collectives are in
-:mod:`numcoll.objects`.
+of the API: group bookkeeping and rank translation (:mod:`numcoll.api.groups`),
+sends, receives and their batches (:mod:`numcoll.api.p2p`), backend
+queries (:mod:`numcoll.api.backend`); the object collectives are in
+:mod:`numcoll.api.objects`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import warnings
 from datetime import timedelta
 
-from .arrays import as_array
+from ..memory.arrays import as_array
 from .backend import (  # noqa: F401 - the module API re-exports them
     BACKENDS,
     Backend,
@@ -58,18 +58,18 @@ from .groups import (  # noqa: F401 - the module API re-exports them
     new_subgroups_by_enumeration,
     split_group,
 )
-from .init_methods import rendezvous
-from .launcher_env import local_host_for
-from .logs import get_logger, set_rank
-from .ops import ReduceOp
-from .options import (
+from ..bootstrap.init_methods import rendezvous
+from ..bootstrap.launcher_env import local_host_for
+from ..logs import get_logger, set_rank
+from ..ops import ReduceOp
+from ..options import (
     AllreduceCoalescedOptions,
     BarrierOptions,
     GatherOptions,
     ReduceScatterOptions,
     ScatterOptions,
 )
-from .point_to_point import (  # noqa: F401 - the module API re-exports them
+from .p2p import (  # noqa: F401 - the module API re-exports them
     P2POp,
     batch_isend_irecv,
     irecv,
@@ -77,7 +77,7 @@ from .point_to_point import (  # noqa: F401 - the module API re-exports them
     recv,
     send,
 )
-from .process_group import ProcessGroup, _run_blocking
+from ..process_group import ProcessGroup, _run_blocking
 
 __all__ = [
     "Backend", "GroupMember", "group", "init_process_group", "destroy_process_group",
@@ -109,7 +109,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     backend : "gloo", "numcoll" or None.
     init_method : ``env://`` (the default), ``tcp://host:port``, ``file:///path``.
         ``env://`` understands torchrun's variables and, without them, Open
-        MPI's, MPICH's and SLURM's (:mod:`numcoll.launcher_env`).
+        MPI's, MPICH's and SLURM's (:mod:`numcoll.bootstrap.launcher_env`).
     timeout : deadline of every collective (and of the rendezvous); 30 min.
     world_size, rank : -1 = from the init method; required with ``store``.
     store : a numcoll store shared by all ranks (instead of ``init_method``).

@@ -20,7 +20,7 @@ import cloudpickle
 import numpy as np
 
 from .groups import _peer, _resolve, _world
-from .options import BroadcastOptions, GatherOptions, ScatterOptions
+from ..options import BroadcastOptions, GatherOptions, ScatterOptions
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object",
            "scatter_object_list", "send_object_list", "recv_object_list"]

@@ -1,7 +1,7 @@
 """The shared arena of the ``shm`` transport: one synchronisation per step for
 collectives whose ranks share memory.
 
-Rings (:mod:`transports.shmring`) move messages between pairs of ranks. The
+Rings (:mod:`transports.shm.transport`) move messages between pairs of ranks. The
 arena is for the collective algorithms that want what only shared memory
 offers: every rank writing its contribution once, where every other rank can
 read it, and each rank then reading (and reducing) straight from the others'
@@ -66,8 +66,8 @@ import time
 import numpy as np
 from numba import njit
 
-from .base import PeerClosed, StampMismatch, TransportClosed, TransportTimeout
-from .shmring_kernels import (
+from ..base import PeerClosed, StampMismatch, TransportClosed, TransportTimeout
+from .ring import (
     _cpu_relax,
     _load_acquire,
     _memcpy,

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..buffers import HostBuffer
+from .buffers import HostBuffer
 
 __all__ = ["HOST", "HostArrays", "memory_of"]
 
 
 class HostArrays:
-    """NumPy memory: flat views, copies and :class:`~numcoll.buffers.HostBuffer`."""
+    """NumPy memory: flat views, copies and :class:`~numcoll.memory.buffers.HostBuffer`."""
 
     is_device = False
 
@@ -72,7 +72,7 @@ class HostArrays:
 
     @staticmethod
     def steps(red):
-        """The plan's steps on host memory (:class:`numcoll.reduction.HostSteps`)."""
+        """The plan's steps on host memory (:class:`numcoll.memory.reduction.HostSteps`)."""
         return red.host_steps
 
     @staticmethod
@@ -86,7 +86,7 @@ HOST = HostArrays()
 
 def memory_of(op: str, *array_lists):
     """:data:`HOST`, or a new ``DeviceArrays`` when the arrays (already converted
-    by :func:`numcoll.arrays.as_array`) are CUDA arrays; ``TypeError`` for a mix."""
+    by :func:`numcoll.memory.arrays.as_array`) are CUDA arrays; ``TypeError`` for a mix."""
     on_host = on_device = False
     for arrays in array_lists:
         for a in arrays:

@@ -41,10 +41,10 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from . import distributed as dist
-from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
-from .store import HashStore
-from .tcpstore import TCPStore
+from ..api import collectives as dist
+from ..errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError, PeerError
+from ..bootstrap.store import HashStore
+from ..bootstrap.tcpstore import TCPStore
 
 __all__ = ["launch", "RankFailedError", "LaunchError", "LaunchTimeoutError"]
 
@@ -193,7 +193,7 @@ def _timeout_message(timeout: timedelta, stuck: list[int], blocked: dict[int, st
 
 
 # -- what a rank is blocked on ---------------------------------------------------------
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PACKAGE_DIRS = tuple(os.path.join(_ROOT, pkg) + os.sep for pkg in ("numcoll", "transports"))
 _LIBRARY_DIRS = _PACKAGE_DIRS + (os.path.dirname(threading.__file__) + os.sep,)
 
@@ -395,7 +395,7 @@ def _rank_entry(fd: int, parent_pid: int) -> None:
 
 # -- processes: the launcher's side ------------------------------------------------------
 _BOOTSTRAP = ("import sys; sys.path.insert(0, {root!r}); "
-              "from numcoll.launch import _rank_entry; _rank_entry({fd}, {ppid})")
+              "from numcoll.launcher.local import _rank_entry; _rank_entry({fd}, {ppid})")
 
 
 class _RankProcess:

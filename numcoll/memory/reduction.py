@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import check_op_dtype, dtype_name, is_half
-from .kernels import cpu
-from .ops import ReduceOp
+from ..dtypes import check_op_dtype, dtype_name, is_half
+from ..kernels import cpu
+from ..ops import ReduceOp
 
 __all__ = ["Reduction", "HostSteps"]
 
@@ -54,7 +54,7 @@ class Reduction:
         try:
             if device:
                 # Lazily: numba.cuda is imported only once device arrays are seen.
-                from .cuda import kernels as cuda_kernels
+                from ..cuda import kernels as cuda_kernels
 
                 self.kernel = cuda_kernels.compile_op(self.kernel_op, self.wire_dtype)
                 if premul:      # the device multiplies as a PRODUCT with the factors

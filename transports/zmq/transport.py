@@ -25,7 +25,7 @@ Trust
     numbers. A frame that fails is dropped and logged (logger
     ``numcoll.transport``, rate-limited); it never completes a receive, never
     drops a peer and never stops the I/O thread. Who may connect at all is
-    :mod:`transports.auth`'s business (same user for ipc, token, CURVE).
+    :mod:`transports.zmq.auth`'s business (same user for ipc, token, CURVE).
 Liveness
     A closing rank sends ``BYE`` to every peer after all its data (same pipe, so
     a peer that reads ``BYE`` has everything). A crash shows up as a disconnect
@@ -52,7 +52,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from . import auth
-from .base import (
+from ..base import (
     SEND,
     PeerClosed,
     Rendezvous,
@@ -62,8 +62,8 @@ from .base import (
     check_peer,
     check_stamp,
 )
-from .mailbox import DISCARD, Mailbox, PendingRequest
-from .shm import SharedSlabs
+from ..mailbox import DISCARD, Mailbox, PendingRequest
+from .slabs import SharedSlabs
 
 __all__ = ["ZmqTransport", "SCHEMES"]
 
@@ -75,7 +75,7 @@ _KIND_AT = 8  # offset of the kind byte in a header
 KIND_INLINE = 0
 KIND_DATA = 1
 KIND_BYE = 2
-#: Payload is in shared-memory slot SLOT (after the header); see transports.shm.
+#: Payload is in shared-memory slot SLOT (after the header); see transports.zmq.slabs.
 KIND_SHM = 3
 #: The receiver copied slot ``nbytes`` (the header's last field) out: reuse it.
 KIND_CREDIT = 4
@@ -158,7 +158,7 @@ class ZmqTransport:
         when ZeroMQ releases the buffer; smaller ones are copied and complete at once.
     token : bytes, optional
         Shared secret every connection must prove (ZeroMQ PLAIN, or CURVE keys
-        exchanged through the store); see :mod:`transports.auth`.
+        exchanged through the store); see :mod:`transports.zmq.auth`.
     curve : bool
         Encrypt every connection with CURVE.
     max_unexpected_nbytes : int

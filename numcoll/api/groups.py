@@ -14,8 +14,8 @@ import threading
 import warnings
 from datetime import timedelta
 
-from .logs import get_logger
-from .process_group import ProcessGroup
+from ..logs import get_logger
+from ..process_group import ProcessGroup
 
 __all__ = [
     "GroupMember", "group", "get_default_group", "get_group_rank", "get_global_rank",

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .dtypes import bfloat16, dtype_name, is_supported
+from ..dtypes import bfloat16, dtype_name, is_supported
 
 __all__ = [
     "as_array",
@@ -38,7 +38,7 @@ def as_array(obj, op: str) -> np.ndarray:
     elif (torch := sys.modules.get("torch")) is not None and isinstance(obj, torch.Tensor):
         arr = _torch_view(obj, torch, op)
     elif is_device_array(obj):
-        from .cuda.arrays import as_device_array  # lazy: no numba.cuda on import
+        from ..cuda.arrays import as_device_array  # lazy: no numba.cuda on import
 
         return as_device_array(obj, op)
     elif hasattr(obj, "__array_interface__") or hasattr(obj, "__array__") or _has_buffer(obj):
@@ -66,7 +66,7 @@ def _torch_view(tensor, torch, op: str):
             raise TypeError(f"{op}: invalid tensor type: bfloat16 CUDA tensors are not "
                             "supported yet (torch exports no __cuda_array_interface__ for "
                             "them)")
-        from .cuda_arrays import as_device_array
+        from ..cuda.arrays import as_device_array
 
         return as_device_array(t, op)
     if t.dtype == torch.bfloat16:

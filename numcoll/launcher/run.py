@@ -39,7 +39,7 @@ import threading
 import time
 from datetime import timedelta
 
-from .logs import get_logger
+from ..logs import get_logger
 
 __all__ = ["main", "build_parser"]
 
@@ -207,7 +207,7 @@ def _exit_code(returncode: int) -> int:
 
 def _serve_store(ns: argparse.Namespace):
     """Node 0 serves the TCPStore the ranks meet in; returns (store, addr, port)."""
-    from .tcpstore import TCPStore
+    from ..bootstrap.tcpstore import TCPStore
 
     addr = ns.master_addr or "127.0.0.1"
     if ns.node_rank != 0:

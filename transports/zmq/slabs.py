@@ -37,7 +37,7 @@ from collections import deque
 
 import numpy as np
 
-from .base import Rendezvous
+from ..base import Rendezvous
 
 __all__ = ["SharedSlabs"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from .groups import GroupMember, _check_group, _world, get_default_group
-from .ops import ReduceOp
-from .process_group import ProcessGroup
+from ..ops import ReduceOp
+from ..process_group import ProcessGroup
 
 __all__ = ["Backend", "is_available", "is_gloo_available", "is_nccl_available",
            "is_mpi_available", "is_backend_available", "supports_complex", "get_pg_count",

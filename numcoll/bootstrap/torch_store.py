@@ -1,4 +1,4 @@
-"""A numcoll :class:`~numcoll.store.Store` over a torch ``TCPStore`` client.
+"""A numcoll :class:`~numcoll.bootstrap.store.Store` over a torch ``TCPStore`` client.
 
 Under torchrun the agent serves a torch TCPStore at ``MASTER_ADDR:MASTER_PORT``
 and sets ``TORCHELASTIC_USE_AGENT_STORE=True``: every rank is meant to be a

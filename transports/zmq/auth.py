@@ -12,7 +12,7 @@ weakest to the strongest, chosen by :class:`Security`:
   group's own public keys (exchanged through the store) are admitted.
 
 Every frame that passes the door is still checked (see
-:mod:`transports.zmq_transport`); what fails a check is dropped and reported
+:mod:`transports.zmq.transport`); what fails a check is dropped and reported
 through :class:`DropLog`, at most a few lines per interval.
 
 One ZAP handler serves every socket of the process (ZeroMQ allows one per

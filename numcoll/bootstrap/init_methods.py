@@ -3,12 +3,12 @@
 As in torch, :func:`rendezvous` returns an iterator yielding one tuple, and
 handlers are looked up by URL scheme:
 
-- ``tcp://host:port?rank=R&world_size=W`` — a :class:`~numcoll.tcpstore.TCPStore`;
+- ``tcp://host:port?rank=R&world_size=W`` — a :class:`~numcoll.bootstrap.tcpstore.TCPStore`;
   rank 0 is the master and runs the server;
 - ``env://`` — the same, from ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
   ``WORLD_SIZE`` (torchrun's contract), or from Open MPI's, MPICH's or SLURM's
-  variables (:mod:`numcoll.launcher_env`);
-- ``file:///path?rank=R&world_size=W`` — a :class:`~numcoll.store.FileStore`.
+  variables (:mod:`numcoll.bootstrap.launcher_env`);
+- ``file:///path?rank=R&world_size=W`` — a :class:`~numcoll.bootstrap.store.FileStore`.
 
 ``rank`` and ``world_size`` given as arguments are added to the URL's query
 before the handler sees it (as torch does), so custom handlers registered
@@ -24,10 +24,10 @@ import time
 import urllib.parse
 from typing import Callable, Iterator
 
-from . import config as _config
+from .. import config as _config
 from . import launcher_env as launchers
 from .launcher_env import detect_environment
-from .logs import get_logger
+from ..logs import get_logger
 from .store import DEFAULT_STORE_TIMEOUT, FileStore, Store, StoreTimeoutError, _as_timeout, _ms
 from .tcpstore import StoreAuthError, StoreConnectionError, TCPStore
 
@@ -288,7 +288,7 @@ def _tcp_handler(url: str, timeout: datetime.timedelta = DEFAULT_STORE_TIMEOUT,
 def _env_handler(url: str, timeout: datetime.timedelta = DEFAULT_STORE_TIMEOUT,
                  **kwargs) -> RendezvousResult:
     """``env://``: torchrun's variables, or another launcher's (see
-    :mod:`numcoll.launcher_env`). Arguments (folded into the URL's query by
+    :mod:`numcoll.bootstrap.launcher_env`). Arguments (folded into the URL's query by
     :func:`rendezvous`) win over the environment."""
     query = _query(url)
     found = detect_environment()

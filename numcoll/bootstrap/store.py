@@ -8,7 +8,7 @@ torch's c10d stores:
 - :class:`FileStore` is a file on a shared file system (ranks that are
   processes on one host, or hosts sharing a file system);
 - :class:`PrefixStore` gives a sub-namespace of another store;
-- :class:`numcoll.tcpstore.TCPStore` is served over TCP by the master rank.
+- :class:`numcoll.bootstrap.tcpstore.TCPStore` is served over TCP by the master rank.
 
 Every blocking call (``get``, ``wait``) has a deadline and raises
 :class:`StoreTimeoutError` naming the missing keys when it passes.
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Iterable, Iterator, Union
 
-from .errors import CollectiveTimeoutError, NumcollError
+from ..errors import CollectiveTimeoutError, NumcollError
 
 __all__ = [
     "DEFAULT_STORE_TIMEOUT",
@@ -68,7 +68,7 @@ class StoreTimeoutError(CollectiveTimeoutError):
         self.timeout = timeout
 
 
-# -- helpers shared by every store (also used by numcoll.tcpstore) -----------
+# -- helpers shared by every store (also used by numcoll.bootstrap.tcpstore) -----------
 
 def _as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
     """A timedelta from a timedelta or a number of seconds; never negative."""

@@ -51,6 +51,9 @@ class InprocTransport:
     Every wait takes its own deadline.
     """
 
+    #: No shared arena between these ranks (see :class:`transports.base.Transport`).
+    arena = None
+
     def __init__(self, rank: int, size: int, store: Rendezvous):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")

@@ -165,6 +165,9 @@ class ZmqTransport:
         Bytes a peer may have waiting for receives not posted yet before it is cut off.
     """
 
+    #: No shared arena between these ranks (see :class:`transports.base.Transport`).
+    arena = None
+
     def __init__(self, scheme: str, rank: int, size: int, store: Rendezvous, *,
                  host: str = "127.0.0.1",
                  peer_grace_s: float = 0.25, zero_copy_nbytes: int = 65536,

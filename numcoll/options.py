@@ -130,12 +130,13 @@ class GroupOptions:
     timeout: default deadline of every collective (per-call ``opts.timeout``
         overrides it). threads: worker threads, i.e. collectives that can make
         progress at once. transport: a registered kind ("tcp", "ipc", "shm",
-        "inproc", or one added with ``transports.register``), a transport
-        factory, or None to choose (inproc when every rank is a thread of this
-        process, else shm when all share a Linux host (ipc elsewhere), else
-        tcp). host: the address tcp binds to. algorithm: force algorithms for
-        this group, e.g. "allreduce:ring". group_name: separates groups
-        sharing one store.
+        "hier", "inproc", or one added with ``transports.register``), a
+        transport factory, or None to choose (inproc when every rank is a
+        thread of this process, else shm when all share a Linux host (ipc
+        elsewhere), else hier -- shm within each host, tcp across -- when
+        some host has several ranks, else tcp). host: the address tcp binds
+        to. algorithm: force algorithms for this group, e.g.
+        "allreduce:ring". group_name: separates groups sharing one store.
     """
 
     timeout: timedelta = timedelta(minutes=30)

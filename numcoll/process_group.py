@@ -25,13 +25,13 @@ from typing import Callable
 import transports
 
 from . import config as _config
-from .algorithms import SHARED
+from .algorithms import ARENA
 from .call import Call
 from .collectives import movement, p2p, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import AbortNotes, Comm
+from .comm import AbortNotes, Comm, Topology
 from .diagnostics import flight_recorder
 from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
 from .futures import FutureTimeoutError
@@ -104,7 +104,14 @@ class ProcessGroup:
                 shm_slot_nbytes=max(cfg.segment_nbytes, cfg.allreduce_small_nbytes,
                                     cfg.broadcast_small_nbytes),
                 arena_slot_nbytes=cfg.arena_slot_nbytes))
-        if self._transport.arena is None and cfg.arena_slot_nbytes:
+        # Transports over several hosts (hier) say which ranks share one; their
+        # arena is then each host's, present on hosts with several ranks only.
+        hosts = getattr(self._transport, "hosts", None)
+        self._topology = None if hosts is None else Topology(hosts, rank,
+                                                             cfg.arena_slot_nbytes)
+        if self._topology is not None:
+            self.context.set_topology(self._topology)
+        elif self._transport.arena is None and cfg.arena_slot_nbytes:
             self.context.disable_arena()  # no shared memory between these ranks
         self._notes = AbortNotes(self._store, rank)
 
@@ -311,7 +318,7 @@ class ProcessGroup:
             # Registered either way: a barrier or shutdown() on another thread
             # waits for it like any other work.
             self._inflight[order] = work
-            if call.algorithm in SHARED:
+            if call.algorithm in ARENA:
                 self._arena_order.ticket(work, queued=not here)
             if not here:
                 work._queued(self._execute, run)
@@ -368,7 +375,8 @@ class ProcessGroup:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
-            result = run(Comm(self._transport, work.seq, call, self._notes, record), work)
+            result = run(Comm(self._transport, work.seq, call, self._notes, record,
+                              self._topology), work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
             error = self._fail(work, exc)
         if work.arena_ticket >= 0:

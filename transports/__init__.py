@@ -132,7 +132,8 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
         this process), ``tcp`` (any hosts), ``ipc`` (processes on one host:
         Unix domain sockets plus shared-memory slots), ``shm`` (processes on one
         Linux host: shared-memory rings polled by the waiting thread,
-        :mod:`transports.shm.transport`); or a factory.
+        :mod:`transports.shm.transport`), ``hier`` (several hosts: shm among
+        each host's ranks, tcp across, :mod:`transports.hier`); or a factory.
     rank, size : int
         This rank and the group size.
     store : Rendezvous
@@ -175,12 +176,15 @@ def choose_kind(here: str, places: list[str]) -> str:
     """The transport for a group whose ranks run at ``places`` ("host:pid" each,
     this rank's being ``here``): ``inproc`` when every rank is a thread of this
     process; when all share this host, ``shm`` where Linux offers what it needs
-    (memfd_create, fd passing), else ``ipc``; otherwise ``tcp``."""
+    (memfd_create, fd passing), else ``ipc``; over several hosts, ``hier``
+    (shm within each host, tcp across: :mod:`transports.hier`) when some host
+    has more than one rank and shm is available, else ``tcp``."""
     if all(p == here for p in places):
         return "inproc"
-    host = here.rsplit(":", 1)[0]
-    if not all(p.rsplit(":", 1)[0] == host for p in places):
-        return "tcp"
+    hosts = [p.rsplit(":", 1)[0] for p in places]
+    if len(set(hosts)) > 1:
+        shared = len(set(hosts)) < len(hosts)
+        return "hier" if shared and shm_available() else "tcp"
     return "shm" if shm_available() else "ipc"
 
 
@@ -227,7 +231,14 @@ def _shm(rank, size, store, options):
                             arena_slot_nbytes=options.arena_slot_nbytes)
 
 
+def _hier(rank, size, store, options):
+    from .hier import HierTransport
+
+    return HierTransport(rank, size, store, options)
+
+
 register("inproc", _inproc)
 register("tcp", _zmq("tcp"))
 register("ipc", _zmq("ipc"))
 register("shm", _shm)
+register("hier", _hier)

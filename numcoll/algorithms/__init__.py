@@ -2,7 +2,9 @@
 :class:`numcoll.comm.Comm`) and a work buffer (:mod:`.buffer`) that
 knows how to reduce. They never see sockets, dtypes or kernels. The
 ``shared`` ones (:mod:`.shared`) use the Comm's shared-arena steps instead of
-messages, on groups whose ranks share memory.
+messages, on groups whose ranks share memory; the ``twolevel`` ones
+(:mod:`.twolevel`, :mod:`.twolevel_streams`) combine each host's ranks in its
+arena and exchange between hosts by messages, on groups over several hosts.
 
 Naming: ``<collective>_<algorithm>``. Each docstring gives the cost in steps
 and bytes (P ranks, S bytes) and the source.
@@ -19,6 +21,11 @@ from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
                      alltoall_shared, barrier_shared, broadcast_shared, gather_shared,
                      reduce_scatter_shared, reduce_shared, scatter_shared)
+from .twolevel import (allreduce_twolevel, allreduce_twolevel_lanes, barrier_twolevel,
+                       broadcast_twolevel, broadcast_twolevel_lanes, reduce_twolevel,
+                       reduce_twolevel_lanes)
+from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
+                               reduce_scatter_twolevel, reduce_scatter_twolevel_lanes)
 
 __all__ = [
     "allgather_ring",
@@ -43,6 +50,17 @@ __all__ = [
     "reduce_scatter_ring",
     "scatter_direct",
     "scatter_shared",
+    "allreduce_twolevel",
+    "allreduce_twolevel_lanes",
+    "reduce_twolevel",
+    "reduce_twolevel_lanes",
+    "broadcast_twolevel",
+    "broadcast_twolevel_lanes",
+    "allgather_twolevel",
+    "allgather_twolevel_lanes",
+    "reduce_scatter_twolevel",
+    "reduce_scatter_twolevel_lanes",
+    "barrier_twolevel",
 ]
 
 #: The one table of algorithms: for every collective family, the algorithms
@@ -56,19 +74,31 @@ __all__ = [
 #: arena (``shm``): see :data:`SHARED`.
 CHOICES = {
     "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
-                  "shared": allreduce_shared, "shared_split": allreduce_shared_split},
+                  "shared": allreduce_shared, "shared_split": allreduce_shared_split,
+                  "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
-                  "shared": broadcast_shared},
-    "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared},
-    "allgather": {"ring": allgather_ring, "shared": allgather_shared},
+                  "shared": broadcast_shared, "twolevel": broadcast_twolevel,
+                  "twolevel_lanes": broadcast_twolevel_lanes},
+    "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
+               "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
+    "allgather": {"ring": allgather_ring, "shared": allgather_shared,
+                  "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes},
     "gather": {"direct": gather_direct, "shared": gather_shared},
     "scatter": {"direct": scatter_direct, "shared": scatter_shared},
-    "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared},
+    "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
+                       "twolevel": reduce_scatter_twolevel,
+                       "twolevel_lanes": reduce_scatter_twolevel_lanes},
     "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared},
-    "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared},
+    "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
+                "twolevel": barrier_twolevel},
 }
 
 #: The algorithms that run on the transport's shared arena: only groups whose
 #: ranks share memory offer them, and on a rank they must run in
 #: sequence-number order (they share one arena; see ``ProcessGroup._execute``).
 SHARED = frozenset({"shared", "shared_split"})
+#: The two-level algorithms: groups over several hosts with the ``hier``
+#: transport (an arena on each host) offer them.
+TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})
+#: Every algorithm that takes steps of an arena, so runs in sequence-number order.
+ARENA = SHARED | TWO_LEVEL

@@ -1,13 +1,28 @@
-"""Which algorithm runs a collective: by message size and world size, unless
-forced per call (``opts.algorithm``), per group (``Options.algorithm``) or by
-``NUMCOLL_ALGORITHM``. Every collective goes through :func:`choose`, at the
-call, so an unknown name is a ``ValueError`` before anything is queued."""
+"""Which algorithm runs a collective: by message size, world size and the
+group's hosts, unless forced per call (``opts.algorithm``), per group
+(``Options.algorithm``) or by ``NUMCOLL_ALGORITHM``. Every collective goes
+through :func:`choose`, at the call, so an unknown name, or one this group
+cannot run, is a ``ValueError`` before anything is queued.
+
+The automatic choice, in order:
+
+- a group over several hosts with an arena on each (the ``hier``
+  transport), some host having several ranks: the ``twolevel`` algorithms
+  (:mod:`numcoll.algorithms.twolevel`) for allreduce, reduce, broadcast,
+  allgather, reduce_scatter and barrier. gather, scatter and alltoall keep
+  their flat algorithms: each of their bytes crosses between hosts once
+  already (the hier transport carries a message between two ranks of one
+  host through shared memory), so two levels would save no bytes;
+- a group whose ranks share one arena (``shm``): the ``shared`` algorithms;
+- else by size: recursive doubling, binomial trees for small messages; the
+  ring, the chain for large ones.
+"""
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ..algorithms import CHOICES, SHARED
+from ..algorithms import ARENA, CHOICES, SHARED, TWO_LEVEL
 from ..config import Config, forced_algorithm
 
 __all__ = ["Choice", "choose", "check_forced", "segment_count"]
@@ -21,28 +36,54 @@ class Choice(NamedTuple):
     run: Callable
 
 
+#: The families with two-level algorithms (chosen automatically over hosts).
+TWO_LEVEL_FAMILIES = frozenset(f for f, names in CHOICES.items() if TWO_LEVEL & set(names))
+#: The two-level variant chosen automatically: ``twolevel_lanes`` (every rank
+#: of a host carries a share between hosts) rather than ``twolevel`` (one
+#: leader per host): as fast or faster in every measurement (the README's
+#: "Many hosts"), and it spreads the combining over the host's cores. The
+#: barrier has the one variant, ``twolevel``.
+TWO_LEVEL_DEFAULT = "twolevel_lanes"
+
+
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
-           size: int, shared: bool = True) -> Choice:
+           size: int, shared: bool = True, topology=None) -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
-    shared arena's (for a collective run inside another call, whose arena
-    turn was not taken)."""
+    arena's (for a collective run inside another call, whose arena turn was
+    not taken: a configured arena algorithm gives way to the automatic
+    choice). ``topology``: the group's :class:`numcoll.comm.Topology`, if it
+    knows which ranks share a host."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
-    if name is None:
-        name = _automatic(cfg, collective, nbytes, size, shared)
+    if name is None or (not shared and requested is None and name in ARENA):
+        name = _automatic(cfg, collective, nbytes, size, shared, topology)
     try:
         choice = Choice(name, options[name])
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
-    if name in SHARED and not cfg.arena_slot_nbytes and size > 1:
-        raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share memory "
-                         "(the shm transport, with arena_slot_nbytes > 0); this group has "
-                         "no shared arena")
+    if name in SHARED and size > 1:
+        if not cfg.arena_slot_nbytes:
+            raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share "
+                             "memory (the shm transport, with arena_slot_nbytes > 0); this "
+                             "group has no shared arena")
+        if _hosts(topology) > 1:
+            raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share "
+                             f"memory; this group spans {_hosts(topology)} hosts (use "
+                             f"'twolevel', or a flat algorithm)")
+    if name in TWO_LEVEL and (topology is None or not topology.slot_nbytes):
+        raise ValueError(f"{collective}: algorithm {name!r} needs a group that knows its "
+                         "hosts and has a shared arena on each (the hier transport, with "
+                         "arena_slot_nbytes > 0); this group has "
+                         f"{'no topology' if topology is None else 'no arenas'}")
     return choice
+
+
+def _hosts(topology) -> int:
+    return 1 if topology is None else len(topology.hosts)
 
 
 def check_forced(cfg: Config) -> None:
@@ -58,8 +99,15 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
-def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool) -> str:
-    on_arena = _shared(cfg, collective, nbytes, size) if shared else None
+def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool,
+               topology) -> str:
+    if topology is not None and len(topology.hosts) > 1:
+        if shared and topology.two_level and collective in TWO_LEVEL_FAMILIES:
+            return TWO_LEVEL_DEFAULT if TWO_LEVEL_DEFAULT in CHOICES[collective] \
+                else "twolevel"
+        on_arena = None  # an arena here is a host's, not the group's
+    else:
+        on_arena = _shared(cfg, collective, nbytes, size) if shared else None
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":
@@ -68,8 +116,8 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         return "binomial" if nbytes <= cfg.broadcast_small_nbytes else "chain"
     if collective == "reduce":
         return "binomial" if nbytes <= cfg.allreduce_small_nbytes else "ring"
-    # One algorithm each, besides the shared one: the table's other entry.
-    (only,) = (name for name in CHOICES[collective] if name not in SHARED)
+    # One algorithm each, besides the arena's: the table's other entry.
+    (only,) = (name for name in CHOICES[collective] if name not in ARENA)
     return only
 
 

@@ -48,10 +48,14 @@ class GroupContext:
     :class:`numcoll.config.Config` in force), ``timeout_s`` (the default
     deadline) and the plan cache ``plans``. Owned by one ProcessGroup."""
 
-    __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions")
+    __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
+                 "topology")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
+        #: Which ranks share a host (:class:`numcoll.comm.Topology`), on groups
+        #: whose transport knows it (``hier``); else None.
+        self.topology = None
         self.plans: OrderedDict = OrderedDict()
         self.plans_kept = cfg.call_plans_kept
         self._reductions: dict = {}  # (op, dtype, on device) -> Reduction
@@ -75,6 +79,13 @@ class GroupContext:
         self.cfg = _config.replace(self.cfg, arena_slot_nbytes=0)
         self.plans.clear()
 
+    def set_topology(self, topology) -> None:
+        """This group's ranks share hosts as ``topology`` says: the two-level
+        algorithms become available (and the group-wide ``shared`` ones go,
+        where it spans hosts)."""
+        self.topology = topology
+        self.plans.clear()
+
     # -- what plans are made of ------------------------------------------------------
     def timeout_for(self, opts, op_name: str) -> float:
         """The deadline in seconds for a call with options ``opts`` (the group's
@@ -93,7 +104,7 @@ class GroupContext:
 
     def choose(self, collective: str, requested, nbytes: int, shared: bool = True) -> Choice:
         """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`)."""
-        return choose(self.cfg, collective, requested, nbytes, self.size, shared)
+        return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology)
 
     def segment(self, itemsize: int) -> int:
         """Elements per segment for arrays of ``itemsize`` bytes."""

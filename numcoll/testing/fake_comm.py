@@ -22,6 +22,8 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from ..comm import SubComm, Topology
+
 WAIT_S = 20.0
 
 
@@ -39,21 +41,24 @@ class _Pending:
 
 
 class _Arena:
-    """The shared arena of transports.shm.arena, in memory: two sets of slots
-    and a step count per rank; a step waits (with a deadline) until every
-    rank has published it. A rank's view of it is :class:`_ArenaView`."""
+    """The shared arena of transports.shm.arena, in memory, for the group
+    ranks ``ranks`` (one host's): two sets of slots and a step count per
+    rank; a step waits (with a deadline) until every rank has published it.
+    Addressed by group rank, as the hier transport's. A rank's view of it is
+    :class:`_ArenaView`."""
 
-    def __init__(self, size: int, slot_nbytes: int):
+    def __init__(self, ranks, slot_nbytes: int):
+        self.index = {r: i for i, r in enumerate(ranks)}
         self.slot_nbytes = slot_nbytes
-        self.slots = np.zeros((2, size, slot_nbytes), np.uint8)
-        self.nbytes = np.zeros((2, size), np.int64)
-        self.published = [0] * size
+        self.slots = np.zeros((2, len(ranks), slot_nbytes), np.uint8)
+        self.nbytes = np.zeros((2, len(ranks)), np.int64)
+        self.published = [0] * len(ranks)
         self.cond = threading.Condition()
 
 
 class _ArenaView:
     def __init__(self, arena: _Arena, rank: int):
-        self._arena, self._rank = arena, rank
+        self._arena, self._rank = arena, arena.index[rank]
         self.slot_nbytes = arena.slot_nbytes
         self.next_step = 0
 
@@ -62,14 +67,23 @@ class _ArenaView:
 
 
 class FakeComm:
-    """One rank's comm: the send/recv and shared-arena verbs of :class:`numcoll.comm.Comm`."""
+    """One rank's comm: the send/recv and shared-arena verbs of
+    :class:`numcoll.comm.Comm`, and with ``topology`` its two levels
+    (:meth:`local`, :meth:`across`; the arena is then this rank's host's)."""
 
     def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None,
-                 arena: _Arena | None = None):
+                 arena: _Arena | None = None, topology: Topology | None = None):
         self.rank, self.size = rank, len(fabric)
         self._fabric = fabric
         self._log = log
         self.arena = None if arena is None else _ArenaView(arena, rank)
+        self.topology = topology
+
+    def local(self) -> SubComm:
+        return SubComm(self, self.topology.local)
+
+    def across(self, ranks) -> SubComm:
+        return SubComm(self, ranks)
 
     @property
     def arena_slot_nbytes(self) -> int:
@@ -81,10 +95,10 @@ class FakeComm:
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:
         """Comm.shared_step: publish, then wait for every rank's part of the step."""
         view, arena = self.arena, self.arena._arena
-        step = view.next_step
+        step, me = view.next_step, view._rank
         if payload is not None:
             nbytes = payload.size
-            arena.slots[step & 1, self.rank, :nbytes] = payload
+            arena.slots[step & 1, me, :nbytes] = payload
         nbytes = nbytes or 0
         assert nbytes <= arena.slot_nbytes, f"rank {self.rank}: {nbytes} bytes overflow the slot"
         if self._log is not None:
@@ -94,8 +108,8 @@ class FakeComm:
             # The two-set rule of transports.shm.arena: overwriting set step % 2
             # is safe only once every rank has published step - 1.
             assert min(arena.published) >= step, f"rank {self.rank} overwrote a set in use"
-            arena.nbytes[step & 1, self.rank] = nbytes
-            arena.published[self.rank] = step + 1
+            arena.nbytes[step & 1, me] = nbytes
+            arena.published[me] = step + 1
             arena.cond.notify_all()
             while min(arena.published) < step + 1:
                 left = deadline - time.monotonic()
@@ -107,10 +121,11 @@ class FakeComm:
 
     def shared_view(self, step: int, peer: int, start: int, nbytes: int) -> np.ndarray:
         arena = self._arena_checked(step)
-        assert start + nbytes <= arena.nbytes[step & 1, peer], (
+        at = arena.index[peer]
+        assert start + nbytes <= arena.nbytes[step & 1, at], (
             f"rank {self.rank} reads bytes {start}..{start + nbytes} of rank {peer}'s "
-            f"{arena.nbytes[step & 1, peer]}")
-        return arena.slots[step & 1, peer, start:start + nbytes]
+            f"{arena.nbytes[step & 1, at]}")
+        return arena.slots[step & 1, at, start:start + nbytes]
 
     def size_mismatch(self, peer: int, detail: str):
         raise AssertionError(f"rank {self.rank}: wrong size from rank {peer}: {detail}")
@@ -170,16 +185,26 @@ class FakeComm:
 
 
 def run_ranks(world_size: int, fn, log: list | None = None,
-              arena_slot_nbytes: int = 4096) -> list:
+              arena_slot_nbytes: int = 4096, hosts=None) -> list:
     """fn(comm) on ``world_size`` thread ranks; their results; the first error re-raised.
-    The comms share an in-memory arena of ``arena_slot_nbytes`` per slot."""
+    The comms share an in-memory arena of ``arena_slot_nbytes`` per slot.
+
+    ``hosts`` (lists of ranks covering every rank once, e.g. ``[[0, 1, 2],
+    [3]]``) gives the comms a :class:`~numcoll.comm.Topology`, as on a group
+    over several hosts: each host has an arena of its own, and the comms
+    offer ``local()`` and ``across()`` for two-level algorithms."""
     fabric = [_Inbox() for _ in range(world_size)]
-    arena = _Arena(world_size, arena_slot_nbytes)
+    layout = [list(range(world_size))] if hosts is None else [list(h) for h in hosts]
+    assert sorted(r for h in layout for r in h) == list(range(world_size)), (
+        f"hosts {hosts} must hold every rank of {world_size} once")
+    arenas = [_Arena(h, arena_slot_nbytes) for h in layout]
+    arena_of = {r: a for h, a in zip(layout, arenas) for r in h}
     results, errors = [None] * world_size, []
 
     def body(rank):
+        topology = None if hosts is None else Topology(layout, rank, arena_slot_nbytes)
         try:
-            results[rank] = fn(FakeComm(fabric, rank, log, arena))
+            results[rank] = fn(FakeComm(fabric, rank, log, arena_of[rank], topology))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
             errors.append((rank, exc))
 
@@ -195,5 +220,7 @@ def run_ranks(world_size: int, fn, log: list | None = None,
     # Every message sent was received: nothing left over.
     leftovers = sum(len(q) for inbox in fabric for q in inbox.messages.values())
     assert leftovers == 0, f"{leftovers} messages were sent but never received"
-    assert len(set(arena.published)) == 1, f"ranks ran different arena steps: {arena.published}"
+    for h, arena in zip(layout, arenas):
+        assert len(set(arena.published)) == 1, (
+            f"ranks {h} ran different arena steps: {arena.published}")
     return results

@@ -95,16 +95,19 @@ def _collective_row(op: str, world_size: int, nbytes: int) -> Row:
 
 
 def _reducer_row(world_size: int) -> Row:
-    # 24 gradients of 16 to 128 KiB (1.9 MiB), 512 KiB buckets: 4 buckets whose
-    # allreduces overlap the marking of the next ones, as in a backward pass.
-    counts = [(4096 << (i % 4)) for i in range(24)]
-    spec = {"kind": "reducer", "counts": counts, "bucket_cap_mb": 0.5}
+    # 32 gradients of 1 to 8 KiB (120 KiB) in 24 KiB buckets: 5 buckets, each
+    # an allreduce started while later gradients are still being marked. Small
+    # buckets, so a step is about what each bucket costs (packing, launching,
+    # the call path), which the 1 MiB collective rows do not show.
+    counts = [256 << (i % 4) for i in range(32)]
+    cap_mb = 24 / 1024
+    spec = {"kind": "reducer", "counts": counts, "bucket_cap_mb": cap_mb}
     nbytes = 4 * sum(counts)
     return Row(f"Reducer step n={world_size} {len(counts)} grads", world_size, spec,
-               8 if world_size <= 2 else 4,
+               20 if world_size <= 2 else 10,
                info=dict(op="Reducer step", world_size=world_size, ranks="processes",
                          nbytes=nbytes, dtype=_DTYPE, gradients=len(counts),
-                         bucket_cap_mb=0.5, round_nbytes=nbytes,
+                         bucket_cap_mb=cap_mb, round_nbytes=nbytes,
                          bus_factor=bus_factor("allreduce", world_size)))
 
 
@@ -149,7 +152,7 @@ def default_rows(quick: bool = True) -> list[Row]:
         for op in COLLECTIVES:
             for nbytes in (sizes if moves_data(op) else (0,)):
                 rows.append(anchored(_collective_row(op, world_size, nbytes), nbytes))
-        rows.append(anchored(_reducer_row(world_size), mib))
+        rows.append(anchored(_reducer_row(world_size), 8))
         # Issue 19: a persistent allreduce started repeatedly, and nc.all_reduce
         # on an array every rank maps. Skipped (see missing_api) until they land.
         for nbytes in (8, mib):
@@ -193,7 +196,8 @@ def rank_step(spec: dict) -> tuple[Callable[[], object], bool]:
         return numcoll_step(plan, *rank_buffers(plan, plan.cases[0], rank)), op in ROOTED
     if kind == "reducer":
         grads = [np.zeros(c, np.float32) for c in spec["counts"]]
-        reducer = nc.Reducer(grads, bucket_cap_mb=spec["bucket_cap_mb"])
+        reducer = nc.Reducer(grads, bucket_cap_mb=spec["bucket_cap_mb"],
+                             first_bucket_mb=spec["bucket_cap_mb"])
         order = range(len(grads) - 1, -1, -1)  # a backward pass: last layer first
 
         def step():

@@ -19,7 +19,8 @@ row's timer replays them: :class:`numcoll.bench.gate.ReplayClock`).
   run too (thread ranks with forced algorithms, raw transports, the ring
   kernels, numcoll's kernels against NumPy's, packing against NumPy, CUDA);
   they are timed by pytest-benchmark one case after another and not judged.
-* Quick mode, ``--quick`` or ``NUMCOLL_BENCH_QUICK=1``: the gate only.
+* Quick mode, ``--quick`` or ``NUMCOLL_BENCH_QUICK=1``: the gate only (an
+  exploration suite named on the command line runs too, with short timing).
 * pytest-benchmark has no custom table columns (its issues #94 and #233 are
   open), so :func:`pytest_benchmark_group_stats` appends each case's bandwidth
   (busbw of a collective, GB/s of a kernel or transport) to its name.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import statistics
 
 import pytest
@@ -39,6 +41,8 @@ from numcoll.bench import gate as gate_rules
 from numcoll.bench.rows import environment
 from numcoll.bench.schedule import QUIET_SHARE
 
+#: pytest-benchmark's timing of an exploration suite's cases in quick mode.
+QUICK_TIMING = {"max_time": 0.02, "min_rounds": 3, "warmup": False}
 #: Quiet interleaved rounds of the gate (a round of a row is 2-100 iterations),
 #: and the seconds they may take at most (waiting for a busy machine to calm
 #: down included), in quick mode and in full mode.
@@ -80,24 +84,24 @@ def pytest_ignore_collect(collection_path, config):
     """In quick mode only the gate's suite is collected (unless a file is named)."""
     if (quick_mode(config) and collection_path.name.startswith("bench_")
             and collection_path.name != "bench_gate.py"
-            and collection_path not in getattr(config, "_initialpaths", ())):
+            and collection_path.resolve() not in _named_paths(config)):
         return True
     return None
 
 
+def _named_paths(config) -> set[pathlib.Path]:
+    return {pathlib.Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+            for arg in config.args}
+
+
 def pytest_collection_modifyitems(config, items):
-    gate_items = [item for item in items if item.get_closest_marker("gate")]
-    if quick_mode(config):
-        others = [item for item in items if not item.get_closest_marker("gate")]
-        if others:
-            config.hook.pytest_deselected(items=others)
-            items[:] = gate_items
-    for item in gate_items:
-        item.add_marker(pytest.mark.benchmark(timer=REPLAY))
-    config.stash[_ROWS] = [item.callspec.params["row"] for item in gate_items]
+    for item in items:
+        if item.get_closest_marker("gate"):
+            item.add_marker(pytest.mark.benchmark(timer=REPLAY))
+        elif quick_mode(config):  # an exploration suite named on the command line
+            item.add_marker(pytest.mark.benchmark(**QUICK_TIMING))
 
 
-_ROWS = pytest.StashKey[list]()
 _RESULT = pytest.StashKey["GateRun"]()
 
 
@@ -221,7 +225,10 @@ def _group(row) -> str:
 @pytest.fixture(scope="session")
 def gate(request):
     """The gate's rows, timed once for the whole session (see :class:`GateRun`)."""
-    run = GateRun(request.config, request.config.stash[_ROWS])
+    # The items left after every selection (-k, -m, deselection): only their rows run.
+    rows = [item.callspec.params["row"] for item in request.session.items
+            if item.get_closest_marker("gate")]
+    run = GateRun(request.config, rows)
     request.config.stash[_RESULT] = run
     return run
 

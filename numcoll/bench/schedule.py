@@ -59,6 +59,8 @@ QUIET_SHARE = 0.15
 #: the machine to calm down before the next round.
 WAIT_QUIET_S = 5.0
 QUIET_PROBE_S = 0.25
+#: The longest one :meth:`Schedule.run` goes on without a deadline of its own.
+RUN_LIMIT_S = 600.0
 
 
 class ScheduleError(RuntimeError):
@@ -306,16 +308,21 @@ class Schedule:
             progress: Callable[[int, int], None] | None = None) -> int:
         """Make ``rounds`` quiet rounds of the rows named (default: every row that
         runs here), each in a new random order, or as many as fit before
-        ``deadline`` (``time.monotonic()``); return how many were quiet.
+        ``deadline`` (``time.monotonic()``; default :data:`RUN_LIMIT_S` from
+        now); return how many were quiet.
 
         A round during which other processes used more than
         :data:`QUIET_SHARE` of the CPUs' time is kept, marked busy
-        (``busy[name]``: the others' share in each round), and the next round
-        waits (up to the deadline) for the machine to calm down.
+        (``busy[name]``: the others' share in each round), and, when some of
+        the rows run on ranks (rows in this process hold up under load), the
+        next round waits (up to the deadline) for the machine to calm down.
         ``progress(quiet, rounds)`` after each round."""
         names = [n for n in (self.rounds if names is None else names) if n in self.rounds]
+        on_ranks = any(self.rows[n].world_size for n in names)
+        if deadline is None:
+            deadline = time.monotonic() + RUN_LIMIT_S
         quiet = 0
-        while quiet < rounds and (deadline is None or time.monotonic() < deadline):
+        while quiet < rounds and time.monotonic() < deadline:
             order = list(names)
             self._rng.shuffle(order)
             start = self._cpu_snapshot()
@@ -324,7 +331,7 @@ class Schedule:
             for name, times in values.items():
                 self.rounds[name].append(float(np.median(times)))
                 self.busy[name].append(share)
-            if share is None or share <= QUIET_SHARE:
+            if share is None or share <= QUIET_SHARE or not on_ranks:
                 quiet += 1
             else:
                 self._wait_quiet(deadline)
@@ -336,12 +343,10 @@ class Schedule:
         pids = [os.getpid()] + [pid for launch in self._launches.values() for pid in launch.pids]
         return _cpu_jiffies(pids)
 
-    def _wait_quiet(self, deadline: float | None) -> None:
+    def _wait_quiet(self, deadline: float) -> None:
         """Sleep while other processes keep the CPUs busy (at most until ``deadline``,
         and at most :data:`WAIT_QUIET_S`), so that rounds are timed when they are not."""
-        stop = time.monotonic() + WAIT_QUIET_S
-        if deadline is not None:
-            stop = min(stop, deadline)
+        stop = min(time.monotonic() + WAIT_QUIET_S, deadline)
         while time.monotonic() < stop:
             start = self._cpu_snapshot()
             time.sleep(QUIET_PROBE_S)

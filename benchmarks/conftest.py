@@ -176,10 +176,18 @@ class GateRun:
                 f"{self.load['after'][0]:.1f} after")
 
     def summary(self) -> list[str]:
+        loaded = [n for n, f in self.figures.items() if f["loaded"] and self.rows[n].world_size]
+        warning = ([f"  WARNING: {len(loaded)} rows on ranks had fewer than "
+                    f"{gate_rules.MIN_QUIET_ROUNDS} quiet rounds (other processes kept the "
+                    "CPUs busy): "
+                    + ("a compare against this baseline cannot judge them; save it again "
+                       "when the machine is quieter" if self.saving else "not judged")]
+                   if loaded else [])
         if not self.comparing:
             what = ("saved: the baseline of the next --benchmark-compare" if self.saving else
                     "not saved and not compared (--benchmark-autosave saves a baseline)")
-            return [f"numcoll gate: {len(self.figures)} rows timed, {what}", self._load_line()]
+            return [f"numcoll gate: {len(self.figures)} rows timed, {what}", self._load_line(),
+                    *warning]
         if not self.verdicts:
             return [f"numcoll gate: the baseline {self.baseline_name or '(none found)'} has "
                     "no gate figures for these rows: nothing judged. Save a baseline with "

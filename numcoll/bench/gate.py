@@ -1,7 +1,7 @@
 """The regression gate's rule: when is a row slower than its baseline?
 
 Each row is timed in many interleaved rounds (:mod:`numcoll.bench.schedule`);
-its figures (:func:`figures`) are
+its figures (:func:`figures`, from the quiet rounds only) are
 
 * ``best_s``: the best round (a round is the median of its iterations). Load
   from other processes only ever adds time, so the best round is the one
@@ -12,18 +12,22 @@ its figures (:func:`figures`) are
   run knows each row's own noise floor.
 
 A row is judged (:func:`judge`) by ``ratio = best_now / best_baseline /
-speed``, where ``speed`` is how much slower the machine itself is than when
-the baseline was saved: the median ratio of the *references*, rows with no
-numcoll code (a memcpy, NumPy's add, a Python loop, a socket ping-pong),
-timed in the same rounds. ``speed`` is never below 1: a faster machine does
-not make a row look slower. The row regressed when ``ratio`` exceeds
-``1 + max(FLOOR, NOISE_FACTOR * noise)``, ``noise`` being the larger of the
-row's noise now and in the baseline.
+speed``, where ``speed`` is how much slower the row's *reference* (its
+``anchor``: a workload with no numcoll code timed in the same rounds, for a
+row on N ranks N processes exchanging as many bytes through shared memory in
+NumPy) is than in the baseline, never below 1: a machine that got slower does
+not make a row look regressed, and a faster one does not hide anything. The
+row regressed when ``ratio`` exceeds ``1 + max(floor, NOISE_FACTOR * noise)``,
+``noise`` being the larger of the row's noise now and in the baseline, the
+floor :data:`FLOOR` (:data:`FLOOR_OVERSUBSCRIBED` for more ranks than CPUs).
+Rows on ranks with too few quiet rounds, now or in the baseline, are not
+judged (:attr:`Verdict.busy`).
 
-A row that looks regressed is timed again (``CONFIRM_ROUNDS`` more rounds,
-interleaved with the references, up to ``CONFIRM_PASSES`` times): its best
-can only come down, so a row slowed by a burst of load recovers, and a real
-regression stays.
+A row that looks regressed, or whose noise is above :data:`SETTLED_NOISE`,
+is timed again from new rank processes (:data:`CONFIRM_ROUNDS` more rounds,
+interleaved with its reference, up to :data:`CONFIRM_PASSES` times): its best
+can only come down, so a row slowed by a burst of load or by where its
+processes ran recovers, and a real regression stays.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import statistics
 import time
 from typing import Iterable
 
-__all__ = ["FLOOR", "FLOOR_OVERSUBSCRIBED", "NOISE_FACTOR", "SETTLED_NOISE", "CONFIRM_ROUNDS", "CONFIRM_PASSES", "figures",
-           "anchor_speed", "judge", "judge_all", "measure", "Verdict", "format_verdicts",
-           "summary_line", "ReplayClock", "load_run", "saved_runs"]
+__all__ = ["FLOOR", "FLOOR_OVERSUBSCRIBED", "NOISE_FACTOR", "SETTLED_NOISE", "CONFIRM_ROUNDS",
+           "CONFIRM_PASSES", "MIN_QUIET_ROUNDS", "figures", "anchor_speed", "judge",
+           "judge_all", "measure", "Verdict", "format_verdicts", "summary_line", "ReplayClock",
+           "load_run", "saved_runs"]
 
 #: A row must be at least this much slower (relative) to be flagged, however
 #: steady it is: on the 2-core development VM the best round of an unchanged
@@ -106,6 +111,8 @@ class Verdict:
     #: Not judged: the row runs on ranks and had too few quiet rounds, now or
     #: in the baseline (other processes kept the CPUs busy).
     busy: bool = False
+    #: The baseline's figures were among those too busy to judge by.
+    busy_baseline: bool = False
 
     @property
     def regressed(self) -> bool:
@@ -134,7 +141,8 @@ def judge(name: str, now: dict, base: dict, speed: float = 1.0,
     limit = 1.0 + max(floor, NOISE_FACTOR * noise)
     ratio = now["best_s"] / base["best_s"] / speed if base["best_s"] > 0 else 1.0
     busy = load_sensitive and bool(now.get("loaded") or base.get("loaded"))
-    return Verdict(name, now["best_s"], base["best_s"], ratio, limit, noise, speed, busy)
+    return Verdict(name, now["best_s"], base["best_s"], ratio, limit, noise, speed, busy,
+                   load_sensitive and bool(base.get("loaded")))
 
 
 def judge_all(rows: dict, now: dict[str, dict], base: dict[str, dict]) -> list[Verdict]:
@@ -241,12 +249,14 @@ def summary_line(verdicts: list[Verdict], baseline: str) -> str:
     limits = sorted(v.limit for v in judged) or [0.0]
     slowed = sum(v.speed > 1.1 for v in judged)
     busy = len(verdicts) - len(judged)
+    in_base = sum(v.busy_baseline for v in verdicts)
     return (f"numcoll gate: {len(judged)} rows judged against {baseline}: {regressed} "
             f"regressed, {faster} faster; limits x{limits[0]:.2f} to x{limits[-1]:.2f} "
             f"(median x{limits[len(limits) // 2]:.2f}); {slowed} judged beside a reference "
             "more than 10% slower than in the baseline"
             + (f"; {busy} rows NOT judged: too few quiet rounds (other processes kept the "
-               "CPUs busy)" if busy else ""))
+               f"CPUs busy), {in_base} of them in the baseline" if busy else "")
+            + ("; save the baseline again on a quieter machine" if in_base else ""))
 
 
 # -- saved runs --------------------------------------------------------------------------

@@ -19,10 +19,19 @@ collectives); an iteration's time is the slowest rank's, the round's figure
 the median over its iterations. Rows of this process (kernels, references)
 are timed here the same way.
 
+Bursts are not the only load: on the 2-core development VM a process busy
+elsewhere for minutes made 2-rank rows 2-5x slower in every round. So the
+share of the CPUs that *other* processes used is read from ``/proc`` around
+each round (``busy[name]``); a round above :data:`QUIET_SHARE` does not count
+as quiet, and the next one waits for the machine to calm down. A row slowed
+by where its processes happened to run is timed again after :meth:`restart`
+(new rank processes).
+
 Usage::
 
     with Schedule(rows) as schedule:
-        schedule.run(rounds=9)                 # every row, 9 rounds
+        schedule.run(rounds=9)                 # every row, 9 quiet rounds
+        schedule.restart()                     # new rank processes
         schedule.run(rounds=6, names=[...])    # more rounds for some rows
     schedule.rounds[name]                     # seconds per iteration, one per round
 """
@@ -112,10 +121,10 @@ def _last_algorithm(rank: int) -> str | None:
     flight recorder saw it run (None when the recorder is off)."""
     import numcoll as nc
 
-    for entry in reversed(nc.flight_recorder.dump(rank)["entries"]):
+    entries = nc.flight_recorder.dump(rank)["entries"]
+    for entry in reversed(entries):
         if not entry["profiling_name"].endswith("barrier"):
             return entry["algorithm"]
-    entries = nc.flight_recorder.dump(rank)["entries"]
     return entries[-1]["algorithm"] if entries else None
 
 

@@ -7,8 +7,16 @@ sender's rank and a 64-bit tag; a receive matches the oldest unmatched message
 with the same (peer, tag) — or from any peer, for ``ANY_SOURCE``. Messages with
 the same (sender, receiver, tag) arrive in the order they were sent.
 
-Implementations: :mod:`transports.inproc` (ranks are threads of one process)
-and :mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``).
+Implementations: :mod:`transports.inproc` (ranks are threads of one process),
+:mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``) and
+:mod:`transports.shm.transport` (shared-memory rings between the processes of
+one host). What they share -- the argument checks, loopback, failing requests
+to a closed transport or a departed peer, matching in a mailbox -- is
+:class:`transports.endpoint.MailboxTransport`.
+
+Optional capabilities are declared, never discovered: a transport that has a
+shared arena (:class:`Arena`) exposes it as ``transport.arena``; every other
+transport sets ``arena = None``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ __all__ = [
     "MAX_TAG",
     "Request",
     "Transport",
+    "Arena",
     "TransportError",
     "TransportTimeout",
     "PeerClosed",
@@ -112,12 +121,66 @@ class Request(Protocol):
         ...
 
 
+class Arena(Protocol):
+    """Memory every rank of the group maps, written in *steps*: the optional
+    capability of transports whose ranks share memory (``transport.arena``;
+    None elsewhere). Implementation and memory-ordering argument:
+    :mod:`transports.shm.arena`.
+
+    A step is: each rank fills its slot (:meth:`mine`, or a payload given to
+    :meth:`put`), publishes it under the call's sequence number and stamp
+    (:meth:`put`), waits until every rank published the same step with the
+    same call (:meth:`wait`), then reads any rank's slot in place
+    (:meth:`view`, :meth:`nbytes`). Every rank runs the same steps in the same
+    order; a slot may be read until the step after next begins. Arrays are
+    NumPy ``uint8`` arrays.
+    """
+
+    #: Payload bytes a rank can contribute per step.
+    slot_nbytes: int
+
+    @property
+    def next_step(self) -> int:
+        """The step this rank publishes next."""
+        ...
+
+    def mine(self, step: int):
+        """This rank's (writable) slot for ``step``, to fill before ``put(None, ...)``."""
+        ...
+
+    def put(self, payload, seq: int, stamp: bytes, nbytes: int | None = None) -> int:
+        """Publish this rank's part of the next step: ``payload`` (copied in) or,
+        with None, the first ``nbytes`` already written into :meth:`mine`.
+        Returns the step."""
+        ...
+
+    def wait(self, step: int, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None) -> None:
+        """Return once every rank published ``step`` under ``seq`` and ``stamp``;
+        raise :class:`StampMismatch`, :class:`PeerClosed`,
+        :class:`TransportClosed` or :class:`TransportTimeout`. ``call``: the
+        call's key in tags (``tag >> CALL_SHIFT``), to also catch a peer
+        running another call through point-to-point messages."""
+        ...
+
+    def nbytes(self, step: int, rank: int) -> int:
+        """The payload size ``rank`` published for ``step``."""
+        ...
+
+    def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None):
+        """``rank``'s payload of ``step`` (read-only by convention), bytes
+        ``start:start + nbytes``."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Point-to-point messaging among the ``size`` ranks of one group."""
 
     rank: int
     size: int
+    #: The shared arena (:class:`Arena`), or None where the ranks share no memory.
+    arena: Arena | None
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.

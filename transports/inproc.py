@@ -11,17 +11,10 @@ from __future__ import annotations
 import threading
 import uuid
 
-from .base import (
-    SEND,
-    PeerClosed,
-    Rendezvous,
-    TransportClosed,
-    TransportError,
-    byte_view,
-    check_peer,
-    check_stamp,
-)
-from .mailbox import Mailbox, PendingRequest
+from .base import PeerClosed, Rendezvous, TransportError
+from .endpoint import MailboxTransport
+from .mailbox import Mailbox
+from .request import PendingRequest
 
 __all__ = ["InprocTransport"]
 
@@ -39,7 +32,7 @@ _registry_lock = threading.Lock()
 _fabrics: dict[str, _Fabric] = {}
 
 
-class InprocTransport:
+class InprocTransport(MailboxTransport):
     """Transport between ranks that are threads of this process.
 
     Parameters
@@ -74,22 +67,15 @@ class InprocTransport:
         self._closed = False
         self._close_lock = threading.Lock()
 
-    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> PendingRequest:
-        check_peer(SEND, self.rank, self.size, peer, tag)
-        data = byte_view(buf)
-        stamp = check_stamp(stamp)
-        req = PendingRequest(SEND, self.rank, peer, tag)
-        if self._closed:
-            req.fail(TransportClosed(f"{req.describe()}: this transport is closed", peer))
-        elif self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
+    def _closed_reason(self) -> str | None:
+        return "this transport is closed" if self._closed else None
+
+    def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
+              stamp: bytes) -> None:
+        if self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
             req.complete(None, source=peer)
         else:
             req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
-        return req
-
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
-              whole_call: bool = False) -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
 
     def close(self) -> None:
         with self._close_lock:

@@ -26,11 +26,10 @@ With a token (``NUMCOLL_AUTH_TOKEN``)
     listener proves itself with the ``"shm/acceptor"`` HMAC, and only then
     does the memory file travel. The token itself never does.
 The memory file
-    Created sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is
-    passed, so no process, its creator included, can change its size under
-    another's mapping (truncating a mapped file is a SIGBUS for its readers).
-    A received file is mapped only if it carries those seals and has exactly
-    the size the settings give.
+    Created sealed against any change of size before it is passed, and
+    mapped only if it carries those seals and has exactly the size the
+    settings give (:mod:`transports.shm.region`): no process can truncate it
+    under another's mapping (a SIGBUS for its readers).
 Never stalled, never failed by a stranger
     One poll loop serves every connection at once, outbound and inbound. An
     inbound connection has :data:`HANDSHAKE_S` to finish its handshake; a
@@ -48,12 +47,10 @@ the README's threat model says what it can do.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import mmap
 import os
 import select
 import socket
-import stat
 import struct
 import time
 import uuid
@@ -61,8 +58,9 @@ import uuid
 from .. import tokens
 from ..base import Rendezvous, TransportError
 from ..refusals import RefusalLog
+from .region import check_region
 
-__all__ = ["Link", "create_region", "check_region", "connect_peers", "HANDSHAKE_S", "SEALS"]
+__all__ = ["Link", "connect_peers", "HANDSHAKE_S"]
 
 #: Store key of a rank's card: its socket's name, its pid, its pid namespace.
 NAME_KEY = "shm/{rank}"
@@ -85,10 +83,6 @@ HANDSHAKE_S = 3.0
 MAX_PENDING = 64
 #: A connection the listener's backlog has no room for is tried again after this.
 RETRY_S = 0.01
-#: The seals every memory file carries before it is passed.
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-#: Seals that would forbid mapping a file writable (F_SEAL_FUTURE_WRITE is 0x10).
-WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10
 _CRED = struct.Struct("3i")
 _NO_PROOF = bytes(tokens.PROOF_NBYTES)
 
@@ -102,39 +96,6 @@ class Link:
     out_sock: socket.socket
     in_sock: socket.socket
     region: mmap.mmap
-
-
-def create_region(rank: int, nbytes: int) -> tuple[int, mmap.mmap]:
-    """A new anonymous memory file of ``nbytes``, sealed against any change of
-    size, and this rank's mapping of it. The caller closes the fd."""
-    fd = os.memfd_create(f"numcoll-shm-rank{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        return fd, mmap.mmap(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def check_region(fd: int, nbytes: int) -> str | None:
-    """Why the memory file ``fd`` may not be mapped as a peer's region of
-    ``nbytes``, or None: it must be a regular file of exactly that size whose
-    size no one can change any more, and which may be mapped writable."""
-    try:
-        st = os.fstat(fd)
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError as exc:  # EINVAL: not a file that takes seals
-        return f"not a sealed memory file ({exc.strerror})"
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if seals & SEALS != SEALS:
-        return f"not sealed against shrinking and growing (seals {seals:#x})"
-    if seals & WRITE_SEALS:
-        return f"sealed against writing (seals {seals:#x})"
-    if st.st_size != nbytes:
-        return f"{st.st_size} bytes, expected {nbytes}"
-    return None
 
 
 def connect_peers(rank: int, size: int, store: Rendezvous, fd: int, *,

@@ -1,9 +1,8 @@
 """Shared-memory transport ``shm``: ranks that are processes (or threads) of one host.
 
 Rings
-    Every rank owns one anonymous shared-memory region (``memfd_create``: it
-    has no name, so nothing can be left in ``/dev/shm``, even after SIGKILL)
-    holding its *inbound* rings, one per peer: lock-free single-producer /
+    Every rank owns one anonymous shared-memory region
+    (:mod:`transports.shm.region`) holding its *inbound* rings, one per peer: lock-free single-producer /
     single-consumer byte rings (layout and memory ordering:
     :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
     one record (header, stamp, payload); a larger one is cut into chunks
@@ -35,7 +34,6 @@ Rendezvous and liveness
 
 from __future__ import annotations
 
-import mmap
 import os
 import socket
 import threading
@@ -44,13 +42,14 @@ import time
 import numpy as np
 
 from . import ring as K
-from ..base import PeerClosed, Rendezvous, TransportError
+from ..base import Rendezvous, TransportError
 from ..endpoint import MailboxTransport
 from ..mailbox import Mailbox
 from ..refusals import RefusalLog
-from .arena import SharedArena, arena_nbytes
+from .arena import SharedArena
 from .progress import RingProgress, Send, ShmRequest
-from .rendezvous import connect_peers, create_region
+from .region import arena_offset, create_region, region_nbytes
+from .rendezvous import connect_peers
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
@@ -121,12 +120,7 @@ class ShmRingTransport(MailboxTransport):
     # --- set-up -------------------------------------------------------------------------
 
     def _region_nbytes(self, owner: int) -> int:
-        """Bytes of ``owner``'s region: its inbound rings, and on rank 0 the arena
-        (page-aligned after the rings)."""
-        rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
-        if owner != 0 or not self._arena_slot_nbytes:
-            return rings
-        return _page_align(rings) + arena_nbytes(self.size, self._arena_slot_nbytes)
+        return region_nbytes(owner, self.size, self._capacity, self._arena_slot_nbytes)
 
     def _connect(self, store: Rendezvous, token: bytes | None) -> None:
         fd, region = create_region(self.rank, self._region_nbytes(self.rank))
@@ -145,9 +139,8 @@ class ShmRingTransport(MailboxTransport):
                                    self._capacity, self._spin_ns, self._yield_ns)
         if self._arena_slot_nbytes:
             home = np.frombuffer(region if self.rank == 0 else links[0].region, np.uint8)
-            rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
             self.arena = SharedArena(
-                home, _page_align(rings), self.rank, self.size, self._arena_slot_nbytes,
+                home, arena_offset(self.size, self._capacity), self.rank, self.size, self._arena_slot_nbytes,
                 spin_ns=self._spin_ns, yield_ns=self._yield_ns, peer_left=self._rings.left,
                 conflicting_call=self._rings.conflicting_call)
 
@@ -189,7 +182,3 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _page_align(nbytes: int) -> int:
-    return (nbytes + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)

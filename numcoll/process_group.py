@@ -486,6 +486,8 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             self._queue.put(_SHUTDOWN)
         for w in self._workers:
             w.join(timeout=5.0)
+        if self._recorder is not None:  # its records may stay; its table entry goes with them
+            self._recorder.release_group(self._pg_id)
 
     def __enter__(self) -> ProcessGroup:
         return self

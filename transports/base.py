@@ -219,11 +219,14 @@ class Transport(Protocol):
 class Rendezvous(Protocol):
     """What a transport needs from a store to exchange addresses: numcoll's
     stores satisfy it. ``get`` blocks until the key exists (with the store's
-    own deadline)."""
+    own deadline). A transport deletes a key it published once every peer
+    has read it, so a store shared by many groups does not grow with them."""
 
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str) -> bytes: ...
+
+    def delete_key(self, key: str) -> bool: ...
 
 
 # --- Helpers shared by the implementations (not part of the interface) -------

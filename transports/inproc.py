@@ -26,6 +26,7 @@ class _Fabric:
     def __init__(self, size: int):
         self.mailboxes = [Mailbox(rank, size) for rank in range(size)]
         self.open_count = size  # dropped from the registry when every rank has closed
+        self.found = 0  # ranks that found it; the last one removes its id from the store
 
 
 _registry_lock = threading.Lock()
@@ -58,10 +59,15 @@ class InprocTransport(MailboxTransport):
             self._fabric_id = store.get(FABRIC_KEY).decode()
         with _registry_lock:
             fabric = _fabrics.get(self._fabric_id)
+            if fabric is not None:
+                fabric.found += 1
+                everyone = fabric.found == size
         if fabric is None:
             raise TransportError(
                 f"rank {rank}: in-process fabric {self._fabric_id} not found "
                 "(every rank had already closed, or rank 0 is in another process)")
+        if everyone:  # every rank has read the id: a shared store need not keep it
+            store.delete_key(FABRIC_KEY)
         self._fabric = fabric
         self._mailbox = fabric.mailboxes[rank]
         self._closed = False

@@ -176,6 +176,9 @@ class _Setup:
             links = {p: Link(self.outs[p].sock, *self.done_in[p]) for p in self.peers}
             self.outs.clear()
             self.done_in.clear()
+            # Every peer connected, so every peer has read our card: a store
+            # shared by many groups need not keep it.
+            self.store.delete_key(NAME_KEY.format(rank=self.rank))
             return links
         finally:
             self._close_all()

@@ -99,8 +99,13 @@ class SharedSlabs:
                 store.set(f"shm/{peer}/{rank}/state", _MAPPED if self._map(peer, path, nbytes)
                           else _NONE)
             for peer in peers:
-                if peer in self._out and store.get(f"shm/{rank}/{peer}/state") != _MAPPED:
+                state = store.get(f"shm/{rank}/{peer}/state")  # its answer, slab or none
+                if peer in self._out and state != _MAPPED:
                     self._out.pop(peer).close()  # it could not map it: use the socket
+                # The peer has answered: neither key is read again, and a store
+                # shared by many groups need not keep them.
+                store.delete_key(f"shm/{rank}/{peer}/state")
+                store.delete_key(f"shm/{rank}/{peer}")
                 if peer in self._out:
                     self._free[peer] = deque(range(slots))
                     self._busy[peer] = set()

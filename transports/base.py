@@ -219,14 +219,16 @@ class Transport(Protocol):
 class Rendezvous(Protocol):
     """What a transport needs from a store to exchange addresses: numcoll's
     stores satisfy it. ``get`` blocks until the key exists (with the store's
-    own deadline). A transport deletes a key it published once every peer
-    has read it, so a store shared by many groups does not grow with them."""
+    own deadline).
+
+    A store may also have ``delete_key(key)`` (numcoll's do): a transport
+    then deletes a key it published once every peer has read it (see
+    :func:`forget`), so a store shared by many groups does not grow with
+    them. A store with only ``set`` and ``get`` keeps them."""
 
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str) -> bytes: ...
-
-    def delete_key(self, key: str) -> bool: ...
 
 
 # --- Helpers shared by the implementations (not part of the interface) -------
@@ -234,6 +236,13 @@ class Rendezvous(Protocol):
 #: ``what`` of a request: the words error messages use.
 SEND = "send"
 RECV = "recv"
+
+
+def forget(store: Rendezvous, key: str) -> None:
+    """Delete ``key`` from ``store``, if the store can (see :class:`Rendezvous`)."""
+    delete = getattr(store, "delete_key", None)
+    if delete is not None:
+        delete(key)
 
 
 def describe(what: str, rank: int, peer: int, tag: int) -> str:

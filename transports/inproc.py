@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import uuid
 
-from .base import PeerClosed, Rendezvous, TransportError
+from .base import PeerClosed, Rendezvous, TransportError, forget
 from .endpoint import MailboxTransport
 from .mailbox import Mailbox
 from .request import PendingRequest
@@ -67,7 +67,7 @@ class InprocTransport(MailboxTransport):
                 f"rank {rank}: in-process fabric {self._fabric_id} not found "
                 "(every rank had already closed, or rank 0 is in another process)")
         if everyone:  # every rank has read the id: a shared store need not keep it
-            store.delete_key(FABRIC_KEY)
+            forget(store, FABRIC_KEY)
         self._fabric = fabric
         self._mailbox = fabric.mailboxes[rank]
         self._closed = False

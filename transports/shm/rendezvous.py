@@ -56,7 +56,7 @@ import time
 import uuid
 
 from .. import tokens
-from ..base import Rendezvous, TransportError
+from ..base import Rendezvous, TransportError, forget
 from ..refusals import RefusalLog
 from .region import check_region
 
@@ -178,7 +178,7 @@ class _Setup:
             self.done_in.clear()
             # Every peer connected, so every peer has read our card: a store
             # shared by many groups need not keep it.
-            self.store.delete_key(NAME_KEY.format(rank=self.rank))
+            forget(self.store, NAME_KEY.format(rank=self.rank))
             return links
         finally:
             self._close_all()

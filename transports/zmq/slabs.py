@@ -45,7 +45,7 @@ from collections import deque
 
 import numpy as np
 
-from ..base import Rendezvous
+from ..base import Rendezvous, forget
 from ..refusals import RefusalLog
 
 __all__ = ["SharedSlabs"]
@@ -104,8 +104,8 @@ class SharedSlabs:
                     self._out.pop(peer).close()  # it could not map it: use the socket
                 # The peer has answered: neither key is read again, and a store
                 # shared by many groups need not keep them.
-                store.delete_key(f"shm/{rank}/{peer}/state")
-                store.delete_key(f"shm/{rank}/{peer}")
+                forget(store, f"shm/{rank}/{peer}/state")
+                forget(store, f"shm/{rank}/{peer}")
                 if peer in self._out:
                     self._free[peer] = deque(range(slots))
                     self._busy[peer] = set()

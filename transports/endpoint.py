@@ -13,9 +13,9 @@ before any byte moves, is the same everywhere and lives here once:
 - a receive is posted in the mailbox, which matches it with what arrived.
 
 A subclass supplies :meth:`MailboxTransport._send` (move the bytes of a send to
-another rank, then complete or fail its request), :meth:`_closed_reason`, and,
-if its requests do more than wait (the shm transport's make progress while
-they wait), :meth:`_request`.
+another rank, then complete or fail its request), sets ``_closed_why`` when it
+closes, and, if its requests do more than wait (the shm transport's make progress while
+they wait), ``_new_request``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ class MailboxTransport:
     #: The shared arena (:class:`~transports.base.Arena`): None unless the
     #: transport's ranks share memory (the shm transport sets its own).
     arena: Arena | None = None
+    #: Makes a request: ``(what, rank, peer, tag, buf=None, stamp=b"",
+    #: whole_call=False) -> PendingRequest`` (a plain attribute, not a method:
+    #: this runs for every message).
+    _new_request = PendingRequest
+    #: Why this transport takes no more sends (set when it closes); None while open.
+    _closed_why: str | None = None
 
     # --- the Transport interface ------------------------------------------------------
 
@@ -56,8 +62,8 @@ class MailboxTransport:
         check_peer(SEND, self.rank, self.size, peer, tag)
         data = byte_view(buf)
         stamp = check_stamp(stamp)
-        req = self._request(SEND, peer, tag)
-        closed = self._closed_reason()
+        req = self._new_request(SEND, self.rank, peer, tag)
+        closed = self._closed_why
         if closed is not None:
             req.fail(TransportClosed(f"{req.describe()}: {closed}", peer))
         elif peer == self.rank:
@@ -77,20 +83,11 @@ class MailboxTransport:
               whole_call: bool = False) -> PendingRequest:
         check_peer(RECV, self.rank, self.size, peer, tag)
         view = None if buf is None else byte_view(buf, writable=True)
-        req = self._request(RECV, peer, tag, view, check_stamp(stamp), whole_call)
+        req = self._new_request(RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
         self._mailbox.post(req)
         return req
 
     # --- what a subclass supplies --------------------------------------------------------
-
-    def _request(self, what: str, peer: int, tag: int, buf: memoryview | None = None,
-                 stamp: bytes = b"", whole_call: bool = False) -> PendingRequest:
-        """A new request of this transport."""
-        return PendingRequest(what, self.rank, peer, tag, buf, stamp, whole_call)
-
-    def _closed_reason(self) -> str | None:
-        """Why this transport takes no more sends, or None while it is open."""
-        raise NotImplementedError
 
     def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
               stamp: bytes) -> None:

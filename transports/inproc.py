@@ -73,9 +73,6 @@ class InprocTransport(MailboxTransport):
         self._closed = False
         self._close_lock = threading.Lock()
 
-    def _closed_reason(self) -> str | None:
-        return "this transport is closed" if self._closed else None
-
     def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
               stamp: bytes) -> None:
         if self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
@@ -88,6 +85,7 @@ class InprocTransport(MailboxTransport):
             if self._closed:
                 return
             self._closed = True
+            self._closed_why = "this transport is closed"
         self._mailbox.close(f"rank {self.rank}'s transport was closed")
         for mailbox in self._fabric.mailboxes:
             if mailbox is not self._mailbox:

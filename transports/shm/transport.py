@@ -34,6 +34,7 @@ Rendezvous and liveness
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -137,6 +138,8 @@ class ShmRingTransport(MailboxTransport):
             os.close(fd)  # every peer that needs it holds its own
         self._rings = RingProgress(self.rank, self.size, self._mailbox, region, links,
                                    self._capacity, self._spin_ns, self._yield_ns)
+        # Requests that drive the rings while they wait (a group of one has none to drive).
+        self._new_request = functools.partial(ShmRequest, self._rings)
         if self._arena_slot_nbytes:
             home = np.frombuffer(region if self.rank == 0 else links[0].region, np.uint8)
             self.arena = SharedArena(
@@ -145,15 +148,6 @@ class ShmRingTransport(MailboxTransport):
                 conflicting_call=self._rings.conflicting_call)
 
     # --- MailboxTransport ---------------------------------------------------------------
-
-    def _request(self, what: str, peer: int, tag: int, buf: memoryview | None = None,
-                 stamp: bytes = b"", whole_call: bool = False) -> ShmRequest:
-        if self._rings is None:  # a group of one: nothing to drive
-            return super()._request(what, peer, tag, buf, stamp, whole_call)
-        return ShmRequest(self._rings, what, self.rank, peer, tag, buf, stamp, whole_call)
-
-    def _closed_reason(self) -> str | None:
-        return f"rank {self.rank}'s transport was closed" if self._closed else None
 
     def _send(self, req: ShmRequest, peer: int, tag: int, data: memoryview,
               stamp: bytes) -> None:
@@ -164,7 +158,7 @@ class ShmRingTransport(MailboxTransport):
             if self._closed:
                 return
             self._closed = True
-        reason = f"rank {self.rank}'s transport was closed"
+            self._closed_why = reason = f"rank {self.rank}'s transport was closed"
         if self._rings is not None:
             self._rings.stop(reason)  # closes the mailbox once the peers are told
         else:

@@ -118,10 +118,6 @@ class ZmqTransport(MailboxTransport):
 
     # --- MailboxTransport ---------------------------------------------------------------
 
-    def _closed_reason(self) -> str | None:
-        io = self._io
-        return io.closed_reason if io.closing else None
-
     def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
               stamp: bytes) -> None:
         io = self._io
@@ -181,6 +177,7 @@ class ZmqTransport(MailboxTransport):
             if self._close_called:
                 return
             self._close_called = True
+            self._closed_why = f"rank {self.rank}'s transport was closed"
         self._mailbox.close(f"rank {self.rank}'s transport was closed")
         if not self._io.close():
             warnings.warn(f"rank {self.rank}: transport I/O thread did not stop within "

@@ -193,7 +193,7 @@ def test_collectives_stay_right_under_garbage():
         if nc.get_rank() == 0:
             def spray():
                 sock = stranger(pg._transport.endpoint)
-                frames = garbage(0, 1, tag=0)  # tag 0: collective #0, step 0
+                frames = garbage(0, 1, tag=1 << 32)  # collective #1, step 0
                 while not stop.is_set():
                     for parts in frames:
                         sock.send_multipart(parts)

@@ -46,6 +46,7 @@ __all__ = [
     "register",
     "create",
     "choose_kind",
+    "host_key",
 ]
 
 #: A transport factory: ``factory(rank, size, store, options) -> Transport``.
@@ -153,6 +154,22 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
         raise ValueError(f"unknown transport {kind!r}; valid kinds are "
                          f"{', '.join(KINDS)}") from None
     return factory(rank, size, store, options)
+
+
+def host_key() -> str:
+    """What ranks that can share ipc (abstract Unix sockets, /dev/shm) have in
+    common: the host name, and on Linux the network namespace and boot, since
+    containers and namespaces often share a host name but not their sockets."""
+    import socket
+
+    key = socket.gethostname()
+    try:
+        key += f"/netns{os.stat('/proc/self/ns/net').st_ino}"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key += f"/boot{f.read().strip()}"
+    except OSError:  # not Linux: the host name alone
+        pass
+    return key
 
 
 def choose_kind(here: str, places: list[str]) -> str:

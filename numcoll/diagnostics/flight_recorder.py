@@ -36,6 +36,7 @@ import time
 import uuid
 
 from .. import config
+from ..call import TORCH_NAMES
 
 __all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record", "write_private"]
 
@@ -47,7 +48,7 @@ class Record:
     """One collective's entry. Fields are written by the thread running it."""
 
     __slots__ = ("record_id", "pg_id", "rank", "seq", "call", "state", "time_created_ns",
-                 "time_started_ns", "time_completed_ns", "waiting_for", "error")
+                 "time_started_ns", "time_completed_ns", "waiting_for", "waiting_op", "error")
 
     def __init__(self, record_id: int, pg_id: int, rank: int, seq: int, call):
         self.record_id = record_id
@@ -59,8 +60,22 @@ class Record:
         self.time_created_ns = _now_ns()
         self.time_started_ns = None
         self.time_completed_ns = None
+        #: While started: the peer it waits for, and how ("recv", "send", or
+        #: "arena": a shared-arena step, which waits for every rank).
         self.waiting_for = None
+        self.waiting_op = None
         self.error = None
+
+    def describe_wait(self) -> str | None:
+        """``allreduce (collective #3) waiting to recv from rank 1``, while it waits."""
+        op, peer = self.waiting_op, self.waiting_for
+        if op is None:
+            return None
+        what = (f"{self.call.name} (collective #{self.seq})" if self.seq > 0
+                else f"{self.call.name} (point-to-point)")
+        if op == "arena":
+            return f"{what} waiting for every rank at a shared-arena step"
+        return f"{what} waiting to {op} {'from' if op == 'recv' else 'to'} rank {peer}"
 
     def as_dict(self) -> dict:
         call = self.call
@@ -69,9 +84,11 @@ class Record:
             "record_id": self.record_id,
             "pg_id": self.pg_id,
             "rank": self.rank,
-            # torch numbers a group's collectives from 1; point-to-point ops have none.
-            "collective_seq_id": self.seq + 1 if self.seq >= 0 else None,
-            "profiling_name": f"numcoll:{call.name}",
+            # A group's collectives are numbered from 1, as torch numbers them
+            # (and as numcoll's errors say "collective #N"); point-to-point ops
+            # have none.
+            "collective_seq_id": self.seq if self.seq > 0 else None,
+            "profiling_name": f"numcoll:{TORCH_NAMES.get(call.name, call.name)}",
             "input_sizes": [list(s) for s in call.input_sizes],
             "input_dtypes": dtype * len(call.input_sizes),
             "output_sizes": [list(s) for s in call.output_sizes],
@@ -141,32 +158,43 @@ class FlightRecorder:
     # an itertools.count step are atomic under the GIL; a status read racing an
     # update sees the old or the new number), one clock read each. A group's
     # status may be gone (work finishing after its group was released).
-    def record(self, pg_id: int, rank: int, seq: int, call) -> Record:
+    def record(self, pg_id: int, rank: int, seq: int, call, started: bool = False) -> Record:
+        """A new record for collective ``seq`` (scheduled; or ``started`` at once,
+        for a call its caller runs right away)."""
         rec = Record(next(self._ids), pg_id, rank, seq, call)
         self._records.append(rec)
         status = self._pg_status.get(pg_id)
-        if seq >= 0 and status is not None:
-            status[0] = seq + 1
+        if seq > 0 and status is not None:
+            status[0] = seq
+        if started:
+            self.started(rec)
         return rec
 
     def started(self, rec: Record) -> None:
         rec.state = "started"
         rec.time_started_ns = _now_ns()
         status = self._pg_status.get(rec.pg_id)
-        if rec.seq >= 0 and status is not None and rec.seq >= status[1]:
-            status[1] = rec.seq + 1
+        if status is not None and rec.seq > status[1]:
+            status[1] = rec.seq
 
     def ended(self, rec: Record, error: BaseException | None = None) -> None:
         rec.time_completed_ns = _now_ns()
-        rec.waiting_for = None
+        rec.waiting_for = rec.waiting_op = None
         if error is None:
             rec.state = "completed"
             status = self._pg_status.get(rec.pg_id)
-            if rec.seq >= 0 and status is not None and rec.seq >= status[2]:
-                status[2] = rec.seq + 1
+            if status is not None and rec.seq > status[2]:
+                status[2] = rec.seq
         else:
             rec.state = "failed"
             rec.error = str(error)
+
+    def waiting(self, rank: int) -> list[str]:
+        """What global ``rank``'s collectives in progress are waiting for, newest first."""
+        with self._lock:
+            records = list(self._records)
+        return [text for rec in reversed(records) if rec.rank == rank and rec.state == "started"
+                for text in (rec.describe_wait(),) if text]
 
     def dump(self, rank: int | None = None) -> dict:
         """The records (of one global ``rank`` only, if given) as plain data."""
@@ -245,7 +273,7 @@ def dump(rank: int | None = None) -> dict:
     """This process's records: ``{"version", "pg_config", "pg_status", "entries"}``.
 
     Each entry has record_id, pg_id, rank (global), collective_seq_id,
-    profiling_name ("numcoll:allreduce"), input_sizes, input_dtypes,
+    profiling_name ("numcoll:all_reduce", torch's name of the call), input_sizes, input_dtypes,
     output_sizes, output_dtypes, state (scheduled / started / completed /
     failed), time_created_ns, time_started_ns, time_completed_ns, timeout_ms,
     algorithm, waiting_for (the peer rank a started collective is blocked on,

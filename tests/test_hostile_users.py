@@ -22,9 +22,7 @@ saying so, and the same-user variants still run.
 
 from __future__ import annotations
 
-import glob
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -43,9 +41,7 @@ from test_transports import FileStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 NOBODY = 65534
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="running the attacker as another user (nobody, uid 65534) "
-                              "needs root")
+NEEDS_ROOT = "running the attacker as another user (nobody, uid 65534) needs root"
 #: What rank 0 sends: an attacker holding any byte of it has read the payload.
 SECRET = b"NUMCOLL-SECRET-PAYLOAD-#"
 PAYLOAD_NBYTES = 256 << 10
@@ -141,6 +137,42 @@ def _logged(lines: list[str]) -> int:
     return n
 
 
+class _Rank:
+    """A victim rank in a fresh interpreter (not multiprocessing: its resource
+    tracker would outlive the test, and other tests count our processes)."""
+
+    def __init__(self, *args):
+        self._args = json.dumps(args)
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+                "from test_hostile_users import _victim; _victim(*json.loads(sys.argv[2]))")
+        self._proc = subprocess.Popen([sys.executable, "-c", code,
+                                       json.dumps([os.path.dirname(here), here]), self._args])
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
 def _run(kind: str, options: dict, tmp_path, attack, delay_s: float = 0.0):
     """Start the two victims, run ``attack(root)`` against them, stop them;
     returns (their results, the attacker's report)."""
@@ -148,10 +180,8 @@ def _run(kind: str, options: dict, tmp_path, attack, delay_s: float = 0.0):
     root.mkdir()
     os.chmod(root, 0o700)  # the attacker does not get the store
     shm_before = set(os.listdir("/dev/shm"))
-    ctx = multiprocessing.get_context("spawn")
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
-    procs = [ctx.Process(target=_victim, args=(kind, r, str(root), options, outs[r], delay_s))
-             for r in range(2)]
+    procs = [_Rank(kind, r, str(root), options, outs[r], delay_s) for r in range(2)]
     try:
         report = attack(str(root), procs)
         (root / "done").write_bytes(b"")
@@ -312,7 +342,7 @@ def _shm_attack(as_nobody: bool, options: dict):
 @pytest.mark.parametrize("who", ["nobody", "same-user"])
 def test_shm_watcher_cannot_join_read_or_kill(tmp_path, token, who):
     if who == "nobody" and os.geteuid() != 0:
-        pytest.skip("running the attacker as another user (nobody, uid 65534) needs root")
+        pytest.skip(NEEDS_ROOT)
     options = {"token": token}
     results, report = _run("shm", options, tmp_path, _shm_attack(who == "nobody", options),
                            delay_s=1.5)

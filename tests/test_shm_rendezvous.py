@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 
 from transports import TransportError
 from transports.shm import region as R
+from transports.shm import ring as K
 from transports.shm import rendezvous as rv
 from transports.shm.transport import ShmRingTransport
 
@@ -156,12 +156,9 @@ def test_a_memory_file_that_could_be_resized_is_refused(trick):
     t0, results = start_rank(store, 0)
     t1, _ = start_rank(store, 1, results=results)
     name = listener_of(store, 0)
-    probe = ShmRingTransport.__new__(ShmRingTransport)  # the settings the real ranks use
-    probe.size, probe._arena_slot_nbytes = 2, 0
-    from transports.shm import ring as K
-    probe._capacity = K.ring_nbytes_for(1 << 20)
-    nbytes = probe._region_nbytes(1)
-    settings = (probe._capacity, 2, 0)
+    capacity = K.ring_nbytes_for(1 << 20)  # the settings the real ranks use
+    nbytes = R.region_nbytes(1, 2, capacity, 0)
+    settings = (capacity, 2, 0)
     sock = dial(name)
     assert sock.recv(rv.GREETING.size).startswith(rv.MAGIC)
     sock.sendall(_hello(1, settings, nbytes))

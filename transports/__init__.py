@@ -1,5 +1,6 @@
 """Moving bytes between the ranks of a group: the transport interface and its
-implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``).
+implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``,
+shared-memory rings between the processes of one host).
 
 This package never imports :mod:`numcoll`, and it is the only one that imports zmq.
 """
@@ -12,6 +13,7 @@ from typing import Callable
 
 from .base import (
     ANY_SOURCE,
+    Arena,
     CALL_SHIFT,
     MAX_TAG,
     MAX_STAMP_NBYTES,
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_TAG",
     "Request",
     "Transport",
+    "Arena",
     "Rendezvous",
     "TransportError",
     "TransportTimeout",

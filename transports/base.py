@@ -10,9 +10,9 @@ the same (sender, receiver, tag) arrive in the order they were sent.
 Implementations: :mod:`transports.inproc` (ranks are threads of one process),
 :mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``) and
 :mod:`transports.shm.transport` (shared-memory rings between the processes of
-one host). What they share -- the argument checks, loopback, failing requests
-to a closed transport or a departed peer, matching in a mailbox -- is
-:class:`transports.endpoint.MailboxTransport`.
+one host). What they share -- the argument checks, requests, loopback, failing
+requests to a closed transport or a departed peer, matching in a mailbox -- is
+:mod:`transports.endpoint`.
 
 Optional capabilities are declared, never discovered: a transport that has a
 shared arena (:class:`Arena`) exposes it as ``transport.arena``; every other
@@ -223,76 +223,9 @@ class Rendezvous(Protocol):
 
     A store may also have ``delete_key(key)`` (numcoll's do): a transport
     then deletes a key it published once every peer has read it (see
-    :func:`forget`), so a store shared by many groups does not grow with
+    :func:`transports.endpoint.forget`), so a store shared by many groups does not grow with
     them. A store with only ``set`` and ``get`` keeps them."""
 
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str) -> bytes: ...
-
-
-# --- Helpers shared by the implementations (not part of the interface) -------
-
-#: ``what`` of a request: the words error messages use.
-SEND = "send"
-RECV = "recv"
-
-
-def forget(store: Rendezvous, key: str) -> None:
-    """Delete ``key`` from ``store``, if the store can (see :class:`Rendezvous`)."""
-    delete = getattr(store, "delete_key", None)
-    if delete is not None:
-        delete(key)
-
-
-def describe(what: str, rank: int, peer: int, tag: int) -> str:
-    """Name a request in error messages: ``"recv from rank 1 (tag 7) on rank 0"``."""
-    who = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
-    direction = "to" if what == SEND else "from"
-    return f"{what} {direction} {who} (tag {tag}) on rank {rank}"
-
-
-def check_peer(what: str, rank: int, size: int, peer, tag) -> None:
-    """Raise ``ValueError`` unless ``peer`` is a rank of the group (or, for a
-    receive, :data:`ANY_SOURCE`) and ``tag`` fits in 64 unsigned bits."""
-    if not isinstance(peer, int) or not (0 <= peer < size or (what == RECV and peer == ANY_SOURCE)):
-        raise ValueError(f"{what} on rank {rank}: invalid peer rank {peer!r} (group size {size})")
-    if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-        raise ValueError(f"{what} on rank {rank}: invalid tag {tag!r} (must be in [0, 2**64))")
-
-
-def check_stamp(stamp) -> bytes:
-    """``stamp`` as bytes; ``ValueError`` if it is not bytes or is too long."""
-    if not isinstance(stamp, (bytes, bytearray)) or len(stamp) > MAX_STAMP_NBYTES:
-        raise ValueError(f"stamp must be at most {MAX_STAMP_NBYTES} bytes, got {stamp!r:.80}")
-    return bytes(stamp)
-
-
-def byte_view(buf, *, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte view of ``buf`` without copying.
-
-    Accepts anything exporting the buffer protocol, and NumPy arrays whose
-    dtype the buffer protocol cannot describe (``ml_dtypes.bfloat16``).
-    Raises ``ValueError`` for non-contiguous or (when ``writable``) read-only
-    buffers, since the bytes must move in place.
-    """
-    try:
-        view = memoryview(buf)
-    except (TypeError, ValueError):
-        if not hasattr(buf, "__array_interface__"):
-            raise
-        import numpy  # only for dtypes the buffer protocol cannot describe
-
-        array = numpy.asarray(buf)
-        if not array.flags.c_contiguous:
-            raise ValueError("buffer must be C-contiguous") from None
-        view = memoryview(array.reshape(-1).view(numpy.uint8))
-    if not view.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("receive buffer must be writable")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    if view.nbytes == 0:  # memoryview cannot cast a shape containing 0
-        return memoryview(bytearray() if writable else b"")
-    return view.cast("B")

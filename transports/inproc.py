@@ -11,10 +11,9 @@ from __future__ import annotations
 import threading
 import uuid
 
-from .base import PeerClosed, Rendezvous, TransportError, forget
-from .endpoint import MailboxTransport
+from .base import PeerClosed, Rendezvous, TransportError
+from .endpoint import MailboxTransport, PendingRequest, forget
 from .mailbox import Mailbox
-from .request import PendingRequest
 
 __all__ = ["InprocTransport"]
 
@@ -74,11 +73,11 @@ class InprocTransport(MailboxTransport):
         self._close_lock = threading.Lock()
 
     def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
-              stamp: bytes) -> None:
+              stamp: bytes) -> bool:
         if self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
-            req.complete(None, source=peer)
-        else:
-            req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
+            return True  # copied (or taken straight into the receive's buffer)
+        req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
+        return False
 
     def close(self) -> None:
         with self._close_lock:

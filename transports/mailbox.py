@@ -24,15 +24,13 @@ from typing import Callable
 from .base import (
     ANY_SOURCE,
     CALL_SHIFT,
-    RECV,
     MessageSizeError,
     PeerClosed,
     StampMismatch,
     TransportClosed,
     TransportError,
-    describe,
 )
-from .request import PendingRequest
+from .endpoint import RECV, PendingRequest, describe
 
 __all__ = ["Mailbox", "DISCARD", "PayloadReader"]
 
@@ -69,7 +67,8 @@ class Mailbox:
         # (see CALL_SHIFT): a message of another call from the same peer fails them.
         self._calls_posted: dict[tuple[int, int], list[PendingRequest]] = {}
         self._calls_held: dict[tuple[int, int], dict[bytes, int]] = {}
-        self._gone: dict[int, str] = {}  # peer -> why it left
+        #: peer -> why it left (read it, never write it: :meth:`peer_gone` does).
+        self.gone: dict[int, str] = {}
         self._closed: str | None = None
         # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
         self._counter = itertools.count()
@@ -114,7 +113,7 @@ class Mailbox:
 
     def gone_reason(self, peer: int) -> str | None:
         """Why ``peer`` left, or ``None`` while it is connected."""
-        return self._gone.get(peer)
+        return self.gone.get(peer)
 
     # --- delivering side ----------------------------------------------------
 
@@ -201,10 +200,10 @@ class Mailbox:
         """``peer`` left: fail receives from it that no queued message satisfies
         (and ANY_SOURCE ones once every other rank has left)."""
         with self._lock:
-            if peer in self._gone or self._closed is not None:
+            if peer in self.gone or self._closed is not None:
                 return
-            self._gone[peer] = reason
-            all_gone = len(self._gone) >= self.size - 1
+            self.gone[peer] = reason
+            all_gone = len(self.gone) >= self.size - 1
             victims = []
             for key in [k for k in self._posted if k[0] == peer or (all_gone and k[0] == ANY_SOURCE)]:
                 victims.extend(self._posted.pop(key))
@@ -250,7 +249,7 @@ class Mailbox:
         """Whether ``nbytes`` more from ``src`` may be held (and ``src`` is not cut off)."""
         if self._max_unexpected is None or src == self.rank:
             return True
-        if src in self._gone:
+        if src in self.gone:
             return False
         return self._held_nbytes[src] + nbytes + HELD_OVERHEAD_NBYTES <= self._max_unexpected
 
@@ -309,7 +308,7 @@ class Mailbox:
 
     def _overflowed(self, src: int) -> None:
         """``src`` sent more than the cap (or was cut off already): say so once."""
-        if self._max_unexpected is None or src in self._gone:
+        if self._max_unexpected is None or src in self.gone:
             return
         reason = (f"rank {src} sent more than {self._max_unexpected} bytes that no receive on "
                   f"rank {self.rank} asked for (NUMCOLL_MAX_UNEXPECTED_NBYTES); cut off")
@@ -351,10 +350,10 @@ class Mailbox:
         if self._closed is not None:
             return TransportClosed(f"{req.describe()}: {self._closed}", req.peer)
         if req.peer == ANY_SOURCE:
-            if self.size > 1 and len(self._gone) >= self.size - 1:
+            if self.size > 1 and len(self.gone) >= self.size - 1:
                 return PeerClosed(f"{req.describe()}: every other rank has left", None)
             return None
-        reason = self._gone.get(req.peer)
+        reason = self.gone.get(req.peer)
         if reason is not None:
             return PeerClosed(f"{req.describe()}: {reason}", req.peer)
         return None

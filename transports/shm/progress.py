@@ -24,14 +24,15 @@ import select
 import socket
 import threading
 import time
+import warnings
 from collections import deque
 
 import numpy as np
 
 from . import ring as K
 from ..base import PeerClosed, TransportClosed, TransportError
+from ..endpoint import PendingRequest
 from ..mailbox import DISCARD, Mailbox
-from ..request import PendingRequest
 from .rendezvous import Link
 
 __all__ = ["RingProgress", "ShmRequest", "Send"]
@@ -139,9 +140,10 @@ class RingProgress:
         region_u8 = np.frombuffer(region, np.uint8)
         self._region64: np.ndarray | None = region_u8.view(np.uint64)
         self._stride_words = (K.CTRL_NBYTES + capacity) // 8
-        self._inbound = {p: K.RingViews(region_u8, K.ring_index(rank, p), capacity) for p in self._peers}
+        self._inbound = {p: K.RingViews(region_u8, K.ring_index(rank, p), capacity)
+                         for p in self._peers}
         self._outbound = {p: K.RingViews(np.frombuffer(links[p].region, np.uint8),
-                                   K.ring_index(p, rank), capacity) for p in self._peers}
+                                         K.ring_index(p, rank), capacity) for p in self._peers}
         # Nobody polls yet: producers must poke.
         K.rings_set_flag(self._region64, self._stride_words, size - 1, K.ASLEEP, 1)
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -203,8 +205,6 @@ class RingProgress:
         self._wake_helper()
         self._helper.join(JOIN_TIMEOUT_S)
         if self._helper.is_alive():
-            import warnings
-
             warnings.warn(f"rank {self.rank}: shm helper thread did not stop within "
                           f"{JOIN_TIMEOUT_S}s", RuntimeWarning, stacklevel=3)
             return  # its fds are still in use: leave them to it

@@ -56,7 +56,8 @@ import time
 import uuid
 
 from .. import tokens
-from ..base import Rendezvous, TransportError, forget
+from ..base import Rendezvous, TransportError
+from ..endpoint import forget
 from ..refusals import RefusalLog
 from .region import check_region
 

@@ -136,8 +136,16 @@ class ShmRingTransport(MailboxTransport):
             raise
         finally:
             os.close(fd)  # every peer that needs it holds its own
-        self._rings = RingProgress(self.rank, self.size, self._mailbox, region, links,
-                                   self._capacity, self._spin_ns, self._yield_ns)
+        try:
+            self._rings = RingProgress(self.rank, self.size, self._mailbox, region, links,
+                                       self._capacity, self._spin_ns, self._yield_ns)
+        except BaseException:
+            for link in links.values():
+                link.out_sock.close()
+                link.in_sock.close()
+                link.region.close()
+            region.close()
+            raise
         # Requests that drive the rings while they wait (a group of one has none to drive).
         self._new_request = functools.partial(ShmRequest, self._rings)
         if self._arena_slot_nbytes:
@@ -150,8 +158,9 @@ class ShmRingTransport(MailboxTransport):
     # --- MailboxTransport ---------------------------------------------------------------
 
     def _send(self, req: ShmRequest, peer: int, tag: int, data: memoryview,
-              stamp: bytes) -> None:
+              stamp: bytes) -> bool:
         self._rings.post(peer, Send(req, tag, data, stamp))
+        return False  # completed once its last byte is in the ring
 
     def close(self) -> None:
         with self._close_lock:

@@ -32,9 +32,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..base import PeerClosed, TransportClosed
+from ..endpoint import AllEvents, PendingRequest
 from ..mailbox import Mailbox
 from ..refusals import RefusalLog
-from ..request import AllEvents, PendingRequest
 from . import rendezvous as rv
 from .slabs import SharedSlabs
 from .wire import KIND_AT, KIND_BYE, KIND_CREDIT, KIND_SHM, SLOT, BadFrame, Inbound

@@ -45,7 +45,8 @@ from collections import deque
 
 import numpy as np
 
-from ..base import Rendezvous, forget
+from ..base import Rendezvous
+from ..endpoint import forget
 from ..refusals import RefusalLog
 
 __all__ = ["SharedSlabs"]

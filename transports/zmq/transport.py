@@ -26,10 +26,9 @@ import threading
 import warnings
 
 from ..base import Rendezvous, TransportClosed
-from ..endpoint import MailboxTransport
+from ..endpoint import MailboxTransport, PendingRequest
 from ..mailbox import Mailbox
 from ..refusals import RefusalLog
-from ..request import PendingRequest
 from . import auth, rendezvous, wire
 from .progress import JOIN_TIMEOUT_S, IOThread
 from .slabs import SharedSlabs
@@ -119,31 +118,29 @@ class ZmqTransport(MailboxTransport):
     # --- MailboxTransport ---------------------------------------------------------------
 
     def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
-              stamp: bytes) -> None:
+              stamp: bytes) -> bool:
         io = self._io
         nbytes = data.nbytes
         if nbytes < self._inline_below:
             message = self._header(KIND_INLINE, tag, nbytes, stamp) + data
             # The copy frees the caller's buffer now.
             if io.send_now(peer, message) or io.post((peer, message, None, None, None)):
-                req.complete(None, source=peer)
-                return
+                return True
         elif self._shm is not None and nbytes <= self._shm.slot_nbytes and \
                 self._shm.has_slab(peer):
             # Through a shared-memory slot: the request completes once the bytes
             # are copied in (here, or by the I/O thread when a slot frees up).
             header = self._header(KIND_SHM, tag, nbytes, stamp)
             if io.send_now(peer, header, data):
-                req.complete(None, source=peer)
-                return
+                return True
             if io.post((peer, header, data, req, None)):
-                return
-        else:
+                return False
+        elif io.post(*self._data_ops(req, peer, tag, data, stamp)):
             # ZeroMQ reads the caller's buffer; the I/O thread completes the request
             # with ZeroMQ's tracker, which fires when the buffer is released.
-            if io.post(*self._data_ops(req, peer, tag, data, stamp)):
-                return
-        req.fail(self._closed_error(req))
+            return False
+        req.fail(self._closed_error(req))  # the transport is closing
+        return False
 
     def _data_ops(self, req, peer: int, tag: int, data: memoryview, stamp: bytes) -> list:
         """The ops of a zero-copy send: one, or one per chunk (see :mod:`~transports.zmq.wire`)."""

@@ -9,8 +9,6 @@ may share, never follow what is planted there.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
 import stat
@@ -21,6 +19,8 @@ import pytest
 
 import numcoll as nc
 from numcoll.diagnostics import flight_recorder as fr
+
+from test_hostile import _rss_nbytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,16 +84,6 @@ def test_transports_take_their_keys_back(transport, size):
         _cycle(store, i, transport, size)
     grown = (store.num_keys() - keys) / 3
     assert grown <= (1 if transport != "ipc" else 1 + size), grown
-
-
-def _rss_nbytes() -> int:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.slow

@@ -45,6 +45,8 @@ NEEDS_ROOT = "running the attacker as another user (nobody, uid 65534) needs roo
 #: What rank 0 sends: an attacker holding any byte of it has read the payload.
 SECRET = b"NUMCOLL-SECRET-PAYLOAD-#"
 PAYLOAD_NBYTES = 256 << 10
+#: Rank 0's last word: its sends are done, rank 1 may close.
+DONE_TAG = 1 << 40
 #: A rank's peak RSS may grow this much while it is attacked (the issue's target).
 GROWTH_LIMIT = 64 << 20
 #: A streaming attacker sends at most this much per connection.
@@ -119,10 +121,14 @@ def _round(t, rank: int, rnd: int, result: dict, deadline: float, stop: bool = F
         for s in sends:
             s.wait(deadline)
         more = not stop
+        if not more:  # rank 1 may close now: our zero-copy sends are released
+            t.isend(1, DONE_TAG, b"done").wait(deadline)
     else:
         more = not bool(np.frombuffer(t.irecv(0, tag).wait(deadline), np.uint8)[0])
         back = np.frombuffer(t.irecv(0, tag + 1).wait(deadline), np.uint8)
         t.isend(0, tag + 1, back.copy()).wait(deadline)
+        if not more:
+            t.irecv(0, DONE_TAG).wait(deadline)
     result["rounds"] += 1
     result["wrong"] += int(not np.array_equal(back, want))
     return more and time.monotonic() < deadline - 10

@@ -86,6 +86,17 @@ def closing(results):
             t.close()
 
 
+def formed_after_refusing(threads, results, reason: str) -> None:
+    """The group formed, refused one connection for ``reason``, and works; closed after."""
+    for t in threads:
+        t.join(20)
+    try:
+        assert results[0].refusals.counts[reason] == 1, results[0].refusals.counts
+        exchange(results[0], results[1])
+    finally:
+        closing(results)
+
+
 def test_garbage_and_silent_connections_do_not_stall_set_up(monkeypatch, caplog):
     """Connections that pass the credential checks (they come from this very
     process) but send garbage, hang up, or say nothing, while rank 1 is
@@ -132,14 +143,10 @@ def test_a_silent_connection_is_dropped_at_its_deadline(monkeypatch):
     start = time.monotonic()
     assert silent.recv(10) == b""  # hung up on
     assert time.monotonic() - start < 1.5
-    t0.join(20)
-    t1.join(20)
     try:
-        assert results[0].refusals.counts["no handshake within 0.3s"] == 1
-        exchange(results[0], results[1])
+        formed_after_refusing((t0, t1), results, "no handshake within 0.3s")
     finally:
         silent.close()
-        closing(results)
 
 
 def _hello(rank, settings, nbytes, proof=bytes(32)):
@@ -179,14 +186,8 @@ def test_a_memory_file_that_could_be_resized_is_refused(trick):
     assert sock.recv(10) == b""  # dropped
     os.close(fd)
     sock.close()
-    t0.join(20)
-    t1.join(20)
-    try:
-        reason = "bad hello" if trick == "no file" else "memory file refused"
-        assert results[0].refusals.counts[reason] == 1
-        exchange(results[0], results[1])
-    finally:
-        closing(results)
+    formed_after_refusing((t0, t1), results,
+                          "bad hello" if trick == "no file" else "memory file refused")
 
 
 def test_our_memory_files_cannot_be_resized():
@@ -217,13 +218,7 @@ def test_a_process_no_rank_published_is_dropped_at_once():
     out = subprocess.run([sys.executable, "-c", code, name[1:]], capture_output=True,
                          text=True, timeout=30)
     assert out.stdout.strip() == "0", out  # not even the greeting
-    t0.join(20)
-    t1.join(20)
-    try:
-        assert results[0].refusals.counts["not a process of this group"] == 1
-        exchange(results[0], results[1])
-    finally:
-        closing(results)
+    formed_after_refusing((t0, t1), results, "not a process of this group")
 
 
 @pytest.mark.parametrize("tokens", [(b"a", b"b"), (b"a", None), (None, b"b")])

@@ -154,7 +154,8 @@ def _hello(rank, settings, nbytes, proof=bytes(32)):
     return rv.HELLO.pack(rv.MAGIC, rank, capacity, size, slot, nbytes, os.urandom(32), proof)
 
 
-@pytest.mark.parametrize("trick", ["unsealed", "shrinkable", "too small", "write-sealed", "no file"])
+@pytest.mark.parametrize("trick", ["unsealed", "shrinkable", "too small", "write-sealed",
+                                   "no file"])
 def test_a_memory_file_that_could_be_resized_is_refused(trick):
     """A connection claiming rank 1 with the right settings hands over a file
     whose size could change under the mapping (or the wrong size): refused,

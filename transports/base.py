@@ -223,8 +223,8 @@ class Rendezvous(Protocol):
 
     A store may also have ``delete_key(key)`` (numcoll's do): a transport
     then deletes a key it published once every peer has read it (see
-    :func:`transports.endpoint.forget`), so a store shared by many groups does not grow with
-    them. A store with only ``set`` and ``get`` keeps them."""
+    :func:`transports.endpoint.forget`), so a store shared by many groups
+    does not grow with them. A store with only ``set`` and ``get`` keeps them."""
 
     def set(self, key: str, value: bytes) -> None: ...
 

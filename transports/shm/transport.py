@@ -2,9 +2,9 @@
 
 Rings
     Every rank owns one anonymous shared-memory region
-    (:mod:`transports.shm.region`) holding its *inbound* rings, one per peer: lock-free single-producer /
-    single-consumer byte rings (layout and memory ordering:
-    :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
+    (:mod:`transports.shm.region`) holding its *inbound* rings, one per
+    peer: lock-free single-producer / single-consumer byte rings (layout
+    and memory ordering: :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
     one record (header, stamp, payload); a larger one is cut into chunks
     that follow each other through the ring, flow-controlled by its read
     index, so memory stays bounded whatever the message size, and two ranks
@@ -151,9 +151,9 @@ class ShmRingTransport(MailboxTransport):
         if self._arena_slot_nbytes:
             home = np.frombuffer(region if self.rank == 0 else links[0].region, np.uint8)
             self.arena = SharedArena(
-                home, arena_offset(self.size, self._capacity), self.rank, self.size, self._arena_slot_nbytes,
-                spin_ns=self._spin_ns, yield_ns=self._yield_ns, peer_left=self._rings.left,
-                conflicting_call=self._rings.conflicting_call)
+                home, arena_offset(self.size, self._capacity), self.rank, self.size,
+                self._arena_slot_nbytes, spin_ns=self._spin_ns, yield_ns=self._yield_ns,
+                peer_left=self._rings.left, conflicting_call=self._rings.conflicting_call)
 
     # --- MailboxTransport ---------------------------------------------------------------
 

@@ -7,7 +7,8 @@ weakest to the strongest, chosen by :class:`Security`:
   user (the kernel tells libzmq the peer's uid; abstract-namespace sockets have
   no file permissions to do it);
 - with a token (``NUMCOLL_AUTH_TOKEN``): the PLAIN mechanism, whose password is
-  ``HMAC-SHA256(token, "numcoll-transport")`` (the token itself never travels);
+  an HMAC-SHA256 of the token (:func:`transports.tokens.proof`, label
+  ``transport``; the token itself never travels);
 - with CURVE (``NUMCOLL_CURVE=1``): every connection is encrypted, and only the
   group's own public keys (exchanged through the store) are admitted.
 

@@ -142,6 +142,7 @@ class GateRun:
             self.rounds, self.info, self.skipped = (schedule.rounds, schedule.info,
                                                     schedule.skipped)
             self.busy, self.waited_s = schedule.busy, schedule.waited_s
+            self.launch = schedule.launch
         self.load["after"] = os.getloadavg()
         self.verdicts = {v.name: v for v in verdicts or []}
         self.unjudged = [n for n, r in self.rows.items() if r.gated and self.comparing
@@ -158,6 +159,7 @@ class GateRun:
         benchmark.extra_info["gate"] = {
             "row": row.name, **self.figures[row.name], "iters": row.iters,
             "round_s": self.rounds[row.name], "others_busy": self.busy[row.name],
+            "launch": self.launch[row.name],
             "gated": row.gated, "anchor": row.anchor, "load_avg": self.load,
             **({"verdict": verdict.as_dict()} if verdict else {})}
         REPLAY.load(self.rounds[row.name])

@@ -32,6 +32,7 @@ import numpy as np
 from .. import api as dist
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
 from ..bootstrap.tcpstore import TCPStore
+from ..ops import ReduceOp
 
 __all__ = ["Figures", "run_scenario", "run_strangers", "run_mismatches", "run_store_gone",
            "SCENARIOS", "MISMATCHES", "soak", "main"]
@@ -369,7 +370,7 @@ def _mismatched_call(kind: str, rank: int):
         return lambda: dist.all_reduce(x if rank == 0 else np.zeros(5, np.float32))
     if kind == "op":
         return lambda: dist.all_reduce(
-            x, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)
+            x, op=ReduceOp.SUM if rank == 0 else ReduceOp.MAX)
     if kind == "collective":
         return (lambda: dist.all_reduce(x)) if rank == 0 else (lambda: dist.broadcast(x, 0))
     if kind == "root":

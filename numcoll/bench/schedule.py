@@ -190,6 +190,9 @@ class Schedule:
         self._launches: dict[int, _Launch] = {}
         self._local: dict[str, Callable[[], object]] = {}
         self.busy: dict[str, list[float | None]] = {}
+        #: Which rank processes timed each round: 0 until the first restart(), then 1, ...
+        self.launch: dict[str, list[int]] = {}
+        self._generation = 0
         #: Seconds spent waiting for other processes to leave the CPUs alone.
         self.waited_s = 0.0
         self._tmp: str | None = None
@@ -215,7 +218,7 @@ class Schedule:
                 self.skipped[name] = why
         live = [row for name, row in self.rows.items() if name not in self.skipped]
         for row in live:
-            self.rounds[row.name], self.busy[row.name] = [], []
+            self.rounds[row.name], self.busy[row.name], self.launch[row.name] = [], [], []
             if not row.world_size:
                 step = self._local[row.name] = local_step(row.spec)
                 for _ in range(WARMUP_ITERS):
@@ -231,6 +234,7 @@ class Schedule:
         row slowed by where the old ones ran (two ranks sharing a core beside a
         busy process) is timed again from a fresh start."""
         self._stop_ranks()
+        self._generation += 1
         self._start_ranks()
 
     def _start_ranks(self) -> None:
@@ -340,6 +344,7 @@ class Schedule:
             for name, times in values.items():
                 self.rounds[name].append(float(np.median(times)))
                 self.busy[name].append(share)
+                self.launch[name].append(self._generation if self.rows[name].world_size else 0)
             if share is None or share <= QUIET_SHARE or not on_ranks:
                 quiet += 1
             else:

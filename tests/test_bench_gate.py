@@ -163,6 +163,7 @@ def test_the_rows_cover_the_default_paths():
             assert any(r.name.startswith(f"{op} n={n} ") and r.name.endswith("1MiB")
                        for r in rows), (op, n)
         assert f"barrier n={n}" in names and f"Reducer step n={n} 32 grads" in names
+        assert f"pg.allreduce().wait() n={n} 8B" in names
         assert f"all_reduce_init n={n} 8B" in names and f"zeros_shared n={n} 1MiB" in names
     assert not any("16MiB" in n for n in names)
     assert any("16MiB" in r.name for r in default_rows(quick=False))

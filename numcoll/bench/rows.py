@@ -68,7 +68,8 @@ class Row:
     @property
     def id(self) -> str:
         """The name as a pytest id: ``allreduce-n2-8B``."""
-        return re.sub(r"[^A-Za-z0-9_+.]+", "-", self.name.replace("=", "")).strip("-")
+        return re.sub(r"[^A-Za-z0-9_+.]+", "-",
+                      self.name.replace("=", "").replace("()", "")).strip("-")
 
 
 def _size_id(nbytes: int) -> str:
@@ -138,9 +139,10 @@ def _process_reference(world_size: int, nbytes: int) -> Row:
 
 def default_rows(quick: bool = True) -> list[Row]:
     """The gate's rows: every collective at 2 and 4 process ranks, 8 B and 1 MiB
-    (and 16 MiB unless ``quick``), a Reducer step at 2 and 4 ranks, the
-    reduction and pack kernels, issue 19's rows, and the references; each gated
-    row names its reference (``anchor``)."""
+    (and 16 MiB unless ``quick``), called as ``nc.all_reduce(x)``; allreduce
+    through ``pg.allreduce(x).wait()`` at 8 B and 1 MiB; a Reducer step at 2 and
+    4 ranks; the reduction and pack kernels; issue 19's rows; and the
+    references. Each gated row names its reference (``anchor``)."""
     sizes = (8, 1 << 20) if quick else (8, 1 << 20, 16 << 20)
     mib = 1 << 20
     rows = []
@@ -153,6 +155,14 @@ def default_rows(quick: bool = True) -> list[Row]:
             for nbytes in (sizes if moves_data(op) else (0,)):
                 rows.append(anchored(_collective_row(op, world_size, nbytes), nbytes))
         rows.append(anchored(_reducer_row(world_size), 8))
+        # The ProcessGroup method and its Work, as async_op=True users and the
+        # Reducer call it: a queue and a worker thread that nc.all_reduce skips.
+        for nbytes in sizes[:2]:
+            base = anchored(_collective_row("allreduce", world_size, nbytes), nbytes)
+            rows.append(dataclasses.replace(
+                base, name=f"pg.allreduce().wait() n={world_size} {_size_id(nbytes)}",
+                spec={**base.spec, "kind": "collective_work"},
+                info={**base.info, "call": "ProcessGroup.allreduce(x).wait()"}))
         # Issue 19: a persistent allreduce started repeatedly, and nc.all_reduce
         # on an array every rank maps. Skipped (see missing_api) until they land.
         for nbytes in (8, mib):
@@ -186,7 +196,7 @@ def rank_step(spec: dict) -> tuple[Callable[[], object], bool]:
     """``(step, sync_each_iter)`` for a row measured on this rank's default group."""
     import numcoll as nc
 
-    from .runners import numcoll_step, rank_buffers
+    from .runners import numcoll_issue, numcoll_step, rank_buffers
 
     kind, rank, world_size = spec["kind"], nc.get_rank(), nc.get_world_size()
     if kind == "collective":
@@ -194,6 +204,11 @@ def rank_step(spec: dict) -> tuple[Callable[[], object], bool]:
         plan = make_plan(op, [spec["nbytes"]] if moves_data(op) else [],
                          world_size=world_size, dtype=_DTYPE)
         return numcoll_step(plan, *rank_buffers(plan, plan.cases[0], rank)), op in ROOTED
+    if kind == "collective_work":
+        plan = make_plan(spec["op"], [spec["nbytes"]], world_size=world_size, dtype=_DTYPE)
+        issue = numcoll_issue(nc.get_default_group(), plan,
+                              *rank_buffers(plan, plan.cases[0], rank))
+        return (lambda: issue().wait()), False
     if kind == "reducer":
         grads = [np.zeros(c, np.float32) for c in spec["counts"]]
         reducer = nc.Reducer(grads, bucket_cap_mb=spec["bucket_cap_mb"],

@@ -19,7 +19,9 @@ collectives); an iteration's time is the slowest rank's, the round's figure
 the median over its iterations. Rows of this process (kernels, references)
 are timed here the same way.
 
-Bursts are not the only load: on the 2-core development VM a process busy
+Ranks that fit the CPUs are pinned one per CPU (:func:`_pin`): unpinned, the
+scheduler sometimes keeps two ranks on one core for minutes. Bursts are not
+the only load either: on the 2-core development VM a process busy
 elsewhere for minutes made 2-rank rows 2-5x slower in every round. So the
 share of the CPUs that *other* processes used is read from ``/proc`` around
 each round (``busy[name]``); a round above :data:`QUIET_SHARE` does not count
@@ -83,6 +85,7 @@ def _serve(address: str, authkey: bytes) -> None:
 
     rank, world_size = nc.get_rank(), nc.get_world_size()
     steps: dict[str, tuple[Callable[[], object], bool]] = {}
+    pinned = _pin(rank, world_size)
     with Client(address, authkey=authkey) as conn:
         conn.send((world_size, rank, os.getpid()))
         while True:
@@ -92,13 +95,37 @@ def _serve(address: str, authkey: bytes) -> None:
                 step, sync = steps[name] = rank_step(spec)
                 _timed(step, sync, WARMUP_ITERS)
                 conn.send({"algorithm": _last_algorithm(rank),
-                           "transport": nc.get_default_group().transport_kind})
+                           "transport": nc.get_default_group().transport_kind,
+                           "pinned_cpu": pinned})
             elif order[0] == "time":
                 _, name, iters = order
                 conn.send(_timed(*steps[name], iters))
             elif order[0] == "stop":
                 conn.send("stopped")
                 return
+
+
+def _pin(rank: int, world_size: int) -> int | None:
+    """Rank r on CPU r (every thread of this process) when there are enough CPUs.
+
+    Left alone, the scheduler sometimes keeps both ranks of a 2-rank group on
+    one core for minutes (a woken rank follows its waker), which made the 1 MiB
+    rows 3x slower at random on the 2-core VM: a state of the machine, not of
+    the code, so the gate fixes the placement. Returns the CPU, or None when
+    the ranks outnumber the CPUs (they then share them as users' do)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if world_size > len(cpus):
+        return None
+    cpu = cpus[rank]
+    for tid in os.listdir("/proc/self/task"):  # the group's worker threads too
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:
+            pass  # a thread that just ended
+    return cpu
 
 
 def _timed(step: Callable[[], object], sync: bool, iters: int) -> np.ndarray:

@@ -38,7 +38,7 @@ from .sweep import (
     write_json,
 )
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "add_rank_arguments", "check_rank_arguments"]
 
 _EPILOG = """\
 size is the per-rank buffer as nccl-tests define it (allgather: the output;
@@ -128,6 +128,26 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def add_rank_arguments(p: argparse.ArgumentParser, world_size: int) -> None:
+    """``--world-size/-n``, ``--mode`` and ``--transport``: how the local ranks run
+    (numcoll-bench and the demo alike; :func:`check_rank_arguments` after parsing)."""
+    p.add_argument("--world-size", "-n", type=int, default=world_size,
+                   help=f"ranks (default {world_size})")
+    p.add_argument("--mode", choices=("process", "thread"), default="process",
+                   help="ranks as processes (default) or threads of one process")
+    p.add_argument("--transport", choices=transports.KINDS, default=None,
+                   help="numcoll transport (default: numcoll chooses; shm for local processes "
+                        "on Linux, ipc elsewhere, inproc for threads)")
+
+
+def check_rank_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through ``parser.error`` on ranks that cannot run as asked."""
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    if args.mode == "process" and args.transport == "inproc":
+        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="numcoll-bench", description="nccl-tests-style sweeps of numcoll collectives "
@@ -135,12 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG.format(sweeps=_describe_sweeps(), storage=DEFAULT_STORAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
-    p.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--mode", choices=("process", "thread"), default="process",
-                   help="ranks as processes (default) or threads of one process")
-    p.add_argument("--transport", choices=transports.KINDS, default=None,
-                   help="numcoll transport (default: numcoll chooses; shm for local processes "
-                        "on Linux, ipc elsewhere, inproc for threads)")
+    add_rank_arguments(p, world_size=2)
     p.add_argument("--dtype", default=None, help="element type (default float32)")
     p.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
                    help="a named size range, with iterations to suit it (see below; "
@@ -200,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``numcoll-bench``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {args.world_size}")
-    if args.mode == "process" and args.transport == "inproc":
-        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+    check_rank_arguments(parser, args)
     if args.iters is not None and args.iters < 1:
         parser.error(f"--iters must be at least 1, got {args.iters}")
     if args.warmup is not None and args.warmup < 0:

@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 import numcoll as nc
-import transports
 
+from .cli import add_rank_arguments, check_rank_arguments
 from .runners import numcoll_rank
 from .sweep import format_nbytes, make_plan, summarize
 
@@ -77,12 +77,7 @@ def _timing_plans(world_size: int) -> list:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m numcoll.demo",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", "-n", type=int, default=4, help="ranks (default 4)")
-    parser.add_argument("--mode", choices=("process", "thread"), default="process",
-                        help="ranks as processes (default) or threads of one process")
-    parser.add_argument("--transport", choices=transports.KINDS, default=None,
-                        help="default: numcoll chooses (shm between processes on Linux, "
-                             "inproc between threads)")
+    add_rank_arguments(parser, world_size=4)
     return parser
 
 
@@ -90,10 +85,7 @@ def main(argv=None) -> int:
     """Entry point of ``numcoll-demo`` / ``python -m numcoll.demo``."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {ns.world_size}")
-    if ns.mode == "process" and ns.transport == "inproc":
-        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+    check_rank_arguments(parser, ns)
     print(f"numcoll {nc.__version__}: starting {ns.world_size} ranks as {ns.mode}es "
           f"(transport: {ns.transport or 'automatic'})")
     t0 = time.perf_counter()

@@ -130,6 +130,7 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
             options.group_name = f"torch/{group_name}"
         self._store = store
         self._timeout = timeout
+        self._group_name, self._group_desc = group_name, ""
         self._others: dict[str, object] = {}   # device type -> torch backend (see _device_backend)
         try:
             self._pg = ProcessGroup(TorchStore(store, timeout), rank, size, options)
@@ -144,20 +145,35 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's virtual
         return BACKEND_NAME
 
+    # torch keeps a group's name and description on its C++ backends, which a
+    # Python group has none of: they live here (torch sets them after creating
+    # the group, and destroy_process_group reads the name back).
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's virtual
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's virtual
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's virtual
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's virtual
+        return self._group_desc
+
     def __repr__(self) -> str:
         return f"<ProcessGroupNumcoll rank={self.rank()} size={self.size()}>"
 
     # -- running calls ---------------------------------------------------------------
-    def _finish(self, work, opts, after=None):
-        """The torch Work for numcoll ``work``; with ``opts.asyncOp`` False, wait
-        for it here and hand back a completed one."""
+    def _finish(self, work, opts, value, after=None):
+        """The torch Work for numcoll ``work``, whose future holds ``value``
+        (what gloo's would: the tensors or lists the caller passed); with
+        ``opts.asyncOp`` False, wait for it here and hand back a completed one."""
         if getattr(opts, "asyncOp", True):
-            return Work(work, after)
+            return Work(work, value, after)
         try:
             work.wait()   # runs it on this thread when no worker has started it
-            value = work.get_future().value()
             if after is not None:
-                after(value)
+                after()
         except BaseException as exc:  # noqa: BLE001 - raised as torch's
             raise to_torch_error(exc) from None
         return completed_work(value)
@@ -197,11 +213,16 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return None
 
     # -- collectives: torch's names and arguments -----------------------------------
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, op=None):
+        if isinstance(tensors, torch.Tensor):   # torch's pg.allreduce(tensor, op=...) form
+            tensors = [tensors]
+        if opts is None and op is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.allreduce(tensors, opts or dist.AllreduceOptions())
-        if tensors and tensors[0].is_sparse:
+        if any(t.is_sparse for t in tensors):
             return self._sparse_allreduce(tensors, opts)
         timeout = _timeout(opts)
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
@@ -209,18 +230,22 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
             work = self._pg.allreduce(tensors, op=op)
         else:
             work = self._pg.allreduce(tensors, AllreduceOptions(reduce_op=op, timeout=timeout))
-        return self._finish(work, opts)
+        return self._finish(work, opts, tensors)
 
     def _sparse_allreduce(self, tensors, opts):
         """Sparse COO tensors: numcoll's sparse allreduce on views of their
         indices and values; the coalesced sum then replaces each tensor's
         contents (as gloo does)."""
+        for i, t in enumerate(tensors):
+            if not t.is_sparse:
+                raise ValueError(f"allreduce: invalid tensor layout at index {i} (a dense "
+                                 "tensor among sparse ones)")
         coos = [SparseCOO(as_array(t._indices(), "allreduce"), as_array(t._values(), "allreduce"),
                           tuple(t.shape)) for t in tensors]
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         work = self._pg.allreduce(coos, AllreduceOptions(reduce_op=op, timeout=_timeout(opts)))
 
-        def write_back(_):
+        def write_back():
             for t, coo in zip(tensors, coos):
                 if t.dtype == torch.bfloat16:   # torch has no NumPy bfloat16: by its bits
                     values = torch.from_numpy(coo.values.view(np.int16)).view(torch.bfloat16)
@@ -231,13 +256,13 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
                 with torch.no_grad():
                     t.copy_(total)
 
-        return self._finish(_Retarget(work, tensors), opts, write_back)
+        return self._finish(work, opts, tensors, write_back)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         work = self._pg.allreduce_coalesced(
             tensors, AllreduceCoalescedOptions(reduce_op=op, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, tensors)
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
@@ -247,16 +272,20 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         work = self._pg.reduce(tensors, ReduceOptions(
             reduce_op=_reduce_op(opts.reduceOp), root_rank=opts.rootRank,
             root_tensor=opts.rootTensor, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, tensors)
 
-    def broadcast(self, tensors, opts=None):
-        opts = opts or dist.BroadcastOptions()
+    def broadcast(self, tensors, opts=None, root=None):
+        if isinstance(tensors, torch.Tensor):   # torch's pg.broadcast(tensor, root=...) form
+            tensors = [tensors]
+        if opts is None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root or 0
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.broadcast(tensors, opts)
         work = self._pg.broadcast(tensors, BroadcastOptions(
             root_rank=opts.rootRank, root_tensor=opts.rootTensor, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, tensors)
 
     def allgather(self, output_lists, input_list, opts=None):
         other = self._device_backend(input_list[0]) if input_list else None
@@ -264,12 +293,12 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
             return other.allgather(output_lists, input_list, opts or dist.AllgatherOptions())
         work = self._pg.allgather(output_lists, input_list,
                                   AllgatherOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_lists)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         work = self._pg.allgather_coalesced(output_lists, input_list,
                                             AllgatherOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_lists)
 
     def all_gather_single(self, output, input, opts=None):
         other = self._device_backend(input)
@@ -277,22 +306,18 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
             return other._allgather_base(output, input, opts or dist.AllgatherOptions())
         work = self._pg.allgather_into_tensor(output, input,
                                               AllgatherOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
-
-    _allgather_base = all_gather_single
+        return self._finish(work, opts, [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         work = self._pg.allgather_into_tensor_coalesced(
             outputs, inputs, AllgatherOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+        return self._finish(work, opts, outputs)
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         work = self._pg.reduce_scatter(output_list, input_lists, ReduceScatterOptions(
             reduce_op=op, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_list)
 
     def reduce_scatter_single(self, output, input, opts=None):
         other = self._device_backend(input)
@@ -301,21 +326,17 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         work = self._pg.reduce_scatter_tensor(output, input, ReduceScatterOptions(
             reduce_op=op, timeout=_timeout(opts)))
-        return self._finish(work, opts)
-
-    _reduce_scatter_base = reduce_scatter_single
+        return self._finish(work, opts, [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         work = self._pg.reduce_scatter_tensor_coalesced(outputs, inputs, ReduceScatterOptions(
             reduce_op=op, timeout=_timeout(opts)))
-        return self._finish(work, opts)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+        return self._finish(work, opts, outputs)
 
     def alltoall(self, output_list, input_list, opts=None):
         work = self._pg.alltoall(output_list, input_list, AllToAllOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_list)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           opts=None):
@@ -326,40 +347,38 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         work = self._pg.alltoall_base(output, input, list(output_split_sizes or []) or None,
                                       list(input_split_sizes or []) or None,
                                       AllToAllOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
-
-    alltoall_base = all_to_all_single
+        return self._finish(work, opts, [output])
 
     def gather(self, output_lists, input_list, opts=None):
         opts = opts or dist.GatherOptions()
         work = self._pg.gather(output_lists, input_list,
                                GatherOptions(root_rank=opts.rootRank, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_lists)
 
     def scatter(self, output_list, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
         work = self._pg.scatter(output_list, input_lists,
                                 ScatterOptions(root_rank=opts.rootRank, timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, output_list)
 
     def send(self, tensors, dst: int, tag: int = 0):
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.send(tensors, dst, tag)
-        return Work(self._pg.send(tensors, dst, tag))
+        return Work(self._pg.send(tensors, dst, tag), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.recv(tensors, src, tag)
-        return Work(self._pg.recv(tensors, src, tag))
+        return Work(self._pg.recv(tensors, src, tag), tensors)
 
     def recv_anysource(self, tensors, tag: int = 0):
-        return Work(self._pg.recv_anysource(tensors, tag))
+        return Work(self._pg.recv_anysource(tensors, tag), tensors)
 
     def barrier(self, opts=None):
         work = self._pg.barrier(BarrierOptions(timeout=_timeout(opts)))
-        return self._finish(work, opts)
+        return self._finish(work, opts, [])
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
@@ -390,32 +409,30 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         self._pg.abort("aborted through torch (ProcessGroup.abort)")
 
 
-class _Retarget:
-    """A numcoll Work whose value is ``value`` (the caller's torch tensors, not
-    numcoll's SparseCOO views of them)."""
+def _torch_errors(method):
+    """Argument errors raised at the call, as gloo raises them (see ``to_torch_error``)."""
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError) as exc:
+            raise to_torch_error(exc) from None
 
-    def __init__(self, work, value):
-        self._work, self._value = work, value
-        self.op_name, self.seq = work.op_name, work.seq
-        self._future = work.get_future().then(lambda fut: (fut.wait(), value)[1])
+    call.__name__, call.__doc__, call.__wrapped__ = method.__name__, method.__doc__, method
+    return call
 
-    def get_future(self):
-        return self._future
 
-    def wait(self, timeout=None):
-        self._work.wait(timeout)
-        self._future.wait(timeout)
-        return True
-
-    def result(self):
-        self.wait()
-        return self._value
-
-    def is_completed(self):
-        return self._future.done()
-
-    def is_success(self):
-        return self._future.done() and self._future.exception() is None
+for _name in ("allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather",
+              "allgather_coalesced", "all_gather_single", "all_gather_single_coalesced",
+              "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+              "alltoall", "all_to_all_single", "gather", "scatter", "send", "recv",
+              "recv_anysource", "barrier"):
+    setattr(ProcessGroupNumcoll, _name, _torch_errors(getattr(ProcessGroupNumcoll, _name)))
+for _alias, _name in (("_allgather_base", "all_gather_single"),
+                      ("allgather_into_tensor_coalesced", "all_gather_single_coalesced"),
+                      ("_reduce_scatter_base", "reduce_scatter_single"),
+                      ("reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced"),
+                      ("alltoall_base", "all_to_all_single")):
+    setattr(ProcessGroupNumcoll, _alias, getattr(ProcessGroupNumcoll, _name))
 
 
 def _make_backend(name: str, store, rank: int, size: int, timeout: datetime.timedelta):

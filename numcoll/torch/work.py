@@ -22,14 +22,16 @@ __all__ = ["Work", "completed_work"]
 class Work(dist._Work):
     """A torch ``Work`` for a numcoll :class:`~numcoll.work.Work`.
 
-    ``value`` turns the numcoll future's value into the torch future's (by
-    default it is passed on: the caller's tensors). ``after`` runs on the
-    value first (e.g. writing a sparse result back), on the completing thread.
+    ``value`` is what the torch future holds on success: what gloo's would
+    (the input tensors, or the output lists, as the caller passed them).
+    ``after`` runs first (e.g. writing a sparse result back), on the
+    completing thread; an error it raises fails the Work.
     """
 
-    def __init__(self, work, after=None):
+    def __init__(self, work, value, after=None):
         super().__init__()
         self._work = work
+        self._value = value
         self._after = after
         self._future = torch.futures.Future()
         work.get_future().add_done_callback(self._complete)
@@ -38,13 +40,13 @@ class Work(dist._Work):
         error = nc_future.exception()
         if error is None and self._after is not None:
             try:
-                self._after(nc_future.value())
+                self._after()
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 error = exc
         if error is not None:
             self._future.set_exception(to_torch_error(error))
         else:
-            self._future.set_result(nc_future.value())
+            self._future.set_result(self._value)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Block until the collective completes; raise its error. With a
@@ -136,9 +138,6 @@ class _Completed(dist._Work):
         pass
 
 
-def completed_work(value, source_rank: int | None = None) -> dist._Work:
+def completed_work(value) -> dist._Work:
     """A Work that is already complete with ``value``."""
-    work = _Completed(value)
-    if source_rank is not None:
-        work.source_rank = work._source_rank = lambda: source_rank
-    return work
+    return _Completed(value)

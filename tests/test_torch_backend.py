@@ -170,3 +170,30 @@ assert not left, left
 print("ok")
 """
     assert _in_subprocess(code).strip().endswith("ok")
+
+
+def test_the_entry_point_registers_numcoll_when_torch_is_imported(tmp_path):
+    """pyproject.toml declares a ``torch.backends`` entry point; torch calls it at
+    the end of ``import torch``. An installed distribution is faked with a
+    dist-info holding the same entry point, so this runs without reinstalling."""
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "entry-points"]["torch.backends"]
+    assert declared == {"numcoll": "numcoll.torch:_autoload"}
+    info = tmp_path / "numcoll_probe-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: numcoll-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[torch.backends]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+    code = ("import torch, sys, torch.distributed as dist; "
+            "print('NUMCOLL' in dist.Backend._plugins, 'numcoll.torch' in sys.modules)")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.split() == ["True", "True"], run.stdout + run.stderr[-2000:]
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"   # torch's switch turns it off
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.split() == ["False", "False"], run.stdout + run.stderr[-2000:]

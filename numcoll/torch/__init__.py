@@ -58,6 +58,19 @@ def register() -> bool:
     return True
 
 
+def _autoload() -> None:
+    """torch's ``torch.backends`` entry point (numcoll's pyproject.toml declares
+    it): torch calls it at the end of ``import torch``. It registers the
+    backend and never raises: a failure here must not break ``import torch``."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - see above
+        import warnings
+
+        warnings.warn(f"numcoll could not register its torch.distributed backend: {exc!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
 def monitored_barrier(group=None, timeout: datetime.timedelta | None = None,
                       wait_all_ranks: bool = False) -> None:
     """``dist.monitored_barrier`` for numcoll groups (torch's refuses every

@@ -12,8 +12,9 @@ store, and times the two alternately, block by block, on the same tensors:
   over iterations of the slowest rank's time, and bus bandwidth
   (``2 (P-1)/P * bytes / time``, nccl-tests' definition);
 - the step of unmodified DDP over a communication-bound model (``--layers``
-  linear layers of ``--width`` x ``--width``, batch ``--batch``, SGD): the
-  median step time of the slowest rank.
+  linear layers of ``--width`` x ``--width``, batch ``--batch``, SGD,
+  ``gradient_as_bucket_view``): the median step time of the slowest rank, and
+  the same step without DDP (no communication) for reference.
 
 Ranks are processes on this host, each with one intra-op thread
 (``OMP_NUM_THREADS=1``, as torchrun sets).
@@ -83,8 +84,13 @@ def _rank_main(args) -> None:
         for name, group in groups.items():
             model = nn.Sequential(*[nn.Linear(args.width, args.width)
                                     for _ in range(args.layers)])
-            models[name] = (DDP(model, process_group=group),
+            models[name] = (DDP(model, process_group=group,
+                                gradient_as_bucket_view=args.bucket_view),
                             torch.optim.SGD(model.parameters(), lr=1e-4))
+        # the same model without DDP: what a step costs without communication
+        local = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        models["local"] = (local, torch.optim.SGD(local.parameters(), lr=1e-4))
+        groups = dict(groups, local=dist.group.WORLD)
         x = torch.randn(args.batch, args.width)
         per = {name: [] for name in groups}
         for _block in range(args.blocks):
@@ -115,7 +121,8 @@ def run(world_size: int, args) -> dict:
     cmd = [sys.executable, "-m", "numcoll.torch.bench", "--port", port,
            "--world-size", str(world_size), "--sizes", ",".join(map(str, args.sizes)),
            "--ddp-steps", str(args.ddp_steps), "--layers", str(args.layers),
-           "--width", str(args.width), "--batch", str(args.batch), "--blocks", str(args.blocks)]
+           "--width", str(args.width), "--batch", str(args.batch), "--blocks", str(args.blocks),
+           "--bucket-view" if args.bucket_view else "--no-bucket-view"]
     procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world_size)]
     outs = []
@@ -136,7 +143,7 @@ def run(world_size: int, args) -> dict:
             row[name] = {"time_us": t * 1e6, "busbw_GBs": busbw}
         report["allreduce"][nbytes] = row
     if args.ddp_steps:
-        for name in ("gloo", "numcoll"):
+        for name in ("gloo", "numcoll", "local"):
             steps = zip(*(o["ddp"][name] for o in outs))
             report["ddp"][name] = statistics.median(max(ts) for ts in steps) * 1e3
     return report
@@ -153,7 +160,9 @@ def _print(world_size: int, report: dict) -> None:
               f"{n['busbw_GBs']:>12.3f} {n['busbw_GBs'] / g['busbw_GBs']:>11.2f}")
     if report["ddp"]:
         g, n = report["ddp"]["gloo"], report["ddp"]["numcoll"]
-        print(f"DDP step: gloo {g:.1f} ms, numcoll {n:.1f} ms: {g / n:.2f}x faster")
+        local = report["ddp"]["local"]
+        print(f"DDP step: gloo {g:.1f} ms, numcoll {n:.1f} ms: {g / n:.2f}x faster "
+              f"(the same step without DDP: {local:.1f} ms)")
 
 
 def main(argv=None) -> None:
@@ -165,7 +174,9 @@ def main(argv=None) -> None:
     p.add_argument("--ddp-steps", type=int, default=10, help="timed DDP steps per block (0: none)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--bucket-view", action=argparse.BooleanOptionalAction, default=True,
+                   help="DDP's gradient_as_bucket_view (default on)")
     p.add_argument("--blocks", type=int, default=3,
                    help="alternating blocks per backend (default 3)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON too")

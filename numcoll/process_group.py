@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Callable
 
 import transports
+from transports.endpoint import forget
 
 from . import config as _config
 from .algorithms import SHARED
@@ -157,6 +158,11 @@ class ProcessGroup:
         here = f"{transports.host_key()}:{os.getpid()}"
         self._store.set(f"where/{self._rank}", here)
         places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
+        if self._store.add("where/read", 1) == self._size:
+            # Every rank has read every place: a store shared by many groups
+            # (sub-groups come and go) need not keep them.
+            for key in [f"where/{r}" for r in range(self._size)] + ["where/read"]:
+                forget(self._store, key)
         return transports.choose_kind(here, places)
 
     def _set_global_ranks(self, ranks: list[int]) -> None:

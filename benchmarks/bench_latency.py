@@ -157,7 +157,7 @@ def test_process_ranks(benchmark, lockstep, op, sync, nbytes):
     benchmark.extra_info.update(op=op, world_size=2, transport=TRANSPORT, ranks="processes",
                                 nbytes=plan.cases[0].nbytes, call="module-level blocking",
                                 algorithm=algorithm_name(plan, plan.cases[0],
-                                                         nc.get_default_group()._cfg),
+                                                         nc.get_default_group().context.cfg),
                                 sync_each_round=sync, timed_rank=1)
     lockstep.start(op, sync, nbytes, WARMUP_ROUNDS + ROUNDS)
     try:

@@ -21,7 +21,7 @@ import sys as _sys
 
 from . import futures
 from ._version import __version__
-from .api.collectives import (
+from .api import (
     Backend,
     GroupMember,
     P2POp,

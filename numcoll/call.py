@@ -5,7 +5,7 @@ arguments are checked and before it is queued. The Work keeps it, and
 everything that must describe or verify the call reads it instead of the
 collective's own parameters:
 
-- the messages' **stamp** (:meth:`Call.stamp`): every message of a collective
+- the messages' **stamp** (:attr:`Call.stamp`): every message of a collective
   carries the fields that all ranks must agree on (collective, dtype, op,
   root, element count), and a receiver compares them with its own before
   touching the data, so ranks that disagree fail instead of exchanging
@@ -18,13 +18,12 @@ collective's own parameters:
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
-
 import numpy as np
 
 from .dtypes import SUPPORTED_DTYPES, dtype_name
 
-__all__ = ["Call", "describe_stamp", "COLLECTIVES", "shapes", "nbytes_of", "op_fields"]
+__all__ = ["Call", "describe_stamp", "COLLECTIVES", "TORCH_NAMES", "shapes", "nbytes_of",
+           "op_fields"]
 
 #: Names of the calls, in a fixed order: a call's index is its code in the stamp.
 #: Append only (codes travel between processes of possibly different versions).
@@ -36,6 +35,17 @@ COLLECTIVES = (
     "monitored_barrier", "p2p", "sparse_allreduce", "broadcast_coalesced",
 )
 _CODE = {name: i for i, name in enumerate(COLLECTIVES)}
+#: Each call's name in torch.distributed (the module function that issues it),
+#: for the flight recorder's ``profiling_name`` (``numcoll:all_reduce``), as
+#: torch's records say ``gloo:all_reduce``.
+TORCH_NAMES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather", "allgather_coalesced": "all_gather_coalesced",
+    "allgather_into_tensor": "all_gather_into_tensor",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all_single",
+    "sparse_allreduce": "sparse_all_reduce",
+}
 # A send and the receive that matches it stamp alike.
 _CODE.update(send=_CODE["p2p"], recv=_CODE["p2p"], recv_anysource=_CODE["p2p"])
 _OPS = ("", "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM")
@@ -48,7 +58,7 @@ _STAMP = struct.Struct("<BBBBiQ")
 _STAMP_VERSION = 1
 
 
-class Call(NamedTuple):
+class Call:
     """One collective call, as every rank must agree on it, plus what this rank passed.
 
     ``name`` is the collective; ``op`` the reduce op's name (or None);
@@ -57,32 +67,37 @@ class Call(NamedTuple):
     ``root`` the root rank (-1 if none); ``algorithm`` the algorithm chosen;
     ``timeout_s`` its deadline in seconds. ``input_sizes``/``output_sizes``
     (shapes) and ``nbytes`` (bytes this rank contributes) are for the flight
-    recorder. The sequence number is the Work's: it is taken when the call
-    is queued. A NamedTuple: immutable, and cheap to build on every call.
+    recorder. Two flags are for the group that runs it: ``collective``
+    (False for sends and receives, which take no sequence number) and
+    ``after_earlier`` (a barrier: runs once every earlier call of this rank
+    has finished). The sequence number is the Work's: it is taken when the
+    call is submitted. Immutable by convention; the stamp is made once, here.
     """
 
-    name: str
-    timeout_s: float
-    dtype: np.dtype | None = None
-    count: int = 0
-    op: str | None = None
-    root: int = -1
-    algorithm: str = ""
-    input_sizes: tuple = ()
-    output_sizes: tuple = ()
-    nbytes: int = 0
-    custom_op: bool = False
+    __slots__ = ("name", "timeout_s", "dtype", "count", "op", "root", "algorithm",
+                 "input_sizes", "output_sizes", "nbytes", "custom_op", "collective",
+                 "after_earlier", "stamp")
 
-    def stamp(self) -> bytes:
-        """The bytes every message of this call carries (see :func:`describe_stamp`)."""
-        dtype = _DTYPE_CODE.get(self.dtype, _NO_DTYPE) if self.dtype is not None else _NO_DTYPE
-        op = _CUSTOM_OP if self.custom_op else _OP_CODE.get(self.op or "", 0)
-        return _STAMP.pack(_STAMP_VERSION, _CODE[self.name], dtype, op, self.root,
-                           self.count)
+    def __init__(self, name: str, timeout_s: float, dtype: np.dtype | None = None,
+                 count: int = 0, op: str | None = None, root: int = -1, algorithm: str = "",
+                 input_sizes: tuple = (), output_sizes: tuple = (), nbytes: int = 0,
+                 custom_op: bool = False, collective: bool = True,
+                 after_earlier: bool = False):
+        self.name, self.timeout_s, self.dtype, self.count = name, timeout_s, dtype, count
+        self.op, self.root, self.algorithm = op, root, algorithm
+        self.input_sizes, self.output_sizes, self.nbytes = input_sizes, output_sizes, nbytes
+        self.custom_op, self.collective, self.after_earlier = custom_op, collective, after_earlier
+        code = _DTYPE_CODE.get(dtype, _NO_DTYPE) if dtype is not None else _NO_DTYPE
+        op_code = _CUSTOM_OP if custom_op else _OP_CODE.get(op or "", 0)
+        #: The bytes every message of this call carries (see :func:`describe_stamp`).
+        self.stamp = _STAMP.pack(_STAMP_VERSION, _CODE[name], code, op_code, root, count)
 
     def summary(self, seq: int | None = None) -> str:
         """``allreduce(float32, 4 elements, SUM) #12``: how messages name the call."""
         return _render(self.name, self.dtype, self.count, self.op, self.root, seq)
+
+    def __repr__(self) -> str:
+        return f"<Call {self.summary()} algorithm={self.algorithm or '-'}>"
 
 
 def describe_stamp(stamp: bytes, seq: int | None = None) -> str:

@@ -10,8 +10,8 @@ between which ranks.
 from __future__ import annotations
 
 import json
+import threading
 import time
-from typing import Callable
 
 from transports import (
     CALL_SHIFT,
@@ -26,7 +26,8 @@ from transports import (
 from .call import Call, describe_stamp
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
 
-__all__ = ["Comm", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP", "MAX_USER_TAG"]
+__all__ = ["Comm", "AbortNotes", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
+           "MAX_USER_TAG"]
 
 _SEQ_BITS = 31
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
@@ -67,12 +68,60 @@ class Pending:
 # After a timeout, how long to wait for the awaited peer's abort note (which
 # names the rank it was stuck on); only a failing collective pays it.
 _STALL_NOTE_WAIT_S = 1.0
+# How long a rank waits for its note to reach the store (or a peer's to be
+# read) before going on: the store write or read goes on in the background,
+# and a dead store must not slow the abort or the error it explains.
+_NOTE_WAIT_S = 0.25
 
 
 def abort_note(culprit: int, reason: str) -> bytes:
     """What an aborting rank publishes in the store: the rank that caused the
     failure (itself, or the peer it lost) and why, for its peers' errors."""
     return json.dumps({"culprit": culprit, "reason": reason}).encode()
+
+
+class AbortNotes:
+    """The group's notes in its store: what a rank that aborts (or times out
+    waiting for a peer) says, so that its peers' errors name the rank that
+    caused a failure rather than the neighbour that passed it on. Every
+    store access is bounded (:data:`_NOTE_WAIT_S`)."""
+
+    def __init__(self, store, rank: int):
+        self._store, self._rank = store, rank
+
+    def publish(self, culprit: int, reason: str) -> None:
+        """This rank aborts (or is stuck) because of rank ``culprit``."""
+        note = abort_note(culprit, reason)
+
+        def write():
+            try:
+                self._store.set(f"abort/{self._rank}", note)
+            except Exception:  # noqa: BLE001 - best effort: peers still see the close
+                pass
+
+        _bounded(write, f"numcoll-r{self._rank}-abort", _NOTE_WAIT_S)
+
+    def read(self, peer: int) -> bytes | None:
+        """What ``peer`` published, if it did (bounded)."""
+        key = f"abort/{peer}"
+        found: list = []
+
+        def look():
+            try:
+                if self._store.check([key]):
+                    found.append(self._store.get(key))
+            except Exception:  # noqa: BLE001 - only an explanation; never mask the error
+                pass
+
+        _bounded(look, f"numcoll-r{self._rank}-why", _NOTE_WAIT_S * 2)
+        return found[0] if found else None
+
+
+def _bounded(fn, name: str, wait_s: float) -> None:
+    """Run ``fn`` on a daemon thread, waiting at most ``wait_s`` for it."""
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    thread.join(wait_s)
 
 
 def _read_note(note: bytes | str | None) -> tuple[int | None, str | None]:
@@ -98,9 +147,8 @@ class Comm:
     #: barrier's timeouts are its answer, not a failure to explain).
     follow_stalls = True
 
-    def __init__(self, transport, seq: int, call: Call,
-                 peer_note: Callable[[int], bytes | None] | None = None, record=None,
-                 stall_note: Callable[[int, str], None] | None = None):
+    def __init__(self, transport, seq: int, call: Call, notes: AbortNotes | None = None,
+                 record=None):
         # One is built for every collective run: plain assignments only.
         self.transport = transport
         self.rank = transport.rank
@@ -110,9 +158,8 @@ class Comm:
         self.op_name = call.name
         self.timeout_s = timeout_s = call.timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.stamp = call.stamp()
-        self._peer_note = peer_note
-        self._stall_note = stall_note  # publishes "this rank is stuck waiting for peer"
+        self.stamp = call.stamp
+        self._notes = notes
         self._record = record  # the flight recorder's entry: waiting_for is kept current
 
     # -- posting ----------------------------------------------------------------
@@ -146,7 +193,7 @@ class Comm:
         transport returns (the message for a receive posted without a buffer)."""
         record = self._record
         if record is not None:
-            record.waiting_for = pending.peer
+            record.waiting_for, record.waiting_op = pending.peer, pending.what
         try:
             return pending.request.wait(self.deadline)
         except TransportError as exc:
@@ -165,11 +212,18 @@ class Comm:
         self.wait(s)
         return data
 
-    # -- the shared arena (shm transport) -----------------------------------------
+    # -- the shared arena (a capability some transports declare) -----------------
     @property
-    def arena(self):
-        """The transport's shared arena (:mod:`transports.shm.arena`), or None."""
-        return getattr(self.transport, "arena", None)
+    def arena_slot_nbytes(self) -> int:
+        """Payload bytes per rank and step of the transport's shared arena
+        (:mod:`transports.shm.arena`): what one step can carry."""
+        return self.transport.arena.slot_nbytes
+
+    def next_slot(self):
+        """This rank's slot (a uint8 array) for the arena's next step, to write
+        a payload in place before :meth:`shared_step` publishes it."""
+        arena = self.transport.arena
+        return arena.mine(arena.next_step)
 
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:
         """One step of the shared arena: publish ``payload`` (uint8; or, with
@@ -177,12 +231,15 @@ class Comm:
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
         arena = self.transport.arena
+        record = self._record
+        if record is not None:
+            record.waiting_for, record.waiting_op = None, "arena"
         try:
             step = arena.put(payload, self.seq, self.stamp, nbytes)
             # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
             arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & _SEQ_MASK)
         except TransportError as exc:
-            raise self._translate(exc, exc.peer, "recv") from exc
+            raise self._translate(exc, exc.peer, "arena") from exc
         return step
 
     def shared_view(self, step: int, peer: int, start: int, nbytes: int):
@@ -214,15 +271,14 @@ class Comm:
         Deadlines along such a chain pass at about the same moment, so a note
         is given :data:`_STALL_NOTE_WAIT_S` to appear.
         """
-        if self._peer_note is None or peer is None or not self.follow_stalls:
+        if self._notes is None or peer is None or not self.follow_stalls:
             return None, None
-        if self._stall_note is not None:
-            self._stall_note(peer, f"{self.op_name} (collective #{self.seq}) on rank "
-                                   f"{self.rank} timed out waiting for rank {peer}")
+        self._notes.publish(peer, f"{self.op_name} (collective #{self.seq}) on rank "
+                                  f"{self.rank} timed out waiting for rank {peer}")
         current, seen, reason = peer, {self.rank}, None
         give_up = time.monotonic() + _STALL_NOTE_WAIT_S
         while True:
-            culprit, why = _read_note(self._peer_note(current))
+            culprit, why = _read_note(self._notes.read(current))
             if culprit is None:
                 if time.monotonic() >= give_up:
                     break  # ``current`` never said whom it waited for: it stalled
@@ -238,7 +294,10 @@ class Comm:
     def _translate(self, exc: TransportError, peer: int | None, what: str) -> NumcollError:
         where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
         peer = exc.peer if exc.peer is not None else peer
-        direction = "from" if what == "recv" else "to"
+        direction = "from" if what in ("recv", "arena") else "to"
+        # What this rank was waiting for, in words.
+        waited = (f"rank {peer} did not publish its part of a shared-arena step"
+                  if what == "arena" else f"{what} {direction} rank {peer} did not complete")
         if isinstance(exc, StampMismatch):
             mine = self.call.summary(self.seq)
             remote_seq = getattr(exc, "remote_seq", None)
@@ -257,16 +316,16 @@ class Comm:
                 # the rank at the end of that chain, as the peer's note does.
                 err = CollectiveTimeoutError(
                     f"Timed out waiting {ms}ms for {where}: rank {culprit} stalled, and rank "
-                    f"{peer}, which this rank waited for ({what} {direction} rank {peer}), "
-                    f"timed out waiting for it: {reason}", peer=culprit)
+                    f"{peer}, which this rank waited for ({waited}), timed out waiting for "
+                    f"it: {reason}", peer=culprit)
                 err.root_reason = reason
                 return err
             return CollectiveTimeoutError(
-                f"Timed out waiting {ms}ms for {where}: {what} {direction} rank {peer} "
-                f"did not complete (the peer may not have called {self.op_name}, "
-                "or called collectives in a different order)", peer=peer)
+                f"Timed out waiting {ms}ms for {where}: {waited} (the peer may not have "
+                f"called {self.op_name}, or called collectives in a different order)",
+                peer=peer)
         if isinstance(exc, PeerClosed):
-            note = self._peer_note(peer) if self._peer_note and peer is not None else None
+            note = self._notes.read(peer) if self._notes and peer is not None else None
             culprit, reason = _read_note(note)
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 
-__all__ = ["Config", "current", "get"]
+__all__ = ["Config", "current", "get", "replace"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,10 @@ class Config:
     #: taken yet) before it is cut off: bounds what a stray or hostile sender
     #: can make a rank hold.
     max_unexpected_nbytes: int = 512 << 20
+    #: Call plans a group keeps (checks, algorithm, reduction plan and call
+    #: descriptor of a repeated call): one per shape, dtype and op in use,
+    #: the least recently used dropped beyond this.
+    call_plans_kept: int = 256
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}
@@ -101,7 +105,7 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
-           "shared_split_nbytes": (0, None)}
+           "shared_split_nbytes": (0, None), "call_plans_kept": (1, None)}
 
 
 def _from_env(name: str):
@@ -144,6 +148,13 @@ def current(**overrides) -> Config:
     for name, value in values.items():
         _check(name, value)
     return Config(**values)
+
+
+def replace(cfg: Config, **changes) -> Config:
+    """``cfg`` with ``changes`` (checked as :func:`current` checks them)."""
+    for name, value in changes.items():
+        _check(name, value)
+    return dataclasses.replace(cfg, **changes)
 
 
 def get(name: str):

@@ -10,7 +10,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable
 
-__all__ = ["Future", "wait_all"]
+__all__ = ["Future", "FutureTimeoutError", "wait_all"]
+
+
+class FutureTimeoutError(TimeoutError):
+    """A wait given a timeout ended before the future completed. Only the wait
+    failed: the operation goes on, and the future may still complete."""
 
 class Future:
     """The eventual value (or error) of an asynchronous operation."""
@@ -56,11 +61,11 @@ class Future:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done (at most ``timeout`` seconds), then return the value
-        or raise the operation's error. Raises ``TimeoutError`` if ``timeout``
-        passes first (the operation itself goes on)."""
+        or raise the operation's error. Raises :class:`FutureTimeoutError` if
+        ``timeout`` passes first (the operation itself goes on)."""
         if not self._completed:
             if not self._done_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                raise TimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
+                raise FutureTimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
             self._done_lock.release()  # let every other waiter through too
         if self._error is not None:
             raise self._error

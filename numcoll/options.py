@@ -25,6 +25,7 @@ __all__ = [
     "ReduceScatterOptions",
     "AllToAllOptions",
     "BarrierOptions",
+    "GroupOptions",
 ]
 
 _ALIASES = {"rootRank": "root_rank", "rootTensor": "root_tensor", "reduceOp": "reduce_op"}
@@ -120,3 +121,26 @@ class AllToAllOptions(_CamelAliases):
 class BarrierOptions(_CamelAliases):
     timeout: timedelta | None = None
     algorithm: str | None = None
+
+
+@dataclasses.dataclass
+class GroupOptions:
+    """Options of a group (``ProcessGroup.Options``).
+
+    timeout: default deadline of every collective (per-call ``opts.timeout``
+        overrides it). threads: worker threads, i.e. collectives that can make
+        progress at once. transport: a registered kind ("tcp", "ipc", "shm",
+        "inproc", or one added with ``transports.register``), a transport
+        factory, or None to choose (inproc when every rank is a thread of this
+        process, else shm when all share a Linux host (ipc elsewhere), else
+        tcp). host: the address tcp binds to. algorithm: force algorithms for
+        this group, e.g. "allreduce:ring". group_name: separates groups
+        sharing one store.
+    """
+
+    timeout: timedelta = timedelta(minutes=30)
+    threads: int = 2
+    transport: object = None
+    host: str = "127.0.0.1"
+    algorithm: str = ""
+    group_name: str = "default"

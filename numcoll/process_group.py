@@ -1,42 +1,44 @@
-"""ProcessGroup: the object every collective is called on.
+"""ProcessGroup: the object every collective is called on, and the one place
+calls are numbered, queued and run.
 
-A call validates its arguments on the caller's thread (so a rejected call does
-not take a sequence number and cannot desynchronise the ranks), takes the next
-sequence number, and queues the work; ``Options.threads`` worker threads run
-queued work, each collective on a :class:`~numcoll.comm.Comm` whose tags carry
-the sequence number. A caller that will wait at once (:func:`_run_blocking`,
-what the module API's ``async_op=False`` uses) runs the work on its own thread
-instead when the group has nothing else in flight. The collectives themselves
-are in :mod:`numcoll.collectives`.
+A collective method is one line: the collective's builder
+(:mod:`numcoll.collectives`) checks the arguments on the caller's thread and
+returns ``(call, run)``; :meth:`ProcessGroup.submit` numbers the call (a
+rejected call never takes a number, so it cannot desynchronise the ranks)
+and runs it -- on one of ``Options.threads`` worker threads, or, for a caller
+that waits at once (``blocking=True``: the module API's ``async_op=False``),
+on the caller's own thread when the group has nothing else in flight. Every
+run goes through :meth:`_execute`: the flight recorder, the shared arena's
+turn, failure handling and poisoning are in one place.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import queue
-import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Callable
 
 import transports
+from transports.endpoint import forget
 
 from . import config as _config
 from .algorithms import SHARED
 from .call import Call
+from .collectives import movement, p2p, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
-from .collectives.movement import DataMovement
-from .collectives.p2p import PointToPoint
-from .collectives.reductions import Reductions
-from .comm import Comm, abort_note
+from .collectives.context import GroupContext
+from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
-from .errors import GroupPoisonedError, NumcollError
+from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
+from .futures import FutureTimeoutError
+from .options import GroupOptions
 from .bootstrap.store import PrefixStore, Store
-from .work import Work
+from .work import ArenaOrder, Work
 
 __all__ = ["ProcessGroup"]
 
@@ -45,79 +47,9 @@ _SHUTDOWN = object()
 # its own deadline, but shutting down must not wait on a stalled or vanished
 # peer (torch's destroy_process_group does not wait at all).
 _SHUTDOWN_DRAIN_S = 2.0
-# How long an aborting rank waits for its reason to reach the store before it
-# closes its transport (peers that see the close then read the reason). The
-# write goes on in the background: a dead store must not slow the abort.
-_ABORT_PUBLISH_S = 0.25
 
 
-class _Caller(threading.local):
-    """Per thread: whether the collective being called will be waited for at
-    once (set by :func:`_run_blocking`, taken by the next ``_enqueue``)."""
-
-    blocking = False
-
-
-_caller = _Caller()
-
-
-def _run_blocking(collective: Callable, *args, **kwargs) -> None:
-    """Call ``collective(*args, **kwargs)``, a :class:`ProcessGroup` collective method,
-    for a caller that waits for it at once: return when it has completed, or
-    raise its error (the one ``Work.wait()`` would raise).
-
-    The group runs it on this thread when it has no other work in flight: no
-    queue, no worker wake-up (see ``ProcessGroup._enqueue``); otherwise it is
-    queued behind that work and this thread waits for it.
-    """
-    _caller.blocking = True
-    try:
-        work = collective(*args, **kwargs)
-    finally:
-        _caller.blocking = False
-    if work is not None:  # it returned its Work without taking the flag: wait for it
-        work.wait()
-
-
-@dataclasses.dataclass
-class _Options:
-    """ProcessGroup options.
-
-    timeout: default deadline of every collective (per-call ``opts.timeout``
-        overrides it). threads: worker threads, i.e. collectives that can make
-        progress at once. transport: a registered kind ("tcp", "ipc",
-        "inproc", or one added with ``transports.register``), a transport
-        factory, or None to choose (inproc when every rank is a thread of this
-        process, else shm when all share a Linux host (ipc elsewhere), else
-        tcp). host: the address
-        tcp binds to.
-        algorithm: force algorithms for this group, e.g. "allreduce:ring".
-        group_name: separates groups sharing one store.
-    """
-
-    timeout: timedelta = timedelta(minutes=30)
-    threads: int = 2
-    transport: str | Callable | None = None
-    host: str = "127.0.0.1"
-    algorithm: str = ""
-    group_name: str = "default"
-
-
-def _host_key() -> str:
-    """What ranks that can share ipc (abstract Unix sockets, /dev/shm) have in
-    common: the host name, and on Linux the network namespace and boot, since
-    containers and namespaces often share a host name but not their sockets."""
-    key = socket.gethostname()
-    try:
-        key += f"/netns{os.stat('/proc/self/ns/net').st_ino}"
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            key += f"/boot{f.read().strip()}"
-    except OSError:  # not Linux: the host name alone
-        pass
-    return key
-
-
-class ProcessGroup(Reductions, DataMovement, PointToPoint):
+class ProcessGroup:
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
     Parameters
@@ -131,16 +63,16 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
     manager, or call :meth:`shutdown`.
     """
 
-    Options = _Options
+    Options = GroupOptions
 
     def __init__(self, store: Store, rank: int, world_size: int,
-                 options: _Options | None = None):
+                 options: GroupOptions | None = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
         # A copy: set_timeout() must not change other groups made with the same options.
-        self.options = dataclasses.replace(options) if options is not None else _Options()
+        self.options = dataclasses.replace(options) if options is not None else GroupOptions()
         opts = self.options
         if opts.threads < 1:
             raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")
@@ -149,11 +81,11 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             raise ValueError(f"ProcessGroup: transport must be one of {transports.KINDS}, a "
                              f"transport factory, or None, got {opts.transport!r}")
         self._rank, self._size = rank, world_size
-        self._cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
-        check_forced(self._cfg)
-        self._timeout_s = opts.timeout.total_seconds()
-        self._reduction_plans: dict = {}  # (op, dtype, on device) -> Reduction
-        self._call_plans: dict = {}  # see Reductions._call_plan
+        cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
+        check_forced(cfg)
+        #: What the collectives' builders see of this group (rank, size,
+        #: configuration, default deadline, plan cache).
+        self.context = GroupContext(rank, world_size, cfg, opts.timeout.total_seconds())
 
         # A generation counter keeps a group re-created on the same store from
         # reading the previous group's addresses.
@@ -165,23 +97,24 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         self._transport = transports.create(
             kind, rank, world_size, PrefixStore("transport", self._store),
             transports.TransportOptions(
-                host=opts.host, peer_grace_s=self._cfg.peer_grace_s,
-                max_unexpected_nbytes=self._cfg.max_unexpected_nbytes,
-                zero_copy_nbytes=self._cfg.zero_copy_nbytes, shm_slots=self._cfg.shm_slots,
+                host=opts.host, peer_grace_s=cfg.peer_grace_s,
+                max_unexpected_nbytes=cfg.max_unexpected_nbytes,
+                zero_copy_nbytes=cfg.zero_copy_nbytes, shm_slots=cfg.shm_slots,
                 # Every message an algorithm sends fits a slot: segments, and the
                 # whole buffers of the small-message algorithms.
-                shm_slot_nbytes=max(self._cfg.segment_nbytes, self._cfg.allreduce_small_nbytes,
-                                    self._cfg.broadcast_small_nbytes),
-                arena_slot_nbytes=self._cfg.arena_slot_nbytes))
-        if getattr(self._transport, "arena", None) is None and self._cfg.arena_slot_nbytes:
-            # No shared memory between these ranks: the shared algorithms are off.
-            self._cfg = dataclasses.replace(self._cfg, arena_slot_nbytes=0)
+                shm_slot_nbytes=max(cfg.segment_nbytes, cfg.allreduce_small_nbytes,
+                                    cfg.broadcast_small_nbytes),
+                arena_slot_nbytes=cfg.arena_slot_nbytes))
+        if self._transport.arena is None and cfg.arena_slot_nbytes:
+            self.context.disable_arena()  # no shared memory between these ranks
+        self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
-        self._next_seq = 0
-        self._order = itertools.count()
+        self._next_seq = 1  # collectives are numbered from 1, as torch numbers them
+        self._order = 0  # every submitted call's place in this rank's order
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight: dict[int, Work] = {}
+        self._inflight: dict[int, Work] = {}  # by order
+        self._arena_order = ArenaOrder(rank)  # the shared arena's calls run in submission order
         self._poisoned: str | None = None
         self._closed = False
         self._global_rank = rank  # in the default group: see _set_global_ranks
@@ -209,33 +142,28 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Set the default deadline of later collectives."""
-        self._timeout_s = timeout_seconds(timeout, "set_timeout")
+        self.context.set_timeout(timeout_seconds(timeout, "set_timeout"))
         self.options.timeout = timeout
 
     _set_default_timeout = set_timeout  # torch's private name, used by ported tests
 
+    def sequence_number(self) -> int:
+        """How many collectives this group has numbered so far (equal on every
+        rank; the last one's ``collective #N``), as torch's
+        ``_get_sequence_number_for_group``."""
+        with self._lock:
+            return self._next_seq - 1
+
     def _choose_transport(self) -> str:
-        here = f"{_host_key()}:{os.getpid()}"
+        here = f"{transports.host_key()}:{os.getpid()}"
         self._store.set(f"where/{self._rank}", here)
         places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
+        if self._store.add("where/read", 1) == self._size:
+            # Every rank has read every place: a store shared by many groups
+            # (sub-groups come and go) need not keep them.
+            for key in [f"where/{r}" for r in range(self._size)] + ["where/read"]:
+                forget(self._store, key)
         return transports.choose_kind(here, places)
-
-    # -- queueing ----------------------------------------------------------------
-    def _timeout_for(self, opts, op_name: str = "collective") -> float:
-        """The deadline in seconds for a call with options ``opts`` (the group's
-        default unless ``opts.timeout`` is set; it must be a positive timedelta)."""
-        t = getattr(opts, "timeout", None)
-        if t is None:
-            return self._timeout_s
-        return timeout_seconds(t, op_name)
-
-    def _check_usable(self, op_name: str) -> None:
-        if self._closed:
-            raise NumcollError(f"{op_name}: the process group on rank {self._rank} was shut down")
-        if self._poisoned is not None:
-            raise GroupPoisonedError(
-                f"{op_name}: the process group on rank {self._rank} is unusable because "
-                f"{self._poisoned}; create a new group")
 
     def _set_global_ranks(self, ranks: list[int]) -> None:
         """The default group's ranks of this group's ranks (``new_group`` tells
@@ -244,65 +172,178 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         if self._recorder is not None:
             self._recorder.set_group_ranks(self._pg_id, ranks)
 
-    def sequence_number(self) -> int:
-        """The sequence number the next collective will take (equal on every rank)."""
-        with self._lock:
-            return self._next_seq
+    # -- the collectives: each checks on this thread, then submit() -----------------
+    def allreduce(self, arrays, opts=None, *, op=None):
+        """Reduce ``arrays`` (one array, or same-shape arrays reduced locally
+        first) across ranks; every array of every rank gets the result."""
+        return self.submit(*reductions.allreduce(self.context, arrays, opts, op))
 
-    def _enqueue(self, call: Call, run: Callable[[Comm, Work], object],
-                 collective: bool = True) -> Work | None:
-        """Queue ``run(comm, work)`` for ``call``; its return value becomes the
-        future's value.
+    def allreduce_coalesced(self, arrays, opts=None):
+        """Allreduce a list of arrays of one dtype and any shapes as one message."""
+        return self.submit(*reductions.allreduce_coalesced(self.context, arrays, opts))
 
-        Collectives take the next sequence number (in call order, under the lock,
-        so the n-th collective is number n on every rank). Point-to-point ops
-        pass ``collective=False``: they are matched by tag and take none.
+    def reduce(self, arrays, opts=None, *, op=None, root=None):
+        """Reduce into ``arrays[opts.root_tensor]`` of rank ``opts.root_rank``
+        (``root`` overrides it); other ranks' arrays are left unchanged."""
+        return self.submit(*reductions.reduce(self.context, arrays, opts, op, root))
 
-        Under :func:`_run_blocking` it returns None once the work has completed
-        (raising its error), and runs the work right here when the group has
+    def reduce_scatter(self, output_list, input_lists, opts=None):
+        """Rank r gets the reduction over ranks of ``input_lists[0][r]`` in ``output_list[0]``."""
+        return self.submit(*reductions.reduce_scatter(self.context, output_list, input_lists,
+                                                      opts))
+
+    def reduce_scatter_tensor(self, output, input, opts=None):
+        """Rank r gets the reduction of the r-th of ``world_size`` equal slices
+        of every rank's ``input`` (``input.size == output.size * world_size``)."""
+        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
+            self.context, output, input, opts, name="reduce_scatter_tensor"))
+
+    _reduce_scatter_base = reduce_scatter_tensor  # torch's older name
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """``reduce_scatter_tensor`` for several (output, input) pairs in one ring."""
+        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
+            self.context, outputs, inputs, opts))
+
+    def broadcast(self, arrays, opts=None, *, root=None):
+        """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` (``root``
+        overrides it) into every array on every rank."""
+        return self.submit(*movement.broadcast(self.context, arrays, opts, root))
+
+    def allgather(self, output_lists, input_list, opts=None):
+        """Every rank's inputs, in rank order, into every output list (n inputs:
+        each of the n output lists holds n * world_size arrays)."""
+        return self.submit(*movement.allgather(self.context, output_lists, input_list, opts))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (any shapes, one dtype)."""
+        return self.submit(*movement.allgather_coalesced(self.context, output_lists,
+                                                         input_list, opts))
+
+    def allgather_into_tensor(self, output, input, opts=None):
+        """``output`` (``world_size`` times ``input``'s size) gets every rank's
+        ``input`` back to back, in rank order."""
+        return self.submit(*movement.allgather_into_tensor_coalesced(
+            self.context, output, input, opts, name="allgather_into_tensor"))
+
+    _allgather_base = allgather_into_tensor  # torch's older name
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
+        return self.submit(*movement.allgather_into_tensor_coalesced(self.context, outputs,
+                                                                     inputs, opts))
+
+    def gather(self, output_lists, input_list, opts=None):
+        """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``
+        (non-roots pass ``[]``)."""
+        return self.submit(*movement.gather(self.context, output_lists, input_list, opts))
+
+    def scatter(self, output_list, input_lists, opts=None):
+        """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``
+        (non-roots pass ``[]``)."""
+        return self.submit(*movement.scatter(self.context, output_list, input_lists, opts))
+
+    def alltoall(self, output_list, input_list, opts=None):
+        """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
+        return self.submit(*movement.alltoall(self.context, output_list, input_list, opts))
+
+    def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                      opts=None):
+        """``input`` split along dim 0 (equally or by ``input_split_sizes``):
+        block q to rank q; rank r's block lands in ``output``'s r-th block."""
+        return self.submit(*movement.alltoall_base(self.context, output, input,
+                                                   output_split_sizes, input_split_sizes,
+                                                   opts))
+
+    def send(self, arrays, dst: int, tag: int = 0):
+        """Send one array to rank ``dst``, matched by the receiver's (source, tag)."""
+        return self.submit(*p2p.send(self.context, arrays, dst, tag))
+
+    def recv(self, arrays, src: int, tag: int = 0):
+        """Receive one array from rank ``src`` into ``arrays``."""
+        return self.submit(*p2p.recv(self.context, arrays, src, tag))
+
+    def recv_anysource(self, arrays, tag: int = 0):
+        """Receive one array from whichever rank sends with ``tag`` first;
+        ``work.source_rank()`` tells which."""
+        return self.submit(*p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
+                                     name="recv_anysource"))
+
+    def barrier(self, opts=None):
+        """Complete once every rank has entered the barrier and every call this
+        rank submitted before it has completed. The future's value is ``[]``."""
+        return self.submit(*p2p.barrier(self.context, opts))
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False):
+        """A barrier where rank 0 names the ranks that did not arrive within
+        ``timeout`` (all of them with ``wait_all_ranks``)."""
+        return self.submit(*p2p.monitored_barrier(self.context, timeout, wait_all_ranks))
+
+    # -- running calls ----------------------------------------------------------------
+    def submit(self, call: Call, run: Callable, blocking: bool = False) -> Work | None:
+        """Number ``call`` and run ``run(comm, work)`` for it; its return value
+        becomes the future's value.
+
+        Collectives take the next sequence number (in call order, under the
+        lock, so the n-th collective is number n on every rank); sends and
+        receives (``call.collective`` false) are matched by tag and take none.
+
+        ``blocking=False`` returns the :class:`Work` at once. ``blocking=True``
+        returns None once the call has completed (raising its error, as
+        ``Work.wait()`` would), and runs it right here when the group has
         nothing in flight. That keeps each rank's order: nothing in flight
         means every earlier call of this group on this rank has completed, so
         this one overtakes nothing, and the check is made under the lock that
         hands out sequence numbers, so a later call from another thread finds
-        this one in flight and is queued behind it. With work in flight the
-        call is queued as usual and the caller waits (running it itself if no
-        worker has started it, as ``Work.wait`` does). The caller would block
-        in ``wait()`` anyway and is not one of the group's workers, so running
-        here holds up nothing the queued path would not: it only skips the
-        queue and the worker wake-up. Either way the work runs through
-        :meth:`_execute`: the same records, failure handling and poisoning.
+        this one in flight and is queued behind it. The caller would block
+        anyway and is not one of the group's workers, so running here holds
+        up nothing the queued path would not: it skips the queue and the
+        worker wake-up.
         """
-        caller = _caller
-        blocking = caller.blocking
-        if blocking:
-            caller.blocking = False  # this call only, not work its run may start
         with self._lock:
-            self._check_usable(call.name)
+            if self._poisoned is not None or self._closed:
+                self._refuse(call.name)
             seq = -1
-            if collective:
-                seq, self._next_seq = self._next_seq, self._next_seq + 1
+            if call.collective:
+                seq = self._next_seq
+                self._next_seq = seq + 1
             work = Work(call.name, seq, call=call)
-            if self._recorder is not None:
-                work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call)
             here = blocking and not self._inflight
-            work.order = key = next(self._order)
+            if self._recorder is not None:
+                work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call,
+                                                    started=here)
+            work.order = order = self._order
+            self._order = order + 1
             # Registered either way: a barrier or shutdown() on another thread
             # waits for it like any other work.
-            self._inflight[key] = work
+            self._inflight[order] = work
+            if call.algorithm in SHARED:
+                self._arena_order.ticket(work, queued=not here)
             if not here:
                 work._queued(self._execute, run)
                 self._queue.put((work, run))
-        if not blocking:
-            return work
         if here:
-            self._execute(work, run)
-        work.wait()
-        return None
+            error = self._execute(work, run)
+            if error is not None:
+                raise error
+            return None
+        if blocking:
+            work.wait()
+            return None
+        return work
 
-    def _earlier_work(self, work: Work) -> list[Work]:
-        """Work queued on this rank before ``work`` and not finished yet."""
-        with self._lock:
-            return [w for k, w in self._inflight.items() if k < work.order]
+    def _usable(self) -> str | None:
+        """Why this group can run nothing more (None while it can)."""
+        if self._poisoned is not None:
+            return self._poisoned
+        return "the group was shut down" if self._closed else None
+
+    def _refuse(self, op_name: str) -> None:
+        if self._closed:
+            raise NumcollError(f"{op_name}: the process group on rank {self._rank} was shut down")
+        raise GroupPoisonedError(
+            f"{op_name}: the process group on rank {self._rank} is unusable because "
+            f"{self._poisoned}; create a new group")
 
     def _worker_loop(self) -> None:
         while True:
@@ -313,10 +354,12 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if work._claim():  # else a waiting caller already ran it
                 self._execute(work, run)
 
-    def _execute(self, work: Work, run: Callable[[Comm, Work], object]) -> None:
-        """Run one work and complete its future: the one place work runs, on a
-        worker, on a caller waiting for it, or on a blocking caller."""
-        record = work.record
+    def _execute(self, work: Work, run: Callable) -> BaseException | None:
+        """Run one work and complete its future (returning its error, if any):
+        the one place work runs, on a worker, on a caller waiting for it, or
+        on a blocking caller."""
+        record, call = work.record, work.call
+        error = result = None
         try:
             if self._poisoned is not None:
                 raise GroupPoisonedError(
@@ -325,50 +368,44 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if self._closed:
                 raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
                                    "group was shut down before it ran")
-            if work.call is not None and work.call.algorithm in SHARED:
-                self._wait_arena_turn(work)
-            if record is not None:
+            if call.after_earlier:
+                self._wait_for_earlier(work)
+            if work.arena_ticket >= 0:
+                self._arena_order.take_turn(work, self._usable)
+            if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
-            comm = Comm(self._transport, work.seq, work.call, self._abort_reason, record,
-                        self._publish_stall)
-            result = run(comm, work)
+            result = run(Comm(self._transport, work.seq, call, self._notes, record), work)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            exc = self._fail(work, exc)
-            if record is not None:
-                self._recorder.ended(record, exc)
-            with self._lock:
-                self._inflight.pop(work.order, None)
-            work.get_future().set_exception(exc)
+            error = self._fail(work, exc)
+        if work.arena_ticket >= 0:
+            self._arena_order.end_turn(work)
+        if record is not None:
+            self._recorder.ended(record, error)
+        with self._lock:
+            self._inflight.pop(work.order, None)
+        future = work.future
+        if error is None:
+            future.set_result(result)
         else:
-            if record is not None:
-                self._recorder.ended(record)
-            with self._lock:
-                self._inflight.pop(work.order, None)
-            work.get_future().set_result(result)
+            future.set_exception(error)
+        return error
 
-    def _wait_arena_turn(self, work: Work) -> None:
-        """Let every earlier call that uses the shared arena finish first.
-
-        Each shared-algorithm call runs a fixed number of arena steps, and the
-        ranks match steps by count, so on every rank these calls must run in
-        sequence-number order; worker threads (and callers running their own
-        work in ``Work.wait``) may otherwise start them in any order. An
-        earlier one that no thread has claimed yet is run here.
-        """
+    def _wait_for_earlier(self, work: Work) -> None:
+        """A barrier's rule: every call submitted before it has finished
+        (each has its own deadline; its failure is its own)."""
         deadline = time.monotonic() + work.call.timeout_s
-        for earlier in self._earlier_work(work):
-            if earlier.call is None or earlier.call.algorithm not in SHARED:
-                continue
-            if earlier._execute is not None and earlier._claim():
-                earlier._execute(earlier, earlier._run)
+        with self._lock:
+            earlier = [w for k, w in self._inflight.items() if k < work.order]
+        for w in earlier:
             try:
-                earlier.get_future().wait(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise NumcollError(
-                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank} timed out "
-                    f"waiting for this rank's earlier {earlier.op_name} (collective "
-                    f"#{earlier.seq}), which shares the arena and must finish first") from None
-            except BaseException:  # noqa: BLE001 - its own Work reports it; the group is poisoned
+                w.future.wait(max(0.0, deadline - time.monotonic()))
+            except FutureTimeoutError:
+                raise CollectiveTimeoutError(
+                    f"Timed out waiting {round(work.call.timeout_s * 1000)}ms for "
+                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank}: "
+                    f"{w.op_name} (collective #{w.seq}), submitted before it, did not "
+                    "finish") from None
+            except Exception:  # noqa: BLE001 - reported by that call's own Work
                 pass
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
@@ -410,45 +447,9 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
                 pass
 
     def _abort(self, reason: str, culprit: int) -> None:
-        self._publish_note(abort_note(culprit, reason))
+        self._notes.publish(culprit, reason)
         self._transport.close()
-
-    def _publish_stall(self, peer: int, reason: str) -> None:
-        """Say, before aborting, that this rank timed out waiting for ``peer``
-        (see :meth:`numcoll.comm.Comm._stall_behind`); the abort note replaces it."""
-        self._publish_note(abort_note(peer, reason))
-
-    def _publish_note(self, note: bytes) -> None:
-        def publish():
-            try:
-                self._store.set(f"abort/{self._rank}", note)
-            except Exception:  # noqa: BLE001 - best effort: peers still see the close
-                pass
-
-        # The store write is bounded so a dead store cannot delay the abort.
-        writer = threading.Thread(target=publish, name=f"numcoll-r{self._rank}-abort",
-                                  daemon=True)
-        writer.start()
-        writer.join(_ABORT_PUBLISH_S)
-
-    def _abort_reason(self, peer: int) -> bytes | None:
-        """What ``peer`` published when it aborted the group (see
-        :func:`numcoll.comm.abort_note`), if it did. Bounded: a dead store
-        must not delay the error this explains."""
-        key = f"abort/{peer}"
-        found: list = []
-
-        def look():
-            try:
-                if self._store.check([key]):
-                    found.append(self._store.get(key))
-            except Exception:  # noqa: BLE001 - only an explanation; never mask the error
-                pass
-
-        reader = threading.Thread(target=look, name=f"numcoll-r{self._rank}-why", daemon=True)
-        reader.start()
-        reader.join(_ABORT_PUBLISH_S * 2)
-        return found[0] if found else None
+        self._arena_order.wake()
 
     # -- lifecycle ---------------------------------------------------------------
     def abort(self, reason: str = "aborted by the caller") -> None:
@@ -468,7 +469,7 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
             if self._closed:
                 return
             pending = list(self._inflight.values())
-        drain_deadline = time.monotonic() + min(self._timeout_s, _SHUTDOWN_DRAIN_S)
+        drain_deadline = time.monotonic() + min(self.context.timeout_s, _SHUTDOWN_DRAIN_S)
         for w in pending:
             remaining = drain_deadline - time.monotonic()
             if remaining <= 0:
@@ -482,10 +483,14 @@ class ProcessGroup(Reductions, DataMovement, PointToPoint):
         # Closing the transport fails every pending wait at once, so workers
         # stuck on a peer return promptly.
         self._transport.close()
+        self._arena_order.wake()
         for _ in self._workers:
             self._queue.put(_SHUTDOWN)
         for w in self._workers:
             w.join(timeout=5.0)
+        self.context.plans.clear()
+        if self._recorder is not None:  # its records may stay; its table entry goes with them
+            self._recorder.release_group(self._pg_id)
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -1,34 +1,41 @@
-"""Work: the handle a collective call returns.
+"""Work: the handle a collective call returns, and the order in which a
+group's shared-arena calls must run.
 
-Work wraps the Future that the worker thread completes; ``wait()`` re-raises
-the collective's error, ``result()`` is the output arrays.
+Work wraps the Future that its group completes (:meth:`ProcessGroup._execute
+<numcoll.process_group.ProcessGroup._execute>`); ``wait()`` re-raises the
+collective's error, ``result()`` is the output arrays.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
+from .errors import GroupPoisonedError, NumcollError
 from .futures import Future
 
-__all__ = ["Work"]
+__all__ = ["Work", "ArenaOrder"]
 
 
 class Work:
     """One enqueued collective. Completed by a ProcessGroup worker thread."""
 
-    __slots__ = ("op_name", "seq", "call", "record", "order", "_future", "_source_rank",
-                 "_claim_lock", "_execute", "_run")
+    __slots__ = ("op_name", "seq", "call", "record", "order", "arena_ticket", "future",
+                 "_source_rank", "_claim_lock", "_execute", "_run")
 
     def __init__(self, op_name: str, seq: int, future: Future | None = None, call=None):
         self.op_name = op_name
+        #: The collective's number in its group (from 1; -1 for sends and receives).
         self.seq = seq
         #: The :class:`numcoll.call.Call` this work runs, and its flight-recorder record.
         self.call = call
         self.record = None
         self.order = -1  # position in this rank's queue (collectives and p2p alike)
-        self._future = future if future is not None else Future()
+        self.arena_ticket = -1  # place in the shared arena's order (shared algorithms)
+        #: The :class:`~numcoll.futures.Future` completed with the result (``get_future()``).
+        self.future = future if future is not None else Future()
         self._source_rank: int | None = None
         # Set when the work is queued (see _queued); a blocking caller that
         # runs it at once needs none of them.
@@ -64,24 +71,24 @@ class Work:
         # be able to return before the work's own deadline.
         if timeout is None and self._execute is not None and self._claim():
             self._execute(self, self._run)
-        self._future.wait(timeout)
+        self.future.wait(timeout)
         return True
 
     def is_completed(self) -> bool:
         """Whether the collective has finished, successfully or not."""
-        return self._future.done()
+        return self.future.done()
 
     def is_success(self) -> bool:
         """Whether the collective has finished without an error."""
-        return self._future.done() and self._future.exception() is None
+        return self.future.done() and self.future.exception() is None
 
     def exception(self) -> BaseException | None:
         """The collective's error, if it failed; None otherwise."""
-        return self._future.exception()
+        return self.future.exception()
 
     def result(self) -> Any:
         """The output arrays (the future's value); waits for completion."""
-        return self._future.wait()
+        return self.future.wait()
 
     def source_rank(self) -> int:
         """For recv/recv_anysource: the rank the message came from."""
@@ -91,7 +98,82 @@ class Work:
 
     def get_future(self) -> Future:
         """The Future completed with the collective's result."""
-        return self._future
+        return self.future
 
     def __repr__(self):
-        return f"<numcoll.Work {self.op_name} seq={self.seq} {self._future!r}>"
+        return f"<numcoll.Work {self.op_name} seq={self.seq} {self.future!r}>"
+
+
+class ArenaOrder:
+    """The order in which one group's shared-arena calls run on this rank.
+
+    Each shared-algorithm call runs a fixed number of arena steps, and the
+    ranks match steps by count, so on every rank these calls must run in
+    submission order; worker threads (and callers running their own work in
+    ``Work.wait``) may otherwise start them in any order. A call takes a
+    ticket when it is submitted; it runs when the turn reaches its ticket. A
+    thread waiting for its turn runs the call whose turn it is if no thread
+    has claimed it yet (else two workers could wait on calls queued behind
+    them). Every operation is O(1), however many calls are queued.
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank  # for messages
+        self._cond = threading.Condition(threading.Lock())
+        self._tickets = 0
+        self._turn = 0
+        self._queued: dict[int, Work] = {}  # by ticket: what a waiting thread may run
+        self._done: set[int] = set()  # finished out of turn (failed before theirs)
+
+    def ticket(self, work: Work, queued: bool) -> None:
+        """Give ``work`` the next ticket (under the group's submit lock)."""
+        with self._cond:
+            work.arena_ticket = self._tickets
+            self._tickets += 1
+            if queued:
+                self._queued[work.arena_ticket] = work
+
+    def take_turn(self, work: Work, unusable: Callable[[], str | None]) -> None:
+        """Return when it is ``work``'s turn; fail if its deadline passes first
+        or the group becomes unusable (``unusable()`` says why)."""
+        ticket = work.arena_ticket
+        deadline = time.monotonic() + work.call.timeout_s
+        cond = self._cond
+        with cond:
+            while self._turn != ticket:
+                why = unusable()
+                if why is not None:
+                    raise GroupPoisonedError(f"{work.op_name} (collective #{work.seq}) on rank "
+                                             f"{self._rank} was not run because {why}")
+                turn = self._queued.get(self._turn)
+                if turn is not None and turn._claim():
+                    cond.release()
+                    try:
+                        turn._execute(turn, turn._run)
+                    finally:
+                        cond.acquire()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NumcollError(
+                        f"{work.op_name} (collective #{work.seq}) on rank {self._rank} timed out "
+                        f"waiting for this rank's earlier calls on the shared arena (turn "
+                        f"{self._turn}, its ticket {ticket}) to finish")
+                cond.wait(left)
+            self._queued.pop(ticket, None)
+
+    def end_turn(self, work: Work) -> None:
+        """``work`` is done with the arena (or failed before its turn): the
+        turn passes on, over every ticket that finished out of turn."""
+        with self._cond:
+            self._queued.pop(work.arena_ticket, None)
+            self._done.add(work.arena_ticket)
+            while self._turn in self._done:
+                self._done.discard(self._turn)
+                self._turn += 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiting thread (the group was aborted or shut down)."""
+        with self._cond:
+            self._cond.notify_all()

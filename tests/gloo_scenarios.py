@@ -18,7 +18,7 @@ from functools import reduce as fold
 import numpy as np
 
 import numcoll as nc
-from numcoll.api import collectives as _dist
+from numcoll.api import world as _dist
 
 SCENARIOS = {}
 

@@ -1,5 +1,5 @@
 """Every algorithm of numcoll.algorithms.CHOICES against NumPy, alone: an in-memory
-fake comm (tests/fake_comm.py) stands for the transport, so world sizes 1..33
+fake comm (numcoll.testing) stands for the transport, so world sizes 1..33
 run in milliseconds. Tiny segments force the pipelined paths; counts that do
 not divide by the world size, and empty chunks, are included."""
 
@@ -8,9 +8,9 @@ import pytest
 
 from numcoll.algorithms import CHOICES
 from numcoll.algorithms.partition import chunk_bounds
-from numcoll.memory.buffers import HostBuffer
+from numcoll.memory.host import HostBuffer
 
-from fake_comm import run_ranks
+from numcoll.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,35 +25,110 @@ def test_all_is_complete_and_importable():
     assert public - set(nc.__all__) <= modules
 
 
-def _imports(path):
+def _imports(path, *, top_level_only=False):
+    """Every module ``path`` imports, as absolute names (relative imports
+    resolved); only the module-level ones with ``top_level_only``."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
     tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    for node in nodes:
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                base = node.module or ""
+            else:
+                parts = package[:len(package) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
 
 
-def test_layering_rules():
-    """transports never imports numcoll and is the only importer of zmq;
-    algorithms never see sockets, kernels or dtypes; kernels never see ranks."""
-    for path in (ROOT / "transports").rglob("*.py"):
-        mods = set(_imports(path))
-        assert not any(m.split(".")[0] == "numcoll" for m in mods), path
+#: What each layer must never import (a prefix of a module name). The layers,
+#: top down: api -> process_group -> collectives -> algorithms -> comm ->
+#: memory/kernels/cuda -> transports. See the README's "How it is built".
+FORBIDDEN = {
+    "transports": ("numcoll",),
+    "numcoll/algorithms": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
+                           "transports", "numcoll.kernels", "numcoll.dtypes", "numba",
+                           "numcoll.memory", "numcoll.cuda"),
+    "numcoll/kernels": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
+                        "numcoll.algorithms", "numcoll.comm", "transports"),
+    "numcoll/memory": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
+                       "numcoll.algorithms", "numcoll.comm", "transports"),
+    "numcoll/collectives": ("numcoll.process_group", "numcoll.api", "numcoll.work"),
+    "numcoll/comm.py": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
+                        "numcoll.algorithms"),
+    "numcoll/bootstrap": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
+                          "numcoll.algorithms", "numcoll.launcher"),
+    "numcoll/process_group.py": ("numcoll.api", "numcoll.launcher"),
+}
+
+
+def _layer_files():
+    for where, banned in FORBIDDEN.items():
+        target = ROOT / where
+        for path in ([target] if target.suffix == ".py" else sorted(target.rglob("*.py"))):
+            yield path, banned
+
+
+def test_import_contracts():
+    """Imports point down only: transports never imports numcoll; algorithms
+    never import the group, the API, transports or kernels; kernels never the
+    group; no layer imports one above it. Only transports import zmq."""
+    for path, banned in _layer_files():
+        bad = sorted({m for m in _imports(path) for b in banned
+                      if m == b or m.startswith(b + ".")})
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
     for path in (ROOT / "numcoll").rglob("*.py"):
-        mods = set(_imports(path))
-        assert not any(m.split(".")[0] == "zmq" for m in mods), path
-        rel = path.relative_to(ROOT / "numcoll").parts
-        tree = ast.parse(path.read_text())
-        relative = {("." * n.level) + (n.module or "") for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom) and n.level > 0}
-        if rel[0] == "algorithms":
-            assert not any(m.split(".")[0] in ("transports", "numba") for m in mods), path
-            assert not any("kernels" in m or "dtypes" in m for m in relative), path
-        if rel[0] == "kernels":
-            assert "transports" not in mods, path
-            assert not any(x in m for m in relative
-                           for x in ("comm", "process_group", "algorithms")), path
+        assert not any(m.split(".")[0] == "zmq" for m in _imports(path)), path
+
+
+def test_cuda_is_imported_only_lazily():
+    """No module outside numcoll/cuda imports it (or numba.cuda) at module
+    level: ``import numcoll`` must not load numba.cuda."""
+    for path in (ROOT / "numcoll").rglob("*.py"):
+        if path.relative_to(ROOT / "numcoll").parts[0] == "cuda":
+            continue
+        eager = [m for m in _imports(path, top_level_only=True)
+                 if m.startswith(("numcoll.cuda", "numba.cuda"))]
+        assert not eager, f"{path.relative_to(ROOT)} imports {eager} at module level"
+
+
+def test_layout_stays_small():
+    """numcoll/ has at most 14 top-level modules and no module over ~500 lines."""
+    top = sorted(p.name for p in (ROOT / "numcoll").glob("*.py"))
+    assert len(top) <= 14, top
+    long = {str(p.relative_to(ROOT)): n for p in list((ROOT / "numcoll").rglob("*.py")) +
+            list((ROOT / "transports").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 520}
+    assert not long, long
+
+
+def test_old_import_paths_are_aliases_of_the_moved_modules():
+    import importlib
+
+    import numcoll.api
+    import numcoll.diagnostics.flight_recorder
+
+    assert importlib.import_module("numcoll.distributed") is numcoll.api
+    assert importlib.import_module("numcoll.flight_recorder") is \
+        numcoll.diagnostics.flight_recorder
+    assert nc.flight_recorder is numcoll.diagnostics.flight_recorder
+    assert numcoll.api.__spec__.name == "numcoll.api"  # the alias does not rename it
+    from numcoll.distributed import all_reduce
+    assert all_reduce is nc.all_reduce
+
+
+@pytest.mark.slow
+def test_old_module_paths_run_with_dash_m(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "numcoll.fr", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "flight-recorder dumps" in out.stdout, out.stderr
+    out = subprocess.run([sys.executable, "-m", "numcoll.fr", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no flight-recorder dumps" in out.stdout, out.stderr
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import numcoll as nc
-from numcoll.memory.host import HostArrays
+from numcoll.memory.host import HostSteps
 from numcoll.diagnostics import flight_recorder as fr
 from numcoll.process_group import ProcessGroup
 from numcoll.work import Work
@@ -76,7 +76,7 @@ def test_blocking_calls_run_on_the_caller_without_a_queue(where_work_runs):
         assert flat == [0.0, 1.0] and share == [2.0]
         assert z == ([2.0, 2.0] if rank == 0 else None)
         # Every collective ran on the rank's own thread, numbered in call order.
-        assert mine == [(op, seq) for seq, op in enumerate(ops)]
+        assert mine == [(op, seq) for seq, op in enumerate(ops, 1)]
     assert where_work_runs["queued"] == []
 
 
@@ -87,9 +87,9 @@ def test_async_op_still_queues(where_work_runs):
         work = nc.all_reduce(x, async_op=True)
         assert isinstance(work, nc.Work)
         work.wait()
-        assert where_work_runs["queued"] == [("allreduce", 0)]
+        assert where_work_runs["queued"] == [("allreduce", 1)]
         assert nc.all_reduce(x) is None
-        assert where_work_runs["queued"] == [("allreduce", 0)]
+        assert where_work_runs["queued"] == [("allreduce", 1)]
         assert pg.sequence_number() == 2
     finally:
         nc.destroy_process_group()
@@ -120,7 +120,7 @@ def test_blocking_call_queues_behind_work_in_flight(where_work_runs, fresh_recor
     results = nc.launch(body, 2, mode="thread", timeout=60)
     assert results == [([3.0] * 4, [30.0] * 4, 2)] * 2
     # Rank 0's blocking call was queued: its first call was still in flight.
-    assert ("allreduce", 1) in where_work_runs["queued"]
+    assert ("allreduce", 2) in where_work_runs["queued"]
     entries = [e for e in nc.flight_recorder.dump()["entries"] if e["rank"] == 0]
     assert [(e["collective_seq_id"], e["state"]) for e in entries] == [(1, "completed"),
                                                                       (2, "completed")]
@@ -128,10 +128,10 @@ def test_blocking_call_queues_behind_work_in_flight(where_work_runs, fresh_recor
 
 def _failing_run(monkeypatch):
     """Make every host collective fail while it runs (after its call was accepted)."""
-    def boom(red):
+    def boom(steps, arrays):
         raise RuntimeError("boom while running")
 
-    monkeypatch.setattr(HostArrays, "steps", staticmethod(boom))
+    monkeypatch.setattr(HostSteps, "work_buffer", boom)
 
 
 def _fail_once(call):
@@ -145,7 +145,7 @@ def _fail_once(call):
         with pytest.raises(nc.GroupPoisonedError) as poisoned:
             nc.all_reduce(np.ones(1))
         (entry,) = [e for e in nc.flight_recorder.dump()["entries"]
-                    if e["profiling_name"] == "numcoll:allreduce"]
+                    if e["profiling_name"] == "numcoll:all_reduce"]
         return failed.value, str(poisoned.value), entry
     finally:
         nc.destroy_process_group()
@@ -156,15 +156,15 @@ def test_a_failure_on_the_caller_is_the_queued_failure(monkeypatch, where_work_r
     _failing_run(monkeypatch)
     x = np.ones(3)
     queued = _fail_once(lambda pg: pg.allreduce(x).wait())
-    assert where_work_runs["queued"] == [("allreduce", 0)]
+    assert where_work_runs["queued"] == [("allreduce", 1)]
     where_work_runs["ran"].clear()
     here = _fail_once(lambda pg: nc.all_reduce(x))
-    assert where_work_runs["queued"] == [("allreduce", 0)]  # nothing more was queued
+    assert where_work_runs["queued"] == [("allreduce", 1)]  # nothing more was queued
     assert [tid for op, _, tid in where_work_runs["ran"]][0] == threading.get_ident()
 
     for (error, poisoned, entry) in (queued, here):
         assert type(error) is RuntimeError and str(error) == "boom while running"
-        assert "allreduce (collective #0) failed on rank 0: boom while running" in poisoned
+        assert "allreduce (collective #1) failed on rank 0: boom while running" in poisoned
         assert entry["state"] == "failed" and entry["error"] == "boom while running"
         assert entry["collective_seq_id"] == 1
         assert entry["time_created_ns"] <= entry["time_started_ns"] <= \

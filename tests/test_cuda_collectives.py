@@ -644,3 +644,66 @@ def test_shared_algorithms_over_the_shm_arena(world_size, monkeypatch):
 
     assert nc.launch(body, world_size, mode="thread", transport="shm", timeout=150) == \
         [("shared", "shm")] * world_size
+
+
+# --------------------------------------------------------------------------
+# torch CUDA tensors (a stand-in: torch itself is not needed)
+# --------------------------------------------------------------------------
+
+class _TorchDtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+def _fake_torch():
+    """A module that looks like torch to numcoll's intake: ``Tensor``,
+    ``bfloat16``, tensors with ``detach()``, ``device.type`` and ``dtype``."""
+    import types
+
+    torch = types.ModuleType("torch")
+    torch.bfloat16 = _TorchDtype("bfloat16")
+    torch.float32 = _TorchDtype("float32")
+
+    class Tensor:
+        """A CUDA tensor as torch shows it: ``__cuda_array_interface__`` over
+        memory it owns (host memory, which is what the simulator's device is)."""
+
+        def __init__(self, host_array, dtype):
+            self._host = host_array
+            self.dtype = dtype
+            self.device = types.SimpleNamespace(type="cuda", index=0)
+            self.__cuda_array_interface__ = {
+                "data": (host_array.ctypes.data, False), "shape": host_array.shape,
+                "strides": None, "typestr": host_array.dtype.str, "version": 3,
+                "stream": None}
+
+        def detach(self):
+            return self
+
+    torch.Tensor = Tensor
+    return torch
+
+
+def test_torch_cuda_tensors_are_reduced_in_their_own_memory(monkeypatch):
+    """A torch CUDA tensor (not bfloat16) goes to the device path and its own
+    memory holds the result -- before, every one raised ModuleNotFoundError
+    (numcoll.arrays imported a module that had moved)."""
+    torch = _fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    world_size = 2
+
+    def body():
+        rank = nc.get_rank()
+        memory = np.full(5, rank + 1.0, np.float32)
+        tensor = torch.Tensor(memory, torch.float32)
+        nc.all_reduce(tensor)
+        half = torch.Tensor(np.zeros(2, np.float32), torch.bfloat16)
+        with pytest.raises(TypeError, match="bfloat16 CUDA tensors are not supported"):
+            nc.all_reduce(half)
+        return memory
+
+    for memory in _run(body, world_size):
+        np.testing.assert_array_equal(memory, np.full(5, 3.0, np.float32))

@@ -48,7 +48,7 @@ def test_records_every_collective_with_its_state_and_times(fresh_recorder):
     assert set(dump) >= {"version", "pg_config", "pg_status", "entries"}
     mine = [e for e in dump["entries"] if e["rank"] == 0]
     assert [e["profiling_name"] for e in mine] == [
-        "numcoll:allreduce", "numcoll:broadcast", "numcoll:barrier", "numcoll:send"]
+        "numcoll:all_reduce", "numcoll:broadcast", "numcoll:barrier", "numcoll:send"]
     assert [e["collective_seq_id"] for e in mine] == [1, 2, 3, None]
     ar = mine[0]
     assert ar["input_sizes"] == [[2, 3]] and ar["input_dtypes"] == ["float32"]
@@ -164,5 +164,5 @@ def test_subgroup_records_carry_global_ranks(fresh_recorder):
     subs = {pg_id for pg_id, cfg in dump["pg_config"].items() if cfg["ranks"] == [1, 2]}
     assert subs, dump["pg_config"]
     ranks = {e["rank"] for e in dump["entries"] if str(e["pg_id"]) in subs
-             and e["profiling_name"] == "numcoll:allreduce"}
+             and e["profiling_name"] == "numcoll:all_reduce"}
     assert ranks == {1, 2}

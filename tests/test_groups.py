@@ -58,7 +58,9 @@ def test_groups_and_rank_translation():
         assert nc.GroupMember.WORLD is nc.get_default_group() is nc.group.WORLD
         assert nc.get_process_group_ranks(nc.group.WORLD) == [0, 1, 2, 3]
         sub, subs = nc.new_subgroups(2)
-        assert len(subs) == 1 and subs[0] is sub
+        # torch's shape: one entry per subgroup, the others NON_GROUP_MEMBER here.
+        assert len(subs) == 2 and subs[r // 2] is sub
+        assert subs[1 - r // 2] is nc.GroupMember.NON_GROUP_MEMBER
         assert nc.get_process_group_ranks(sub) == [r - r % 2, r - r % 2 + 1]
         assert nc.get_group_rank(sub, r) == r % 2
         assert nc.get_global_rank(sub, r % 2) == r

@@ -141,7 +141,7 @@ def test_thread_launch_timeout_says_what_ranks_were_blocked_on(no_leaked_threads
     message = str(info.value)
     assert message.startswith("Timed out waiting 1500ms for launch: ranks [0, 1] still running")
     assert info.value.ranks == [0, 1]
-    assert "allreduce (collective #0) waiting to recv from rank 1" in info.value.blocked[0], message
+    assert "allreduce (collective #1) waiting to recv from rank 1" in info.value.blocked[0], message
     assert "all_reduce() called from _late_rank" in info.value.blocked[0], message
     assert "_late_rank (test_launch.py" in info.value.blocked[1], message
     assert time.monotonic() - started < 1.5 + 2.0
@@ -157,7 +157,7 @@ def test_thread_group_timeout_is_the_collectives_deadline(no_leaked_threads):
         release.set()
     cause = info.value.__cause__
     assert isinstance(cause, nc.CollectiveTimeoutError), cause
-    assert str(cause).startswith("Timed out waiting 500ms for allreduce (collective #0) on rank 0")
+    assert str(cause).startswith("Timed out waiting 500ms for allreduce (collective #1) on rank 0")
     assert "rank 1" in str(cause) and "launch" not in str(cause)
 
 
@@ -176,7 +176,7 @@ def test_process_launch_timeout_says_what_ranks_were_blocked_on():
     elapsed = time.monotonic() - started
     message = str(info.value)
     assert info.value.ranks == [0, 1]
-    assert "allreduce (collective #1) waiting to recv from rank 1" in info.value.blocked[0], message
+    assert "allreduce (collective #2) waiting to recv from rank 1" in info.value.blocked[0], message
     assert "_sleepy_rank (test_launch.py" in info.value.blocked[1], message
     assert elapsed < 8.0 + 4.0
 
@@ -230,7 +230,7 @@ def test_a_module_the_ranks_cannot_import_is_one_clear_error(tmp_path):
     assert run.stderr.count("Traceback") == 1, run.stderr
     assert len(run.stderr.splitlines()) < 30, run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("numcoll.launcher.local.LaunchError: launch: the ranks could not load the "
+    assert last.startswith("numcoll.LaunchError: launch: the ranks could not load the "
                            "function: ModuleNotFoundError: No module named 'hidden_mod'")
     assert "must be importable by the ranks" in last
 
@@ -254,7 +254,7 @@ def _stalls(_):
 
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(monkeypatch):
-    monkeypatch.setattr(sys.modules["numcoll.launcher.local"], "_FAILURE_GRACE_S", 1.0)
+    monkeypatch.setattr(sys.modules["numcoll.launcher.processes"], "_FAILURE_GRACE_S", 1.0)
     with pytest.raises(nc.RankFailedError) as info:
         nc.launch(_stalls, 2, args=(None,), timeout=60, group_timeout=1.0, transport="tcp")
     assert info.value.rank == 1, info.value

@@ -116,10 +116,10 @@ def test_after_a_mismatch_the_group_is_poisoned_everywhere():
 def test_stamp_round_trip_and_summary():
     call = Call("allreduce", 1.0, np.dtype(np.float32), 4, op="SUM")
     assert call.summary(12) == "allreduce(float32, 4 elements, SUM) #12"
-    assert describe_stamp(call.stamp(), 12) == call.summary(12)
+    assert describe_stamp(call.stamp, 12) == call.summary(12)
     bc = Call("broadcast", 1.0, nc.bfloat16, 1, root=3)
-    assert describe_stamp(bc.stamp()) == "broadcast(bfloat16, 1 element, root 3)"
+    assert describe_stamp(bc.stamp) == "broadcast(bfloat16, 1 element, root 3)"
     assert describe_stamp(b"junk").startswith("an unknown call")
     # a send and a receive of the same array stamp alike
-    assert Call("send", 1.0, np.dtype("i8"), 3).stamp() == Call("recv_anysource", 2.0,
-                                                                 np.dtype("i8"), 3).stamp()
+    assert Call("send", 1.0, np.dtype("i8"), 3).stamp == Call("recv_anysource", 2.0,
+                                                                 np.dtype("i8"), 3).stamp

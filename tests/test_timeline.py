@@ -211,7 +211,7 @@ def _straggling_work(late_rank: int, delay_s: float) -> dict:
 def _check_recorded_run(dumps, late_rank: int, delay_s: float, since_ns: int) -> None:
     entries = timeline.entries_of(dumps, since_ns=since_ns)
     names = sorted({e["profiling_name"] for e in entries})
-    assert names == ["numcoll:allreduce", "numcoll:barrier", "numcoll:broadcast"], names
+    assert names == ["numcoll:all_reduce", "numcoll:barrier", "numcoll:broadcast"], names
     result = timeline.analyze(entries)
     colls = result["collectives"]
     # 3 x (2 allreduces + broadcast) + barrier, each matched across both ranks

@@ -1,5 +1,6 @@
 """Moving bytes between the ranks of a group: the transport interface and its
-implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``).
+implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``,
+shared-memory rings between the processes of one host).
 
 This package never imports :mod:`numcoll`, and it is the only one that imports zmq.
 """
@@ -12,6 +13,7 @@ from typing import Callable
 
 from .base import (
     ANY_SOURCE,
+    Arena,
     CALL_SHIFT,
     MAX_TAG,
     MAX_STAMP_NBYTES,
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_TAG",
     "Request",
     "Transport",
+    "Arena",
     "Rendezvous",
     "TransportError",
     "TransportTimeout",
@@ -46,6 +49,7 @@ __all__ = [
     "register",
     "create",
     "choose_kind",
+    "host_key",
 ]
 
 #: A transport factory: ``factory(rank, size, store, options) -> Transport``.
@@ -69,8 +73,9 @@ class TransportOptions:
         travel through ``shm_slots`` shared-memory slots per peer (one copy on
         each side instead of a socket's); ``shm_slots=0`` turns this off.
     token : str or bytes, optional
-        ZeroMQ transports: a shared secret every connection must prove
-        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.zmq.auth`.
+        A shared secret every connection must prove (``None``:
+        ``NUMCOLL_AUTH_TOKEN``, if set): ZeroMQ transports see
+        :mod:`transports.zmq.auth`, ``shm`` :mod:`transports.shm.rendezvous`.
     curve : bool, optional
         ZeroMQ transports: encrypt every connection with CURVE, admitting only
         the group's keys (``None``: ``NUMCOLL_CURVE=1``).
@@ -154,6 +159,22 @@ def create(kind: str | TransportFactory, rank: int, size: int, store: Rendezvous
     return factory(rank, size, store, options)
 
 
+def host_key() -> str:
+    """What ranks that can share ipc (abstract Unix sockets, /dev/shm) have in
+    common: the host name, and on Linux the network namespace and boot, since
+    containers and namespaces often share a host name but not their sockets."""
+    import socket
+
+    key = socket.gethostname()
+    try:
+        key += f"/netns{os.stat('/proc/self/ns/net').st_ino}"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key += f"/boot{f.read().strip()}"
+    except OSError:  # not Linux: the host name alone
+        pass
+    return key
+
+
 def choose_kind(here: str, places: list[str]) -> str:
     """The transport for a group whose ranks run at ``places`` ("host:pid" each,
     this rank's being ``here``): ``inproc`` when every rank is a thread of this
@@ -203,11 +224,13 @@ def _zmq(scheme):
 
 
 def _shm(rank, size, store, options):
+    from . import tokens
     from .shm.transport import ShmRingTransport
 
     # Rings hold two of the largest messages the ipc slots would carry.
     return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes,
-                            arena_slot_nbytes=options.arena_slot_nbytes)
+                            arena_slot_nbytes=options.arena_slot_nbytes,
+                            token=tokens.resolve(options.token))
 
 
 register("inproc", _inproc)

@@ -1,5 +1,5 @@
 """Collective algorithms, written against a small send/recv interface (a
-:class:`numcoll.comm.Comm`) and a work buffer (:mod:`numcoll.memory.buffers`) that
+:class:`numcoll.comm.Comm`) and a work buffer (:mod:`.buffer`) that
 knows how to reduce. They never see sockets, dtypes or kernels. The
 ``shared`` ones (:mod:`.shared`) use the Comm's shared-arena steps instead of
 messages, on groups whose ranks share memory.

@@ -73,9 +73,9 @@ def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1,
     """Elements per round of each of ``parts`` pieces: what fits the arena's
     slot (less ``reserved_nbytes``), and at most ``segment_count`` (so tests
     can force many rounds)."""
-    fits = (comm.arena.slot_nbytes - reserved_nbytes) // (parts * itemsize)
+    fits = (comm.arena_slot_nbytes - reserved_nbytes) // (parts * itemsize)
     if fits < 1:
-        raise ValueError(f"the shared arena's {comm.arena.slot_nbytes}-byte slot cannot hold "
+        raise ValueError(f"the shared arena's {comm.arena_slot_nbytes}-byte slot cannot hold "
                          f"{parts} elements of {itemsize} bytes")
     return fits if segment_count is None else max(1, min(fits, segment_count))
 
@@ -151,7 +151,7 @@ def reduce_scatter_shared(comm, buf, chunks, segment_count: int | None = None) -
     longest = max(n for _, n in chunks)
     for offset in range(0, longest, per_chunk):
         pieces = [(first + offset, max(0, min(per_chunk, n - offset))) for first, n in chunks]
-        slot = comm.arena.mine(comm.arena.next_step)
+        slot = comm.next_slot()
         at = 0
         for first, n in pieces:
             if n:
@@ -238,7 +238,7 @@ def scatter_shared(comm, send_bufs, recv_buf, root: int,
     for start, count in segments(0, recv_buf.count, per_peer):
         nbytes = count * itemsize
         if rank == root:
-            slot = comm.arena.mine(comm.arena.next_step)
+            slot = comm.next_slot()
             for peer in range(size):
                 if peer != root:
                     np.copyto(slot[peer * stride:peer * stride + nbytes],
@@ -275,7 +275,7 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     rounds = mine = -(-longest // per_peer)
     offset = j = 0
     while j == 0 or j < rounds:
-        slot = comm.arena.mine(comm.arena.next_step)
+        slot = comm.next_slot()
         table = slot[:head].view(np.int64)
         table[0] = mine
         table[1:size + 1] = [n for _, n in send_chunks]

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import os
 
-from .groups import GroupMember, _check_group, _world, get_default_group
 from ..ops import ReduceOp
 from ..process_group import ProcessGroup
+from .world import BACKENDS, GroupMember, _check_group, _world, get_default_group
 
 __all__ = ["Backend", "is_available", "is_gloo_available", "is_nccl_available",
            "is_mpi_available", "is_backend_available", "supports_complex", "get_pg_count",
            "is_torchelastic_launched", "get_node_local_rank", "get_backend"]
-
-BACKENDS = ("gloo", "numcoll", "cpu:gloo")
-
 
 class Backend(str):
     """Backend names, as ``torch.distributed.Backend``: numcoll is gloo."""

@@ -1,114 +1,23 @@
-"""Group bookkeeping of the module API: the default group, sub-groups, and the
-translation between global and group ranks (torch.distributed's names).
-
-The default group is per process — or per thread for ranks started by
-``numcoll.launch(..., mode="thread")``, so each thread-rank has its own.
-Every group made by :func:`new_group` (and its relatives) is registered
-with the global ranks it spans, in group-rank order.
+"""Sub-groups of the module API and the translation between global and group
+ranks (torch.distributed's names). Every group made by :func:`new_group` (and
+its relatives) is registered, in the default group's state
+(:mod:`.world`), with the global ranks it spans, in group-rank order.
 """
 
 from __future__ import annotations
 
-import operator
-import threading
-import warnings
+import os
 from datetime import timedelta
 
 from ..logs import get_logger
 from ..process_group import ProcessGroup
+from .world import (GroupMember, _check_group, _check_rank_arg, _check_timeout, _world,
+                    get_default_group)
 
-__all__ = [
-    "GroupMember", "group", "get_default_group", "get_group_rank", "get_global_rank",
-    "get_process_group_ranks", "new_group", "new_subgroups", "new_subgroups_by_enumeration",
-    "split_group",
-]
-
-
-class _World:
-    """Default group state: the group, the store it owns (if any), sub-groups."""
-
-    def __init__(self):
-        self.pg: ProcessGroup | None = None
-        self.owned_store = None
-        self.store = None
-        self.backend = "gloo"
-        self.groups: dict[ProcessGroup, list[int]] = {}
-        self.group_count = 0
-        self.local_counts: dict[tuple, int] = {}
-
+__all__ = ["get_group_rank", "get_global_rank", "get_process_group_ranks", "new_group",
+           "new_subgroups", "new_subgroups_by_enumeration", "split_group"]
 
 _log = get_logger()
-_process_world = _World()
-_thread_state = threading.local()
-
-
-def _world() -> _World:
-    return getattr(_thread_state, "world", None) or _process_world
-
-
-def _use_thread_world() -> None:
-    """Give the calling thread a default group of its own (``launch`` thread mode)."""
-    _thread_state.world = _World()
-
-
-def _drop_thread_world() -> None:
-    _thread_state.world = None
-
-
-class _GroupMemberMeta(type):
-    @property
-    def WORLD(cls) -> ProcessGroup | None:  # noqa: N802 - torch's name
-        """The default group, or None before init_process_group."""
-        return _world().pg
-
-
-class GroupMember(metaclass=_GroupMemberMeta):
-    """``GroupMember.WORLD`` is the default group; ``GroupMember.NON_GROUP_MEMBER``
-    is what ``new_group`` returns on ranks outside the group. A collective
-    called with it does nothing, warns, and returns None (as in torch)."""
-
-    NON_GROUP_MEMBER = object()
-
-
-class _GroupNamespace:
-    @property
-    def WORLD(self) -> ProcessGroup:  # noqa: N802 - torch's name
-        """The default group (``numcoll.group.WORLD``)."""
-        return get_default_group()
-
-
-group = _GroupNamespace()
-
-
-def get_default_group() -> ProcessGroup:
-    """The default group made by ``init_process_group``."""
-    pg = _world().pg
-    if pg is None:
-        raise RuntimeError("Default process group has not been initialized, please make sure "
-                           "to call init_process_group.")
-    return pg
-
-
-def _check_group(group) -> None:
-    if group is not None and group is not GroupMember.NON_GROUP_MEMBER \
-            and not isinstance(group, ProcessGroup):
-        raise TypeError(f"group must be a ProcessGroup (from new_group), None or "
-                        f"GroupMember.NON_GROUP_MEMBER, got {type(group).__name__}")
-
-
-def _resolve(group, op_name: str | None = None) -> ProcessGroup | None:
-    """The group to run on, or None on a rank outside it (warning once per
-    call site, with torch's words, when ``op_name`` is given)."""
-    if group is None:
-        return get_default_group()
-    if group is GroupMember.NON_GROUP_MEMBER:
-        if op_name is not None:
-            pg = _world().pg
-            warnings.warn(f"Running {op_name} on global rank {-1 if pg is None else pg.rank()} "
-                          "which does not belong to the given group.", stacklevel=3)
-        return None
-    _check_group(group)
-    return group
 
 
 def _ranks_of(pg: ProcessGroup) -> list[int]:
@@ -118,17 +27,6 @@ def _ranks_of(pg: ProcessGroup) -> list[int]:
         raise ValueError(f"Group {pg} is not registered, please create group with "
                          "numcoll.new_group")
     return ranks
-
-
-def _check_rank_arg(value, what: str) -> int:
-    """``value`` as an int: ints and NumPy integers pass; bools, floats, strings
-    and None are a TypeError (a rank of ``True`` or ``1.0`` is a mistake)."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
 
 
 def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
@@ -193,16 +91,6 @@ def _peer(pg: ProcessGroup, rank, group_rank, what: str, default=None) -> int:
 
 def _tag(tag) -> int:
     return _check_rank_arg(tag, "tag")
-
-
-def _check_timeout(timeout, what: str) -> None:
-    if timeout is None:
-        return
-    if not isinstance(timeout, timedelta):
-        raise TypeError(f"{what}: timeout must be a datetime.timedelta, got "
-                        f"{type(timeout).__name__}")
-    if timeout <= timedelta(0):
-        raise ValueError(f"{what}: timeout must be positive, got {timeout}")
 
 
 def _check_ranks(ranks, size: int, what: str) -> list[int]:
@@ -271,23 +159,25 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list, timeout=None, backend=
                                  pg_options=None, group_desc=None):
     """One group per list of ranks (disjoint lists); every rank calls it.
 
-    Returns ``(the group containing this rank or None, [every group made
-    here])`` as torch does (a rank holds only its own group's object).
+    Returns ``(the group containing this rank or None, [one entry per list])``
+    as torch does: the entry is the group on its members and
+    ``GroupMember.NON_GROUP_MEMBER`` elsewhere.
     """
     if not ranks_per_subgroup_list:
         raise ValueError("The arg 'ranks_per_subgroup_list' cannot be empty")
-    seen: set[int] = set()
+    seen: dict[int, list] = {}
+    for ranks in ranks_per_subgroup_list:  # checked before any group is made
+        for rank in ranks:
+            if rank in seen:
+                raise ValueError(f"Rank {rank} has appeared in both subgroup {seen[rank]} "
+                                 f"and {list(ranks)}")
+            seen[rank] = list(ranks)
     mine, made = None, []
     for ranks in ranks_per_subgroup_list:
-        overlap = seen.intersection(ranks)
-        if overlap:
-            raise ValueError(f"Rank {min(overlap)} has appeared in both subgroup "
-                             f"{ranks} and an earlier one")
-        seen.update(ranks)
         pg = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        made.append(pg)
         if pg is not GroupMember.NON_GROUP_MEMBER:
             mine = pg
-            made.append(pg)
     return mine, made
 
 
@@ -299,8 +189,6 @@ def new_subgroups(group_size: int | None = None, group=None, timeout=None, backe
     ``group_size`` defaults to ``LOCAL_WORLD_SIZE`` (the ranks on one host,
     as set by ``numcoll run`` and torchrun) where torch uses the GPU count.
     """
-    import os
-
     if group_size is None:
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if not local:

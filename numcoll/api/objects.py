@@ -19,7 +19,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from .groups import _peer, _resolve, _world
+from .groups import _peer
+from .world import _resolve, _world
 from ..options import BroadcastOptions, GatherOptions, ScatterOptions
 
 __all__ = ["all_gather_object", "broadcast_object_list", "gather_object",

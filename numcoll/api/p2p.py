@@ -5,16 +5,8 @@ global ranks; ``group_dst``/``group_src``/``group_peer`` ranks of ``group``.
 
 from __future__ import annotations
 
-from .groups import (
-    _check_group,
-    _check_rank_arg,
-    _peer,
-    _resolve,
-    _tag,
-    _world,
-    get_default_group,
-    get_global_rank,
-)
+from .groups import _peer, _tag, get_global_rank
+from .world import _check_group, _check_rank_arg, _resolve, _world, get_default_group
 
 __all__ = ["isend", "irecv", "send", "recv", "P2POp", "batch_isend_irecv"]
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from ..api import collectives as dist
+from .. import api as dist
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
 from ..bootstrap.tcpstore import TCPStore
 

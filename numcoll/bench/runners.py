@@ -211,7 +211,7 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
     result = _run_cases(plan, pg.rank(), lambda inp, out: numcoll_step(plan, inp, out),
                         nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll")
     # The group's own configuration says what ran (e.g. whether it has a shared arena).
-    algorithms = [algorithm_name(plan, case, pg._cfg) for case in plan.cases]
+    algorithms = [algorithm_name(plan, case, pg.context.cfg) for case in plan.cases]
     return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 

@@ -1,420 +1,438 @@
 """Collectives that move data without reducing it: broadcast, allgather
-(+coalesced, +into_tensor), gather, scatter, alltoall (+base)."""
+(+coalesced, +into_tensor), gather, scatter, alltoall (+base).
+
+Builders (see :mod:`.context`): ``broadcast(ctx, arrays, opts, root) -> (Call, run)``.
+"""
 
 from __future__ import annotations
 
-from ..memory.arrays import _describe, as_array, as_array_list, check_same_type_and_size, check_writable
 from ..call import Call, nbytes_of, shapes
-from ..options import AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions, ScatterOptions
+from ..memory.arrays import (_describe, as_array, as_array_list, check_same_type_and_size,
+                             check_writable, memory_of, uniform_arrays)
+from ..options import (AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions,
+                       ScatterOptions)
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
-from .choice import choose, segment_count
-from ..memory.host import memory_of
+from .context import GroupContext, cached
 
-__all__ = ["DataMovement"]
+__all__ = ["broadcast", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+           "gather", "scatter", "alltoall", "alltoall_base"]
 
 # Read, never written: a call without options uses these instead of building one.
 _BROADCAST_DEFAULTS = BroadcastOptions()
 _ALLGATHER_DEFAULTS = AllgatherOptions()
+_GATHER_DEFAULTS = GatherOptions()
+_SCATTER_DEFAULTS = ScatterOptions()
+_ALLTOALL_DEFAULTS = AllToAllOptions()
+
+# -- broadcast -----------------------------------------------------------------
+def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, root=None):
+    """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` into every
+    array on every rank. ``root`` overrides ``opts.root_rank``."""
+    name = "broadcast"
+    opts = opts or _BROADCAST_DEFAULTS
+    root_rank = opts.root_rank if root is None else root
+    outs = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
+    check_root_rank(root_rank, ctx.size, name)
+    arrays, xp = uniform_arrays(arrays, name, nonempty=False)
+    check_root_tensor(opts.root_tensor, len(arrays), name)
+    src = arrays[opts.root_tensor]
+    is_root = ctx.rank == root_rank
+    key = (name, src.dtype, src.shape, len(arrays), xp.is_device, root_rank,
+           opts.algorithm, opts.timeout)
+    algorithm, seg, call = cached(ctx, key, opts, name, _broadcast_plan, ctx, name, arrays,
+                                  root_rank, opts)
+
+    def run(comm, work):
+        flat = xp.flat(src, copy_in=is_root)
+        algorithm.run(comm, xp.buffer(flat), root_rank, seg)
+        for i, a in enumerate(arrays):
+            if i != opts.root_tensor or not xp.contiguous(src):
+                xp.write(a, flat)
+        return outs
+
+    return call, xp.wrap(run)
 
 
-class DataMovement:
-    """Mixin of :class:`~numcoll.ProcessGroup`: the data-movement collectives."""
+def _broadcast_plan(ctx, name, arrays, root_rank, opts):
+    src = arrays[opts.root_tensor]
+    nbytes = src.size * src.dtype.itemsize
+    algorithm = ctx.choose(name, opts.algorithm, nbytes)
+    call = Call(name, ctx.timeout_for(opts, name), src.dtype, src.size, root=root_rank,
+                algorithm=algorithm.name, input_sizes=shapes(arrays),
+                output_sizes=shapes(arrays), nbytes=nbytes)
+    return algorithm, ctx.segment(src.dtype.itemsize), call
 
-    def _segment(self, itemsize: int) -> int:
-        return segment_count(self._cfg, itemsize)
 
-    # -- broadcast -----------------------------------------------------------------
-    def broadcast(self, arrays, opts: BroadcastOptions | None = None, *, root=None):
-        """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` into every
-        array on every rank. ``root`` overrides ``opts.root_rank``."""
-        name = "broadcast"
-        opts = opts or _BROADCAST_DEFAULTS
-        root_rank = opts.root_rank if root is None else root
-        outs = originals(arrays)
-        arrays = as_array_list(arrays, name)
-        xp = memory_of(name, arrays)
-        check_root_rank(root_rank, self._size, name)
-        check_root_tensor(opts.root_tensor, len(arrays), name)
-        check_same_type_and_size(arrays, name)
-        check_writable(arrays, name)
-        src = arrays[opts.root_tensor]
-        is_root = self._rank == root_rank
-        # A repeated call reuses its algorithm, segment size and descriptor (see
-        # Reductions._call_plan); the checks above ran all the same.
-        key = (name, src.dtype, src.shape, len(arrays), xp.is_device, root_rank,
-               opts.algorithm, opts.timeout, self._timeout_s)
-        plan = self._call_plan(key)
-        if plan is None:
-            itemsize = src.dtype.itemsize
-            algorithm = choose(self._cfg, name, opts.algorithm, src.size * itemsize, self._size)
-            call = Call(name, self._timeout_for(opts, name), src.dtype, src.size,
-                        root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
-                        output_sizes=shapes(arrays), nbytes=src.size * itemsize)
-            plan = self._keep_call_plan(key, (algorithm, self._segment(itemsize), call))
-        algorithm, seg, call = plan
+# -- allgather family ----------------------------------------------------------------
+def allgather(ctx: GroupContext, output_lists, input_list,
+              opts: AllgatherOptions | None = None):
+    """Every rank's inputs, in rank order, into every output list.
 
-        def run(comm, work):
-            flat = xp.flat(src, copy_in=is_root)
-            algorithm.run(comm, xp.buffer(flat), root_rank, seg)
-            for i, a in enumerate(arrays):
-                if i != opts.root_tensor or not xp.contiguous(src):
-                    xp.write(a, flat)
-            return outs
+    With n inputs per rank, each of the n output lists holds n * world_size
+    arrays: rank 0's n inputs, then rank 1's, ... The future's value is the
+    output list for n == 1, the list of output lists otherwise.
+    """
+    name = "allgather"
+    opts = opts or _ALLGATHER_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    inputs = as_array_list(input_list, name)
+    if not inputs:
+        raise ValueError(f"{name}: requires non-empty input tensor list")
+    if not isinstance(output_lists, (list, tuple)) or len(output_lists) != len(inputs):
+        got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
+        raise ValueError(f"{name}: requires input/output tensor lists to have the same "
+                         f"length ({len(inputs)} inputs, {got} output lists)")
+    expected = len(inputs) * size
+    outputs = []
+    for i, lst in enumerate(output_lists):
+        if not isinstance(lst, (list, tuple)) or len(lst) != expected:
+            got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+            raise ValueError(f"{name}: invalid output tensor list at index {i} (expected "
+                             f"length {expected}, got {got})")
+        outputs.append(as_array_list(lst, name, allow_single=False))
+    xp = memory_of(name, inputs, *outputs)
+    check_same_type_and_size(inputs, name)
+    for lst in outputs:
+        check_same_type_and_size(lst, name, like=inputs[0])
+        check_writable(lst, name)
+    value = [list(lst) for lst in output_lists]
+    value = value[0] if len(value) == 1 else value
+    per_rank = sum(a.size for a in inputs)
+    chunks = [(r * per_rank, per_rank) for r in range(size)]
+    flat_outputs = [a for lst in outputs for a in lst]
+    algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, flat_outputs, per_rank)
 
-        return self._enqueue(call, xp.wrap(run))
-
-    # -- allgather family ----------------------------------------------------------------
-    def allgather(self, output_lists, input_list, opts: AllgatherOptions | None = None):
-        """Every rank's inputs, in rank order, into every output list.
-
-        With n inputs per rank, each of the n output lists holds n * world_size
-        arrays: rank 0's n inputs, then rank 1's, ... The future's value is the
-        output list for n == 1, the list of output lists otherwise.
-        """
-        name = "allgather"
-        opts = opts or AllgatherOptions()
-        inputs = as_array_list(input_list, name)
-        if not inputs:
-            raise ValueError(f"{name}: requires non-empty input tensor list")
-        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != len(inputs):
-            got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
-            raise ValueError(f"{name}: requires input/output tensor lists to have the same "
-                             f"length ({len(inputs)} inputs, {got} output lists)")
-        expected = len(inputs) * self._size
-        outputs = []
-        for i, lst in enumerate(output_lists):
-            if not isinstance(lst, (list, tuple)) or len(lst) != expected:
-                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
-                raise ValueError(f"{name}: invalid output tensor list at index {i} (expected "
-                                 f"length {expected}, got {got})")
-            outputs.append(as_array_list(lst, name, allow_single=False))
-        xp = memory_of(name, inputs, *outputs)
-        check_same_type_and_size(inputs, name)
+    def run(comm, work):
+        buf = xp.empty(per_rank * size, inputs[0].dtype)
+        xp.pack(inputs, buf[rank * per_rank:])
+        algorithm.run(comm, xp.buffer(buf), chunks, seg)
+        gathered = _unpack_like(buf, [inputs[0]] * expected)
         for lst in outputs:
-            check_same_type_and_size(lst, name, like=inputs[0])
-            check_writable(lst, name)
-        value = [list(lst) for lst in output_lists]
-        value = value[0] if len(value) == 1 else value
-        per_rank = sum(a.size for a in inputs)
-        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].dtype.itemsize)
-        algorithm, call = self._gather_call(name, opts, inputs, [a for lst in outputs for a in lst],
-                                            per_rank)
-
-        def run(comm, work):
-            buf = xp.empty(per_rank * self._size, inputs[0].dtype)
-            xp.pack(inputs, buf[self._rank * per_rank:])
-            algorithm.run(comm, xp.buffer(buf), chunks, seg)
-            gathered = _unpack_like(buf, [inputs[0]] * expected)
-            for lst in outputs:
-                for a, g in zip(lst, gathered):
-                    xp.assign(a, g)
-            return value
-
-        return self._enqueue(call, xp.wrap(run))
-
-    def allgather_coalesced(self, output_lists, input_list, opts: AllgatherOptions | None = None):
-        """``output_lists[r][j]`` receives rank r's ``input_list[j]``; inputs may
-        differ in shape (one dtype). One ring moves them all."""
-        name = "allgather_coalesced"
-        opts = opts or AllgatherOptions()
-        inputs = as_array_list(input_list, name)
-        if not inputs:
-            raise ValueError(f"{name}: requires non-empty input tensor list")
-        if not isinstance(output_lists, (list, tuple)) or len(output_lists) != self._size:
-            got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
-            raise ValueError(f"{name}: output lists should be equal to world size "
-                             f"({self._size}), got {got}")
-        converted = [as_array_list(lst, name, allow_single=False) for lst in output_lists]
-        xp = memory_of(name, inputs, *converted)
-        check_same_dtype(inputs, name)
-        outputs = []
-        for r, lst in enumerate(converted):
-            if len(lst) != len(inputs):
-                raise ValueError(f"{name}: invalid output size at index {r} (expected "
-                                 f"length {len(inputs)}, got {len(lst)})")
-            for j, (o, i) in enumerate(zip(lst, inputs)):
-                if o.dtype != i.dtype:
-                    raise TypeError(f"{name}: invalid tensor type at index {j} of output "
-                                    f"list {r}: expected {i.dtype}, got {o.dtype}")
-                if o.size != i.size:
-                    raise ValueError(f"{name}: invalid size of output tensor at index {j} of "
-                                     f"output list {r}: expected {i.size} elements, got "
-                                     f"{o.size}")
-            check_writable(lst, name)
-            outputs.append(lst)
-        value = [list(lst) for lst in output_lists]
-        per_rank = sum(a.size for a in inputs)
-        chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-        seg = self._segment(inputs[0].dtype.itemsize)
-        algorithm, call = self._gather_call(name, opts, inputs, [a for lst in outputs for a in lst],
-                                            per_rank)
-
-        def run(comm, work):
-            buf = xp.empty(per_rank * self._size, inputs[0].dtype)
-            xp.pack(inputs, buf[self._rank * per_rank:])
-            algorithm.run(comm, xp.buffer(buf), chunks, seg)
-            for r, lst in enumerate(outputs):
-                for a, g in zip(lst, _unpack_like(buf[r * per_rank:], lst)):
-                    xp.assign(a, g)
-            return value
-
-        return self._enqueue(call, xp.wrap(run))
-
-    def allgather_into_tensor(self, output, input, opts: AllgatherOptions | None = None):
-        """``output`` (``world_size`` times ``input``'s size) gets every rank's
-        ``input`` back to back, in rank order."""
-        work = self.allgather_into_tensor_coalesced([output], [input], opts,
-                                                    _name="allgather_into_tensor")
-        return work
-
-    _allgather_base = allgather_into_tensor
-
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None, *,
-                                        _name: str = "allgather_into_tensor_coalesced"):
-        """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
-        name = _name
-        opts = opts or _ALLGATHER_DEFAULTS
-        outs = originals(outputs)
-        outputs = as_array_list(outputs, name)
-        inputs = as_array_list(inputs, name)
-        check_pairs(outputs, inputs, self._size, name, gathered="output")
-        xp = memory_of(name, outputs, inputs)
-        check_same_dtype(inputs, name)
-        check_writable(outputs, name)
-        direct = len(outputs) == 1 and xp.contiguous(outputs[0])
-        key = (name, inputs[0].dtype, tuple(a.shape for a in inputs),
-               tuple(a.shape for a in outputs), xp.is_device, opts.algorithm, opts.timeout,
-               self._timeout_s)
-        plan = self._call_plan(key)
-        if plan is None:
-            per_rank = sum(a.size for a in inputs)
-            chunks = [(r * per_rank, per_rank) for r in range(self._size)]
-            algorithm, call = self._gather_call(name, opts, inputs, outputs, per_rank)
-            plan = self._keep_call_plan(key, (per_rank, chunks, algorithm,
-                                              self._segment(inputs[0].dtype.itemsize), call))
-        per_rank, chunks, algorithm, seg, call = plan
-
-        def run(comm, work):
-            # One pair with a contiguous output: gather straight into it.
-            buf = (xp.flat(outputs[0], copy_in=False) if direct
-                   else xp.empty(per_rank * self._size, inputs[0].dtype))
-            xp.pack(inputs, buf[self._rank * per_rank:])
-            algorithm.run(comm, xp.buffer(buf), chunks, seg)
-            if not direct:
-                rows = buf.reshape(self._size, per_rank)
-                col = 0
-                for o, i in zip(outputs, inputs):
-                    # o holds rank 0's i, then rank 1's ...: row r, these columns.
-                    target = xp.flat(o, copy_in=False)
-                    xp.assign(target.reshape(self._size, i.size), rows[:, col:col + i.size])
-                    if not xp.contiguous(o):
-                        xp.write(o, target)
-                    col += i.size
-            return outs
-
-        return self._enqueue(call, xp.wrap(run))
-
-    # -- gather / scatter ------------------------------------------------------------
-    def gather(self, output_lists, input_list, opts: GatherOptions | None = None):
-        """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``.
-        Non-roots pass ``[]`` as output. The future's value is the root's output
-        list (``[]`` on other ranks)."""
-        name = "gather"
-        opts = opts or GatherOptions()
-        root = opts.root_rank
-        check_root_rank(root, self._size, name)
-        inputs = as_array_list(input_list, name)
-        if len(inputs) != 1:
-            raise ValueError(f"{name}: requires a single-element input tensor list "
-                             f"(got {len(inputs)})")
-        src = inputs[0]
-        is_root = self._rank == root
-        outputs, value = [], []
-        if is_root:
-            lst = root_list(output_lists, self._size, name, "output")
-            outputs = as_array_list(lst, name, allow_single=False)
-            xp = memory_of(name, inputs, outputs)
-            check_same_type_and_size(outputs, name, like=src)
-            check_writable(outputs, name)
-            value = list(lst)
-        elif output_lists:
-            raise ValueError(f"{name}: requires empty output on non-root (rank {self._rank}, "
-                             f"root {root})")
-        else:
-            xp = memory_of(name, inputs)
-        seg = self._segment(src.dtype.itemsize)
-        algorithm, call = self._rooted_call(name, opts, src, root, inputs, outputs)
-
-        def run(comm, work):
-            send = xp.flat(src, copy_in=True)
-            targets = [xp.flat(o, copy_in=False) for o in outputs]
-            algorithm.run(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
-            if is_root:
-                xp.assign(targets[root], send)
-                for o, t in zip(outputs, targets):
-                    if not xp.contiguous(o):
-                        xp.write(o, t)
-            return value
-
-        return self._enqueue(call, xp.wrap(run))
-
-    def scatter(self, output_list, input_lists, opts: ScatterOptions | None = None):
-        """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``.
-        Non-roots pass ``[]`` as input."""
-        name = "scatter"
-        opts = opts or ScatterOptions()
-        root = opts.root_rank
-        check_root_rank(root, self._size, name)
-        outs = originals(output_list)
-        outputs = as_array_list(output_list, name)
-        if len(outputs) != 1:
-            raise ValueError(f"{name}: requires a single-element output tensor list "
-                             f"(got {len(outputs)})")
-        out = outputs[0]
-        check_writable(outputs, name)
-        is_root = self._rank == root
-        inputs = []
-        if is_root:
-            lst = root_list(input_lists, self._size, name, "input")
-            inputs = as_array_list(lst, name, allow_single=False)
-            xp = memory_of(name, outputs, inputs)
-            check_same_type_and_size(inputs, name, like=out)
-        elif input_lists:
-            raise ValueError(f"{name}: requires empty input on non-root (rank {self._rank}, "
-                             f"root {root})")
-        else:
-            xp = memory_of(name, outputs)
-        seg = self._segment(out.dtype.itemsize)
-        algorithm, call = self._rooted_call(name, opts, out, root, inputs, outputs)
-
-        def run(comm, work):
-            target = xp.flat(out, copy_in=False)
-            sources = [xp.flat(a, copy_in=True) for a in inputs]
-            sends = [xp.buffer(a) for a in sources]
-            algorithm.run(comm, sends, xp.buffer(target), root, seg)
-            if is_root:
-                xp.assign(target, sources[root])
-            if not xp.contiguous(out):
-                xp.write(out, target)
-            return outs
-
-        return self._enqueue(call, xp.wrap(run))
-
-    # -- alltoall ---------------------------------------------------------------------
-    def alltoall(self, output_list, input_list, opts: AllToAllOptions | None = None):
-        """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
-        name = "alltoall"
-        opts = opts or AllToAllOptions()
-        outs = originals(output_list)
-        outputs = as_array_list(output_list, name, allow_single=False)
-        inputs = as_array_list(input_list, name, allow_single=False)
-        if len(inputs) != self._size:
-            raise ValueError(f"{name}: input tensor list size {len(inputs)} does not match "
-                             f"world size {self._size}")
-        if len(outputs) != self._size:
-            raise ValueError(f"{name}: output tensor list size {len(outputs)} does not match "
-                             f"world size {self._size}")
-        xp = memory_of(name, inputs, outputs)
-        for what, arrays in (("input", inputs), ("output", outputs)):
-            for i, a in enumerate(arrays):
-                if a.dtype != outputs[0].dtype or type(a) is not type(outputs[0]):
-                    raise TypeError(f"{name}: invalid tensor type: {what} {i} is "
-                                    f"{_describe(a)}, output 0 is {_describe(outputs[0])}")
-        check_writable(outputs, name)
-        send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
-        seg = self._segment(inputs[0].dtype.itemsize)
-        algorithm, call = self._alltoall_call(name, opts, inputs, outputs, send_chunks,
-                                              recv_chunks)
-
-        def run(comm, work):
-            send = xp.empty(sum(a.size for a in inputs), inputs[0].dtype)
-            recv = xp.empty(sum(a.size for a in outputs), inputs[0].dtype)
-            xp.pack(inputs, send)
-            algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
-            s, n = send_chunks[self._rank]
-            r, m = recv_chunks[self._rank]
-            xp.assign(recv[r:r + m], send[s:s + n])
-            for a, g in zip(outputs, _unpack_like(recv, outputs)):
+            for a, g in zip(lst, gathered):
                 xp.assign(a, g)
-            return outs
+        return value
 
-        return self._enqueue(call, xp.wrap(run))
+    return call, xp.wrap(run)
 
-    def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                      opts: AllToAllOptions | None = None):
-        """Split ``input`` along dim 0 (equally, or by ``input_split_sizes``);
-        block q goes to rank q, and rank r's block for us lands in ``output``'s
-        r-th block (by ``output_split_sizes``)."""
-        name = "alltoall_base"
-        opts = opts or AllToAllOptions()
-        out, inp = as_array(output, name), as_array(input, name)
-        xp = memory_of(name, [out, inp])
-        if not xp.contiguous(out) or not xp.contiguous(inp):
-            raise ValueError(f"{name}: Tensors must be contiguous")
-        if out.dtype != inp.dtype:
-            raise TypeError(f"{name}: input and output tensors must have the same type "
-                            f"({inp.dtype} vs {out.dtype})")
-        check_writable([out], name)
-        send_chunks = _split_bounds(inp, input_split_sizes, self._size, name, "input")
-        recv_chunks = _split_bounds(out, output_split_sizes, self._size, name, "output")
-        if input_split_sizes is None and output_split_sizes is None and out.size != inp.size:
-            raise ValueError(f"{name}: input and output tensors must have the same size "
-                             f"({inp.size} vs {out.size} elements)")
-        seg = self._segment(inp.dtype.itemsize)
-        algorithm, call = self._alltoall_call(name, opts, [inp], [out], send_chunks, recv_chunks)
 
-        # The same memory as input and output: send from a copy, or blocks
-        # received early would overwrite blocks not sent yet.
-        aliased = xp.overlaps(out, inp)
+def allgather_coalesced(ctx: GroupContext, output_lists, input_list,
+                        opts: AllgatherOptions | None = None):
+    """``output_lists[r][j]`` receives rank r's ``input_list[j]``; inputs may
+    differ in shape (one dtype). One ring moves them all."""
+    name = "allgather_coalesced"
+    opts = opts or _ALLGATHER_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    inputs = as_array_list(input_list, name)
+    if not inputs:
+        raise ValueError(f"{name}: requires non-empty input tensor list")
+    if not isinstance(output_lists, (list, tuple)) or len(output_lists) != size:
+        got = len(output_lists) if isinstance(output_lists, (list, tuple)) else "not a list"
+        raise ValueError(f"{name}: output lists should be equal to world size "
+                         f"({size}), got {got}")
+    converted = [as_array_list(lst, name, allow_single=False) for lst in output_lists]
+    xp = memory_of(name, inputs, *converted)
+    check_same_dtype(inputs, name)
+    outputs = []
+    for r, lst in enumerate(converted):
+        if len(lst) != len(inputs):
+            raise ValueError(f"{name}: invalid output size at index {r} (expected "
+                             f"length {len(inputs)}, got {len(lst)})")
+        for j, (o, i) in enumerate(zip(lst, inputs)):
+            if o.dtype != i.dtype:
+                raise TypeError(f"{name}: invalid tensor type at index {j} of output "
+                                f"list {r}: expected {i.dtype}, got {o.dtype}")
+            if o.size != i.size:
+                raise ValueError(f"{name}: invalid size of output tensor at index {j} of "
+                                 f"output list {r}: expected {i.size} elements, got "
+                                 f"{o.size}")
+        check_writable(lst, name)
+        outputs.append(lst)
+    value = [list(lst) for lst in output_lists]
+    per_rank = sum(a.size for a in inputs)
+    chunks = [(r * per_rank, per_rank) for r in range(size)]
+    flat_outputs = [a for lst in outputs for a in lst]
+    algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, flat_outputs, per_rank)
 
-        def run(comm, work):
-            send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
-            if aliased:
-                send = xp.copy(send)
-            algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
-            s, n = send_chunks[self._rank]
-            r, m = recv_chunks[self._rank]
-            xp.assign(recv[r:r + m], send[s:s + n])
-            return [output]
+    def run(comm, work):
+        buf = xp.empty(per_rank * size, inputs[0].dtype)
+        xp.pack(inputs, buf[rank * per_rank:])
+        algorithm.run(comm, xp.buffer(buf), chunks, seg)
+        for r, lst in enumerate(outputs):
+            for a, g in zip(lst, _unpack_like(buf[r * per_rank:], lst)):
+                xp.assign(a, g)
+        return value
 
-        return self._enqueue(call, xp.wrap(run))
+    return call, xp.wrap(run)
 
-    def _rooted_call(self, name, opts, share, root, inputs, outputs):
-        """The algorithm and call descriptor of gather/scatter; ``share`` is the
-        array every rank sends (gather) or receives (scatter)."""
-        algorithm = choose(self._cfg, name, opts.algorithm, share.size * share.dtype.itemsize,
-                           self._size)
-        call = Call(name, self._timeout_for(opts, name), share.dtype, share.size, root=root,
-                    algorithm=algorithm.name, input_sizes=shapes(inputs),
-                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
-        return algorithm, call
 
-    def _gather_call(self, name, opts, inputs, outputs, per_rank):
-        """The algorithm and call descriptor of the allgather family."""
-        dtype = inputs[0].dtype
-        algorithm = choose(self._cfg, "allgather", opts.algorithm,
-                           per_rank * self._size * dtype.itemsize, self._size)
-        call = Call(name, self._timeout_for(opts, name), dtype, per_rank,
-                    algorithm=algorithm.name, input_sizes=shapes(inputs),
-                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
-        return algorithm, call
+def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=None, *,
+                                    name: str = "allgather_into_tensor_coalesced"):
+    """``outputs[i]`` (``world_size`` times ``inputs[i]``'s size) gets every
+    rank's ``inputs[i]`` back to back, in rank order, for several pairs in one
+    ring. With ``name="allgather_into_tensor"``: one pair, given as arrays."""
+    opts = opts or _ALLGATHER_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    outs = originals(outputs)
+    outputs = as_array_list(outputs, name)
+    inputs = as_array_list(inputs, name)
+    check_pairs(outputs, inputs, size, name, gathered="output")
+    xp = memory_of(name, outputs, inputs)
+    check_same_dtype(inputs, name)
+    check_writable(outputs, name)
+    direct = len(outputs) == 1 and xp.contiguous(outputs[0])
+    per_rank = sum(a.size for a in inputs)
+    chunks = [(r * per_rank, per_rank) for r in range(size)]
+    algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, outputs, per_rank)
 
-    def _alltoall_call(self, name, opts, inputs, outputs, send_chunks, recv_chunks):
-        """The algorithm and call descriptor of alltoall(_base), after the check
-        that needs only the arguments: what this rank sends itself must fit."""
-        n, m = send_chunks[self._rank][1], recv_chunks[self._rank][1]
-        if n != m:
-            raise ValueError(f"{name}: invalid tensor size: rank {self._rank} sends itself "
-                             f"{n} elements but expects {m}")
-        algorithm = choose(self._cfg, "alltoall", opts.algorithm, nbytes_of(inputs), self._size)
-        # Ranks may send each other different amounts, so no element count is
-        # stamped: each message's size is checked exactly instead.
-        call = Call(name, self._timeout_for(opts, name), inputs[0].dtype, 0,
-                    algorithm=algorithm.name, input_sizes=shapes(inputs),
-                    output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
-        return algorithm, call
+    def run(comm, work):
+        # One pair with a contiguous output: gather straight into it.
+        buf = (xp.flat(outputs[0], copy_in=False) if direct
+               else xp.empty(per_rank * size, inputs[0].dtype))
+        xp.pack(inputs, buf[rank * per_rank:])
+        algorithm.run(comm, xp.buffer(buf), chunks, seg)
+        if not direct:
+            rows = buf.reshape(size, per_rank)
+            col = 0
+            for o, i in zip(outputs, inputs):
+                # o holds rank 0's i, then rank 1's ...: row r, these columns.
+                target = xp.flat(o, copy_in=False)
+                xp.assign(target.reshape(size, i.size), rows[:, col:col + i.size])
+                if not xp.contiguous(o):
+                    xp.write(o, target)
+                col += i.size
+        return outs
+
+    return call, xp.wrap(run)
+
+
+def _gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
+    """The algorithm, segment and call of the allgather family (cached)."""
+    key = (name, inputs[0].dtype, shapes(inputs), shapes(outputs), per_rank,
+           opts.algorithm, opts.timeout)
+    return cached(ctx, key, opts, name, _build_gathered_plan, ctx, name, opts, inputs,
+                  outputs, per_rank)
+
+
+def _build_gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
+    dtype = inputs[0].dtype
+    algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize)
+    call = Call(name, ctx.timeout_for(opts, name), dtype, per_rank,
+                algorithm=algorithm.name, input_sizes=shapes(inputs),
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+    return algorithm, ctx.segment(dtype.itemsize), call
+
+
+# -- gather / scatter ------------------------------------------------------------
+def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | None = None):
+    """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``.
+    Non-roots pass ``[]`` as output. The future's value is the root's output
+    list (``[]`` on other ranks)."""
+    name = "gather"
+    opts = opts or _GATHER_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    root = opts.root_rank
+    check_root_rank(root, size, name)
+    inputs = as_array_list(input_list, name)
+    if len(inputs) != 1:
+        raise ValueError(f"{name}: requires a single-element input tensor list "
+                         f"(got {len(inputs)})")
+    src = inputs[0]
+    is_root = rank == root
+    outputs, value = [], []
+    if is_root:
+        lst = root_list(output_lists, size, name, "output")
+        outputs = as_array_list(lst, name, allow_single=False)
+        xp = memory_of(name, inputs, outputs)
+        check_same_type_and_size(outputs, name, like=src)
+        check_writable(outputs, name)
+        value = list(lst)
+    elif output_lists:
+        raise ValueError(f"{name}: requires empty output on non-root (rank {rank}, "
+                         f"root {root})")
+    else:
+        xp = memory_of(name, inputs)
+    algorithm, seg, call = _rooted_plan(ctx, name, opts, src, root, inputs, outputs)
+
+    def run(comm, work):
+        send = xp.flat(src, copy_in=True)
+        targets = [xp.flat(o, copy_in=False) for o in outputs]
+        algorithm.run(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
+        if is_root:
+            xp.assign(targets[root], send)
+            for o, t in zip(outputs, targets):
+                if not xp.contiguous(o):
+                    xp.write(o, t)
+        return value
+
+    return call, xp.wrap(run)
+
+
+def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | None = None):
+    """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``.
+    Non-roots pass ``[]`` as input."""
+    name = "scatter"
+    opts = opts or _SCATTER_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    root = opts.root_rank
+    check_root_rank(root, size, name)
+    outs = originals(output_list)
+    outputs = as_array_list(output_list, name)
+    if len(outputs) != 1:
+        raise ValueError(f"{name}: requires a single-element output tensor list "
+                         f"(got {len(outputs)})")
+    out = outputs[0]
+    check_writable(outputs, name)
+    is_root = rank == root
+    inputs = []
+    if is_root:
+        lst = root_list(input_lists, size, name, "input")
+        inputs = as_array_list(lst, name, allow_single=False)
+        xp = memory_of(name, outputs, inputs)
+        check_same_type_and_size(inputs, name, like=out)
+    elif input_lists:
+        raise ValueError(f"{name}: requires empty input on non-root (rank {rank}, "
+                         f"root {root})")
+    else:
+        xp = memory_of(name, outputs)
+    algorithm, seg, call = _rooted_plan(ctx, name, opts, out, root, inputs, outputs)
+
+    def run(comm, work):
+        target = xp.flat(out, copy_in=False)
+        sources = [xp.flat(a, copy_in=True) for a in inputs]
+        sends = [xp.buffer(a) for a in sources]
+        algorithm.run(comm, sends, xp.buffer(target), root, seg)
+        if is_root:
+            xp.assign(target, sources[root])
+        if not xp.contiguous(out):
+            xp.write(out, target)
+        return outs
+
+    return call, xp.wrap(run)
+
+
+def _rooted_plan(ctx, name, opts, share, root, inputs, outputs):
+    """The algorithm, segment and call of gather/scatter (cached); ``share`` is
+    the array every rank sends (gather) or receives (scatter)."""
+    key = (name, share.dtype, share.shape, root, shapes(inputs), shapes(outputs),
+           opts.algorithm, opts.timeout)
+    return cached(ctx, key, opts, name, _build_rooted_plan, ctx, name, opts, share, root,
+                  inputs, outputs)
+
+
+def _build_rooted_plan(ctx, name, opts, share, root, inputs, outputs):
+    algorithm = ctx.choose(name, opts.algorithm, share.size * share.dtype.itemsize)
+    call = Call(name, ctx.timeout_for(opts, name), share.dtype, share.size, root=root,
+                algorithm=algorithm.name, input_sizes=shapes(inputs),
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+    return algorithm, ctx.segment(share.dtype.itemsize), call
+
+
+# -- alltoall ---------------------------------------------------------------------
+def alltoall(ctx: GroupContext, output_list, input_list, opts: AllToAllOptions | None = None):
+    """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``. Every
+    input and output holds as many elements (torch's rule for the list form)."""
+    name = "alltoall"
+    opts = opts or _ALLTOALL_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    outs = originals(output_list)
+    outputs = as_array_list(output_list, name, allow_single=False)
+    inputs = as_array_list(input_list, name, allow_single=False)
+    if len(inputs) != size:
+        raise ValueError(f"{name}: input tensor list size {len(inputs)} does not match "
+                         f"world size {size}")
+    if len(outputs) != size:
+        raise ValueError(f"{name}: output tensor list size {len(outputs)} does not match "
+                         f"world size {size}")
+    xp = memory_of(name, inputs, outputs)
+    for what, arrays in (("input", inputs), ("output", outputs)):
+        for i, a in enumerate(arrays):
+            if a.dtype != outputs[0].dtype or type(a) is not type(outputs[0]):
+                raise TypeError(f"{name}: invalid tensor type: {what} {i} is "
+                                f"{_describe(a)}, output 0 is {_describe(outputs[0])}")
+            if a.size != outputs[0].size:
+                raise ValueError(f"{name}: invalid tensor size: {what} {i} has {a.size} "
+                                 f"elements, output 0 has {outputs[0].size}")
+    check_writable(outputs, name)
+    send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, inputs, outputs)
+
+    def run(comm, work):
+        send = xp.empty(sum(a.size for a in inputs), inputs[0].dtype)
+        recv = xp.empty(sum(a.size for a in outputs), inputs[0].dtype)
+        xp.pack(inputs, send)
+        algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
+        s, n = send_chunks[rank]
+        r, m = recv_chunks[rank]
+        xp.assign(recv[r:r + m], send[s:s + n])
+        for a, g in zip(outputs, _unpack_like(recv, outputs)):
+            xp.assign(a, g)
+        return outs
+
+    return call, xp.wrap(run)
+
+
+def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
+                  input_split_sizes=None, opts: AllToAllOptions | None = None):
+    """Split ``input`` along dim 0 (equally, or by ``input_split_sizes``);
+    block q goes to rank q, and rank r's block for us lands in ``output``'s
+    r-th block (by ``output_split_sizes``)."""
+    name = "alltoall_base"
+    opts = opts or _ALLTOALL_DEFAULTS
+    size, rank = ctx.size, ctx.rank
+    out, inp = as_array(output, name), as_array(input, name)
+    xp = memory_of(name, [out, inp])
+    if not xp.contiguous(out) or not xp.contiguous(inp):
+        raise ValueError(f"{name}: Tensors must be contiguous")
+    if out.dtype != inp.dtype:
+        raise TypeError(f"{name}: input and output tensors must have the same type "
+                        f"({inp.dtype} vs {out.dtype})")
+    check_writable([out], name)
+    send_chunks = _split_bounds(inp, input_split_sizes, size, name, "input")
+    recv_chunks = _split_bounds(out, output_split_sizes, size, name, "output")
+    if input_split_sizes is None and output_split_sizes is None and out.size != inp.size:
+        raise ValueError(f"{name}: input and output tensors must have the same size "
+                         f"({inp.size} vs {out.size} elements)")
+    n, m = send_chunks[rank][1], recv_chunks[rank][1]
+    if n != m:
+        raise ValueError(f"{name}: invalid tensor size: rank {rank} sends itself "
+                         f"{n} elements but expects {m}")
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
+
+    # The same memory as input and output: send from a copy, or blocks
+    # received early would overwrite blocks not sent yet.
+    aliased = xp.overlaps(out, inp)
+
+    def run(comm, work):
+        send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
+        if aliased:
+            send = xp.copy(send)
+        algorithm.run(comm, xp.buffer(send), send_chunks, xp.buffer(recv), recv_chunks, seg)
+        s, n = send_chunks[rank]
+        r, m = recv_chunks[rank]
+        xp.assign(recv[r:r + m], send[s:s + n])
+        return [output]
+
+    return call, xp.wrap(run)
+
+
+def _alltoall_plan(ctx, name, opts, inputs, outputs):
+    """The algorithm, segment and call of alltoall(_base) (cached)."""
+    key = (name, inputs[0].dtype, shapes(inputs), shapes(outputs), opts.algorithm,
+           opts.timeout)
+    return cached(ctx, key, opts, name, _build_alltoall_plan, ctx, name, opts, inputs,
+                  outputs)
+
+
+def _build_alltoall_plan(ctx, name, opts, inputs, outputs):
+    dtype = inputs[0].dtype
+    algorithm = ctx.choose("alltoall", opts.algorithm, nbytes_of(inputs))
+    # Ranks may send each other different amounts (alltoall_base's splits), so
+    # no element count is stamped: each message's size is checked exactly instead.
+    call = Call(name, ctx.timeout_for(opts, name), dtype, 0, algorithm=algorithm.name,
+                input_sizes=shapes(inputs), output_sizes=shapes(outputs),
+                nbytes=nbytes_of(inputs))
+    return algorithm, ctx.segment(dtype.itemsize), call
 
 
 def _unpack_like(buf, like):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..algorithms import allgather_ring
-from ..memory.buffers import HostBuffer
+from ..memory.host import HostBuffer
 from ..call import Call
 from ..dtypes import dtype_name, is_half
 from ..kernels.cpu import compile_op
@@ -61,8 +61,8 @@ def check_coalesced_layouts(arrays, name: str) -> None:
                              "dense arrays)")
 
 
-def allreduce_sparse(pg, arrays, opts):
-    """``pg.allreduce`` for SparseCOO inputs; returns the Work."""
+def allreduce_sparse(ctx, arrays, opts):
+    """The allreduce builder (see :mod:`.context`) for SparseCOO inputs."""
     name = "allreduce"
     outs = originals(arrays)
     inputs = outs
@@ -89,7 +89,7 @@ def allreduce_sparse(pg, arrays, opts):
     if opts.reduce_op != ReduceOp.SUM:
         raise ValueError(f"{name}: unsupported reduction operation {opts.reduce_op!r} "
                          "(allreduce of sparse tensors only works with ReduceOp.SUM)")
-    cfg, size = pg._cfg, pg.size()
+    cfg, size = ctx.cfg, ctx.size
     shape, sparse_dims = first.shape, first.sparse_dim
     sparse_shape = shape[:sparse_dims]
     dtype = first.dtype
@@ -119,12 +119,12 @@ def allreduce_sparse(pg, arrays, opts):
         return outs
 
     dense_count = int(np.prod(shape, dtype=np.int64))
-    call = Call("sparse_allreduce", pg._timeout_for(opts, name), dtype, dense_count,
+    call = Call("sparse_allreduce", ctx.timeout_for(opts, name), dtype, dense_count,
                 op="SUM", algorithm="allgather_coalesce",
                 input_sizes=tuple(tuple(a.shape) for a in inputs),
                 output_sizes=tuple(tuple(a.shape) for a in inputs),
                 nbytes=sum(int(a.values.nbytes) + int(a.indices.nbytes) for a in inputs))
-    return pg._enqueue(call, run)
+    return call, run
 
 
 def _gathered_sum(comm, cfg, indices, values, counts, entry_nbytes, shape) -> SparseCOO:

@@ -1,6 +1,6 @@
 """The work buffer of device-array collectives: device memory staged through pinned host memory.
 
-:class:`DeviceBuffer` implements the :class:`~numcoll.memory.buffers.WorkBuffer`
+:class:`DeviceBuffer` implements the :class:`~numcoll.algorithms.buffer.WorkBuffer`
 protocol that every algorithm is written against, for a flat C-contiguous
 device array, so the algorithms run unchanged on device data:
 
@@ -15,7 +15,7 @@ device array, so the algorithms run unchanged on device data:
 
 Why a mirror of the whole buffer (rather than a ring of segment slots): a
 range of the mirror is only ever used for the same range of the device
-buffer, so every rule that makes :class:`~numcoll.memory.buffers.HostBuffer` safe
+buffer, so every rule that makes :class:`~numcoll.memory.host.HostBuffer` safe
 holds unchanged -- a zero-copy send reads its range until it completes, and
 the algorithms rewrite a range only after, causally, every send of it
 completed. A ring of slots would need its own reasoning about which zero-copy

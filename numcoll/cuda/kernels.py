@@ -46,7 +46,9 @@ from numbers import Real
 import numpy as np
 
 from .. import config
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
+from ..dtypes import dtype_name, is_half
+from ..kernels.checks import F32 as _F32, U16 as _U16
+from ..kernels.checks import check_conversion, check_divisor, check_dtype, check_op, check_pair
 from ..ops import ReduceOp
 from .device import (
     _DRIVER_ERRORS,
@@ -86,9 +88,6 @@ __all__ = [
 THREADS_PER_BLOCK = config.Config.cuda_threads
 MAX_BLOCKS = config.Config.cuda_blocks
 
-_U16 = np.dtype(np.uint16)
-_F32 = np.dtype(np.float32)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 # The simulator keeps a kernel's launch shape on the shared kernel object and
 # allows one simulated kernel at a time in the process, so launches from
@@ -122,28 +121,11 @@ def _launch(kernel, count: int, stream, *args) -> None:
 # Validation (device-array views: device)
 # --------------------------------------------------------------------------
 
-def _check_dtype(where: str, dtype) -> np.dtype:
-    dtype = np.dtype(dtype)
-    if dtype not in _SUPPORTED:
-        order = " (non-native byte order)" if not dtype.isnative else ""
-        raise TypeError(
-            f"{where}: unsupported dtype {dtype}{order}; numcoll reduces "
-            + ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
-        )
-    return dtype
-
-
 def _operands(where: str, acc, x):
     """Check an (acc, x) pair for a reduction; return both as flat device views."""
     acc_d = _as_device(where, "acc", acc, writable=True)
     x_d = _as_device(where, "x", x)
-    if acc_d.dtype != x_d.dtype:
-        raise TypeError(f"{where}: dtype mismatch: acc is {dtype_name(acc_d.dtype)}, "
-                        f"x is {dtype_name(x_d.dtype)}")
-    _check_dtype(where, acc_d.dtype)
-    if acc_d.size != x_d.size:
-        raise ValueError(f"{where}: size mismatch: acc has {acc_d.size} elements, "
-                         f"x has {x_d.size}")
+    check_pair(where, acc_d, x_d)
     return _flat(where, "acc", acc_d), _flat(where, "x", x_d)
 
 
@@ -183,9 +165,7 @@ class ReduceKernel:
 
     def __call__(self, acc, x, stream=0) -> None:
         acc_d, x_d = _operands("reduce_into", acc, x)
-        if acc_d.dtype != self.dtype:
-            raise TypeError(f"reduce_into: acc has dtype {dtype_name(acc_d.dtype)}, "
-                            f"expected {dtype_name(self.dtype)}")
+        check_pair("reduce_into", acc_d, x_d, self.dtype)
         self._launch(acc_d, x_d, stream)
 
     def _launch(self, acc_d, x_d, stream) -> None:
@@ -234,9 +214,8 @@ def compile_op(op: ReduceOp, dtype) -> ReduceKernel:
         or a custom function does not compile for it; the message names the
         op and the dtype.
     """
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"compile_op: op must be a numcoll.ReduceOp, got {op!r}")
-    dtype = _check_dtype("compile_op", dtype)
+    check_op("compile_op", op)
+    dtype = check_dtype("compile_op", dtype)
     key = (op, dtype)
     kernel = _compiled.get(key)
     if kernel is not None:
@@ -295,8 +274,7 @@ def reduce_into(op: ReduceOp, acc, x, stream=0) -> None:
         Mismatched sizes, non-contiguous, misaligned or read-only arrays, or a
         bad ``NUMCOLL_CUDA_THREADS``/``NUMCOLL_CUDA_BLOCKS``.
     """
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"reduce_into: op must be a numcoll.ReduceOp, got {op!r}")
+    check_op("reduce_into", op)
     acc_d, x_d = _operands("reduce_into", acc, x)
     compile_op(op, acc_d.dtype)._launch(acc_d, x_d, stream)
 
@@ -316,14 +294,7 @@ def scale_into(acc, divisor: Real, stream=0) -> None:
         For a zero divisor, or an ``acc`` that is not a writable C-contiguous device array.
     """
     dev = _as_device("scale_into", "acc", acc, writable=True)
-    if not isinstance(divisor, Real) or isinstance(divisor, (bool, np.bool_)):
-        raise TypeError(f"scale_into: divisor must be a real number, got {divisor!r}")
-    if divisor == 0:
-        raise ValueError("scale_into: divisor must be non-zero")
-    dtype = _check_dtype("scale_into", dev.dtype)
-    why = op_dtype_refusal("AVG", dtype)
-    if why is not None:
-        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
+    dtype = check_divisor("scale_into", divisor, dev.dtype)
     work = _flat("scale_into", "acc", dev)
     if is_half(dtype):
         _launch(_SCALE_HALF[dtype], work.size, stream, work.view(_U16), np.float32(divisor))
@@ -333,17 +304,10 @@ def scale_into(acc, divisor: Real, stream=0) -> None:
         _launch(_scale_kernel, parts.size, stream, parts, real.type(divisor))
 
 
-def _convert(where: str, kernels: dict, src, out, src_ok, out_ok, stream) -> None:
+def _convert(where: str, kernels: dict, src, out, widen: bool, stream) -> None:
     src_d = _as_device(where, "src", src)
     out_d = _as_device(where, "out", out, writable=True)
-    if not (src_ok(src_d.dtype) and out_ok(out_d.dtype)):
-        raise TypeError(
-            f"{where}: converts float16/bfloat16 <-> float32 only, got src "
-            f"{dtype_name(src_d.dtype)} and out {dtype_name(out_d.dtype)}"
-        )
-    if src_d.size != out_d.size:
-        raise ValueError(f"{where}: size mismatch: src has {src_d.size} elements, "
-                         f"out has {out_d.size}")
+    check_conversion(where, src_d, out_d, widen)
     source = _flat(where, "src", src_d)
     work = _flat(where, "out", out_d)
     half = source.dtype if is_half(source.dtype) else work.dtype
@@ -363,7 +327,7 @@ def widen_into(src, out, stream=0) -> None:
     ValueError
         Mismatched sizes, non-contiguous or misaligned arrays, read-only ``out``.
     """
-    _convert("widen_into", _WIDEN, src, out, is_half, lambda d: d == _F32, stream)
+    _convert("widen_into", _WIDEN, src, out, True, stream)
 
 
 def narrow_into(src, out, stream=0) -> None:
@@ -380,4 +344,4 @@ def narrow_into(src, out, stream=0) -> None:
     ValueError
         Mismatched sizes, non-contiguous or misaligned arrays, read-only ``out``.
     """
-    _convert("narrow_into", _NARROW, src, out, lambda d: d == _F32, is_half, stream)
+    _convert("narrow_into", _NARROW, src, out, False, stream)

@@ -240,6 +240,12 @@ class DeviceSteps:
                 self.reduce(work, self.to_wire(a, scratch))
         return work, False
 
+    def work_buffer(self, arrays):
+        """:meth:`load` as the buffer an algorithm reduces in (its ``array`` the
+        flat work array), and whether that is ``arrays[0]``'s memory."""
+        work, in_place = self.load(arrays)
+        return self._xp.buffer(work, self.reduce), in_place
+
     def finish(self, work) -> None:
         if self._red.divisor is not None and work.size:
             cuda_kernels.scale_into(work, self._red.divisor, self._xp.stream)

@@ -27,16 +27,16 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     contiguous copies. CUDA arrays (all of them, contiguous) are packed by one
     kernel launch per buffer.
     """
-    from ..api import groups as dist
+    from ..api import groups, world  # the module layer's group resolution
 
     name = "broadcast_coalesced"
-    pg = dist._resolve(group)
+    pg = world._resolve(group)
     if pg is None:
         return None
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"{name}: buffer_size must be a positive number of bytes, got "
                          f"{buffer_size!r}")
-    root = dist._group_rank(pg, src, "src")
+    root = groups._group_rank(pg, src, "src")
     if not 0 <= root < pg.size():
         raise ValueError(f"{name}: invalid root rank: {src} (world size {pg.size()})")
     arrays = as_array_list(arrays, name, allow_single=False)

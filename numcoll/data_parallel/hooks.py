@@ -23,7 +23,7 @@ def _group(state, bucket):
         return state
     if bucket._group is not None:
         return bucket._group
-    from ..api.collectives import get_default_group
+    from ..api.world import get_default_group
 
     return get_default_group()
 

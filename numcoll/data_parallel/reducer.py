@@ -27,7 +27,7 @@ import numpy as np
 
 from ..memory.arrays import as_array_list
 from ..dtypes import dtype_name, is_half
-from ..futures import Future
+from ..futures import Future, FutureTimeoutError
 from ..kernels.cpu import scale_into
 from .buckets import compute_bucket_assignment_by_size
 from ..kernels.pack_plan import PackPlan
@@ -106,7 +106,7 @@ class Reducer:
                  find_unused_parameters: bool = False):
         name = "Reducer"
         if group is None:
-            from ..api.collectives import get_default_group
+            from ..api.world import get_default_group
 
             group = get_default_group()
         self._pg = group
@@ -388,11 +388,9 @@ class Reducer:
 def _wait(fut, timeout_s: float, b: int):
     try:
         value = fut.wait(timeout_s)
-    except TimeoutError as exc:
-        if "for a future" in str(exc):
-            raise TimeoutError(f"Timed out waiting {int(timeout_s * 1000)}ms for bucket {b}'s "
-                               "result (a comm hook's future that never completed?)") from exc
-        raise
+    except FutureTimeoutError as exc:  # the wait's own deadline, not the bucket's error
+        raise TimeoutError(f"Timed out waiting {int(timeout_s * 1000)}ms for bucket {b}'s "
+                           "result (a comm hook's future that never completed?)") from exc
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     return value

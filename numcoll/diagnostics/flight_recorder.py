@@ -10,7 +10,16 @@ last N records per process (default 2000; 0 turns the recorder off). When a
 group is poisoned (a timeout, a dead peer, a mismatch) and
 ``NUMCOLL_FR_DUMP_DIR`` is set, the rank writes its records there as
 ``numcoll_fr_rank{rank}.json``; ``python -m numcoll.diagnostics.fr_trace DIR`` merges the ranks'
-dumps and says which rank is missing from which collective.
+dumps and says which rank is missing from which collective. A dump directory
+may be shared with other users: the file is created new (``O_EXCL``, never
+through a link, mode 0600) under a random name and renamed into place, so
+nothing planted there is followed or overwritten through, and a reader never
+sees half a file.
+
+A group's configuration and progress are kept while the group lives and,
+once it is shut down (:meth:`FlightRecorder.release_group`), only while some
+of its records are still in the ring: creating and destroying groups forever
+does not grow the recorder.
 
 Times are ``time.time_ns()`` (wall clock), so records of ranks in different
 processes line up on one timeline.
@@ -24,10 +33,12 @@ import json
 import os
 import threading
 import time
+import uuid
 
 from .. import config
+from ..call import TORCH_NAMES
 
-__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record"]
+__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record", "write_private"]
 
 VERSION = "1.0"
 _now_ns = time.time_ns
@@ -37,7 +48,7 @@ class Record:
     """One collective's entry. Fields are written by the thread running it."""
 
     __slots__ = ("record_id", "pg_id", "rank", "seq", "call", "state", "time_created_ns",
-                 "time_started_ns", "time_completed_ns", "waiting_for", "error")
+                 "time_started_ns", "time_completed_ns", "waiting_for", "waiting_op", "error")
 
     def __init__(self, record_id: int, pg_id: int, rank: int, seq: int, call):
         self.record_id = record_id
@@ -49,8 +60,22 @@ class Record:
         self.time_created_ns = _now_ns()
         self.time_started_ns = None
         self.time_completed_ns = None
+        #: While started: the peer it waits for, and how ("recv", "send", or
+        #: "arena": a shared-arena step, which waits for every rank).
         self.waiting_for = None
+        self.waiting_op = None
         self.error = None
+
+    def describe_wait(self) -> str | None:
+        """``allreduce (collective #3) waiting to recv from rank 1``, while it waits."""
+        op, peer = self.waiting_op, self.waiting_for
+        if op is None:
+            return None
+        what = (f"{self.call.name} (collective #{self.seq})" if self.seq > 0
+                else f"{self.call.name} (point-to-point)")
+        if op == "arena":
+            return f"{what} waiting for every rank at a shared-arena step"
+        return f"{what} waiting to {op} {'from' if op == 'recv' else 'to'} rank {peer}"
 
     def as_dict(self) -> dict:
         call = self.call
@@ -59,9 +84,11 @@ class Record:
             "record_id": self.record_id,
             "pg_id": self.pg_id,
             "rank": self.rank,
-            # torch numbers a group's collectives from 1; point-to-point ops have none.
-            "collective_seq_id": self.seq + 1 if self.seq >= 0 else None,
-            "profiling_name": f"numcoll:{call.name}",
+            # A group's collectives are numbered from 1, as torch numbers them
+            # (and as numcoll's errors say "collective #N"); point-to-point ops
+            # have none.
+            "collective_seq_id": self.seq if self.seq > 0 else None,
+            "profiling_name": f"numcoll:{TORCH_NAMES.get(call.name, call.name)}",
             "input_sizes": [list(s) for s in call.input_sizes],
             "input_dtypes": dtype * len(call.input_sizes),
             "output_sizes": [list(s) for s in call.output_sizes],
@@ -96,7 +123,8 @@ class FlightRecorder:
         self._pg_ids = itertools.count()
         self._lock = threading.Lock()
         self._pg_config: dict[int, dict] = {}
-        self._pg_status: dict[int, dict] = {}
+        self._pg_status: dict[int, list] = {}
+        self._released: set[int] = set()  # shut down; dropped once no record names them
 
     def register_group(self, name: str, desc: str, ranks: list[int]) -> int:
         """A new group's id (``pg_id`` in the records)."""
@@ -109,36 +137,64 @@ class FlightRecorder:
 
     def set_group_ranks(self, pg_id: int, ranks: list[int]) -> None:
         with self._lock:
-            self._pg_config[pg_id]["ranks"] = list(ranks)
+            config = self._pg_config.get(pg_id)
+            if config is not None:
+                config["ranks"] = list(ranks)
+
+    def release_group(self, pg_id: int) -> None:
+        """The group ``pg_id`` was shut down: forget its configuration and
+        progress once none of its records is left in the ring (and those of
+        groups released earlier whose records have since been pushed out)."""
+        with self._lock:
+            self._released.add(pg_id)
+            # list() copies the ring in C, safe against a concurrent append.
+            named = {rec.pg_id for rec in list(self._records)}
+            for gone in [g for g in self._released if g not in named]:
+                self._released.discard(gone)
+                self._pg_config.pop(gone, None)
+                self._pg_status.pop(gone, None)
 
     # The three calls below run on every collective: no lock (a deque append and
     # an itertools.count step are atomic under the GIL; a status read racing an
-    # update sees the old or the new number), one clock read each.
-    def record(self, pg_id: int, rank: int, seq: int, call) -> Record:
+    # update sees the old or the new number), one clock read each. A group's
+    # status may be gone (work finishing after its group was released).
+    def record(self, pg_id: int, rank: int, seq: int, call, started: bool = False) -> Record:
+        """A new record for collective ``seq`` (scheduled; or ``started`` at once,
+        for a call its caller runs right away)."""
         rec = Record(next(self._ids), pg_id, rank, seq, call)
         self._records.append(rec)
-        if seq >= 0:
-            self._pg_status[pg_id][0] = seq + 1
+        status = self._pg_status.get(pg_id)
+        if seq > 0 and status is not None:
+            status[0] = seq
+        if started:
+            self.started(rec)
         return rec
 
     def started(self, rec: Record) -> None:
         rec.state = "started"
         rec.time_started_ns = _now_ns()
-        status = self._pg_status[rec.pg_id]
-        if rec.seq >= 0 and rec.seq >= status[1]:
-            status[1] = rec.seq + 1
+        status = self._pg_status.get(rec.pg_id)
+        if status is not None and rec.seq > status[1]:
+            status[1] = rec.seq
 
     def ended(self, rec: Record, error: BaseException | None = None) -> None:
         rec.time_completed_ns = _now_ns()
-        rec.waiting_for = None
+        rec.waiting_for = rec.waiting_op = None
         if error is None:
             rec.state = "completed"
-            status = self._pg_status[rec.pg_id]
-            if rec.seq >= 0 and rec.seq >= status[2]:
-                status[2] = rec.seq + 1
+            status = self._pg_status.get(rec.pg_id)
+            if status is not None and rec.seq > status[2]:
+                status[2] = rec.seq
         else:
             rec.state = "failed"
             rec.error = str(error)
+
+    def waiting(self, rank: int) -> list[str]:
+        """What global ``rank``'s collectives in progress are waiting for, newest first."""
+        with self._lock:
+            records = list(self._records)
+        return [text for rec in reversed(records) if rec.rank == rank and rec.state == "started"
+                for text in (rec.describe_wait(),) if text]
 
     def dump(self, rank: int | None = None) -> dict:
         """The records (of one global ``rank`` only, if given) as plain data."""
@@ -154,14 +210,41 @@ class FlightRecorder:
                 "pg_status": status, "entries": entries}
 
     def dump_to_dir(self, directory: str, rank: int) -> str:
-        """Write this rank's records to ``directory``; returns the file's path."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"numcoll_fr_rank{rank}.json")
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.dump(rank), f)
-        os.replace(tmp, path)  # a reader never sees half a file
-        return path
+        """Write this rank's records to ``directory`` (see the module docstring);
+        returns the file's path."""
+        name = f"numcoll_fr_rank{rank}.json"
+        write_private(directory, name, json.dumps(self.dump(rank)).encode())
+        return os.path.join(directory, name)
+
+
+def write_private(directory: str, name: str, data: bytes) -> None:
+    """Put ``data`` in ``directory/name`` as a new file only this user can read.
+
+    The directory is made (0700) if missing and opened without following a
+    link in its last component; the bytes go to a new file of a random name
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600), which is then renamed over
+    ``name``: a link or file planted under either name is never written
+    through, and a reader sees the old file or the whole new one. Raises
+    ``OSError`` (e.g. when another user's file holds ``name`` in a sticky
+    directory: it is not ours to replace)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
 
 
 _recorder: FlightRecorder | None = None
@@ -190,7 +273,7 @@ def dump(rank: int | None = None) -> dict:
     """This process's records: ``{"version", "pg_config", "pg_status", "entries"}``.
 
     Each entry has record_id, pg_id, rank (global), collective_seq_id,
-    profiling_name ("numcoll:allreduce"), input_sizes, input_dtypes,
+    profiling_name ("numcoll:all_reduce", torch's name of the call), input_sizes, input_dtypes,
     output_sizes, output_dtypes, state (scheduled / started / completed /
     failed), time_created_ns, time_started_ns, time_completed_ns, timeout_ms,
     algorithm, waiting_for (the peer rank a started collective is blocked on,

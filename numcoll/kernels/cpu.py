@@ -43,8 +43,10 @@ from numbers import Real
 import numpy as np
 from numba import from_dtype, types
 
-from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half, op_dtype_refusal
+from ..dtypes import SUPPORTED_DTYPES, dtype_name, is_half
 from ..ops import ReduceOp
+from .checks import F32 as _F32, U16 as _U16
+from .checks import check_conversion, check_divisor, check_dtype, check_op, check_pair
 from .cpu_loops import (
     _NARROW,
     _SCALE_HALF,
@@ -64,9 +66,6 @@ __all__ = [
     "widen_into",
 ]
 
-_U16 = np.dtype(np.uint16)
-_F32 = np.dtype(np.float32)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 # --------------------------------------------------------------------------
@@ -103,20 +102,6 @@ def _entry(dispatcher, *args: tuple[np.dtype, bool] | np.dtype):
     return entry
 
 
-def _check_dtype(where: str, dtype) -> np.dtype:
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"{where}: {dtype!r} is not a dtype") from None
-    if dtype not in _SUPPORTED:
-        order = " (non-native byte order)" if not dtype.isnative else ""
-        raise TypeError(
-            f"{where}: unsupported dtype {dtype}{order}; numcoll reduces "
-            + ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
-        )
-    return dtype
-
-
 class ReduceKernel:
     """``op`` compiled for ``dtype``: call it as ``kernel(acc, x)`` to reduce ``x`` into ``acc``.
 
@@ -131,7 +116,7 @@ class ReduceKernel:
         Wall time :func:`compile_op` spent compiling or loading from the disk cache.
     """
 
-    __slots__ = ("op", "dtype", "compile_seconds", "_entry", "_view")
+    __slots__ = ("op", "dtype", "compile_seconds", "unchecked", "_entry", "_view")
 
     def __init__(self, op, dtype, entry, view, compile_seconds):
         self.op = op
@@ -139,6 +124,11 @@ class ReduceKernel:
         self.compile_seconds = compile_seconds
         self._entry = entry
         self._view = view            # uint16 for half dtypes, else None
+        #: The compiled entry point itself, for callers that guarantee what the
+        #: checks in ``__call__`` verify (1-D, C-contiguous, aligned operands of
+        #: equal length and this dtype): numcoll's own work buffers. None for
+        #: 16-bit floats, whose bits must be viewed as uint16 first.
+        self.unchecked = entry if view is None else None
 
     def __repr__(self):
         return f"<ReduceKernel {self.op!r} {dtype_name(self.dtype)}>"
@@ -201,9 +191,8 @@ def compile_op(op: ReduceOp, dtype) -> ReduceKernel:
         return _by_op_id[id(op)][dtype]
     except (KeyError, TypeError):                       # TypeError: an unhashable "dtype"
         pass
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"compile_op: op must be a numcoll.ReduceOp, got {op!r}")
-    dtype = _check_dtype("compile_op", dtype)
+    check_op("compile_op", op)
+    dtype = check_dtype("compile_op", dtype)
     view = _U16 if is_half(dtype) else None
     kernel_dtype = view if view is not None else dtype
     start = time.perf_counter()
@@ -265,15 +254,7 @@ def _check_arrays(where: str, **arrays) -> None:
 def _operands(where: str, acc, x, dtype=None):
     """Check an (acc, x) pair for a reduction; return both via :func:`_flat`."""
     _check_arrays(where, acc=acc, x=x)
-    if dtype is not None and acc.dtype != dtype:
-        raise TypeError(f"{where}: acc has dtype {dtype_name(acc.dtype)}, "
-                        f"expected {dtype_name(dtype)}")
-    if acc.dtype != x.dtype:
-        raise TypeError(f"{where}: dtype mismatch: acc is {dtype_name(acc.dtype)}, "
-                        f"x is {dtype_name(x.dtype)}")
-    if acc.size != x.size:
-        raise ValueError(f"{where}: size mismatch: acc has {acc.size} elements, "
-                         f"x has {x.size}")
+    check_pair(where, acc, x, dtype)
     return _flat(where, "acc", acc, True), _flat(where, "x", x, False)
 
 
@@ -355,14 +336,7 @@ def scale_into(acc: np.ndarray, divisor: Real) -> None:
         entry(acc.view(view), scalar(divisor))
         return
     _check_arrays("scale_into", acc=acc)
-    if not isinstance(divisor, Real) or isinstance(divisor, (bool, np.bool_)):
-        raise TypeError(f"scale_into: divisor must be a real number, got {divisor!r}")
-    if divisor == 0:
-        raise ValueError("scale_into: divisor must be non-zero")
-    dtype = _check_dtype("scale_into", acc.dtype)
-    why = op_dtype_refusal("AVG", dtype)
-    if why is not None:
-        raise TypeError(f"scale_into: cannot divide {dtype_name(dtype)} in place: {why}")
+    dtype = check_divisor("scale_into", divisor, acc.dtype)
     if is_half(dtype):
         entry, view, scalar = _entry(_SCALE_HALF[dtype], (_U16, False), _F32), _U16, np.float32
     else:
@@ -377,7 +351,7 @@ def scale_into(acc: np.ndarray, divisor: Real) -> None:
 _conversions: dict = {}   # (kernels id, src dtype, out dtype) -> entry point; see _convert
 
 
-def _convert(where: str, kernels: dict, src, out, src_ok, out_ok) -> None:
+def _convert(where: str, kernels: dict, src, out, widen: bool) -> None:
     try:
         entry = _conversions[(id(kernels), src.dtype, out.dtype)]
     except (KeyError, AttributeError, TypeError):
@@ -387,14 +361,7 @@ def _convert(where: str, kernels: dict, src, out, src_ok, out_ok) -> None:
               out.view(_U16) if out.dtype != _F32 else out)
         return
     _check_arrays(where, src=src, out=out)
-    if not (src_ok(src.dtype) and out_ok(out.dtype)):
-        raise TypeError(
-            f"{where}: converts float16/bfloat16 <-> float32 only, got src "
-            f"{dtype_name(src.dtype)} and out {dtype_name(out.dtype)}"
-        )
-    if src.size != out.size:
-        raise ValueError(f"{where}: size mismatch: src has {src.size} elements, "
-                         f"out has {out.size}")
+    check_conversion(where, src, out, widen)
     source = _flat(where, "src", src, False)
     work = _flat(where, "out", out, True)
     half = src.dtype if is_half(src.dtype) else out.dtype
@@ -416,7 +383,7 @@ def widen_into(src: np.ndarray, out_f32: np.ndarray) -> None:
     ValueError
         Mismatched sizes, non-contiguous arrays or a read-only ``out_f32``.
     """
-    _convert("widen_into", _WIDEN, src, out_f32, is_half, lambda d: d == _F32)
+    _convert("widen_into", _WIDEN, src, out_f32, widen=True)
 
 
 def narrow_into(src_f32: np.ndarray, out: np.ndarray) -> None:
@@ -432,7 +399,7 @@ def narrow_into(src_f32: np.ndarray, out: np.ndarray) -> None:
     ValueError
         Mismatched sizes, non-contiguous arrays or a read-only ``out``.
     """
-    _convert("narrow_into", _NARROW, src_f32, out, lambda d: d == _F32, is_half)
+    _convert("narrow_into", _NARROW, src_f32, out, widen=False)
 
 
 def precompile(ops=None, dtypes=None) -> float:

@@ -31,8 +31,6 @@ launcher is SIGKILLed (Linux parent-death signal), so nothing outlives a run.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import secrets
 import signal
@@ -43,12 +41,12 @@ import time
 from datetime import timedelta
 
 from ..logs import get_logger
+from .parent import preexec_for
 
 __all__ = ["main", "build_parser"]
 
 _log = get_logger("run")
 _POLL_S = 0.05
-_PR_SET_PDEATHSIG = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,21 +99,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return ns
 
 
-def _pdeathsig():
-    """preexec_fn: the rank gets SIGKILL when the launcher dies, however it dies."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    prctl = getattr(libc, "prctl", None)
-    parent = os.getpid()
-
-    def set_signal():
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != parent:   # the launcher died before prctl took effect
-                os._exit(1)
-
-    return set_signal
-
-
 class _Ranks:
     """The local rank processes, their output pumps, and stopping them."""
 
@@ -136,7 +119,7 @@ class _Ranks:
     def start(self) -> None:
         ns = self.ns
         world_size = ns.nnodes * ns.nproc
-        preexec = _pdeathsig()
+        preexec = preexec_for(os.getpid())
         for local_rank in range(ns.nproc):
             rank = ns.node_rank * ns.nproc + local_rank
             env = dict(self.env, RANK=str(rank), LOCAL_RANK=str(local_rank),

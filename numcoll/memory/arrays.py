@@ -12,7 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..dtypes import bfloat16, dtype_name, is_supported
+from ..dtypes import SUPPORTED_DTYPES, bfloat16, dtype_name, is_supported
+from .host import HOST
 
 __all__ = [
     "as_array",
@@ -20,7 +21,12 @@ __all__ = [
     "check_same_type_and_size",
     "check_writable",
     "is_device_array",
+    "memory_of",
+    "uniform_arrays",
 ]
+
+
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def is_device_array(obj) -> bool:
@@ -128,3 +134,48 @@ def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
         elif getattr(a, "_numcoll_readonly", False):   # set by cuda.arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
                              "__cuda_array_interface__ says so)")
+
+
+def memory_of(op: str, *array_lists):
+    """Where the arrays (already converted by :func:`as_array`) live: the host
+    memory :data:`numcoll.memory.host.HOST`, or a new
+    :class:`numcoll.cuda.memory.DeviceArrays` for CUDA arrays (imported then,
+    so that ``import numcoll`` never loads numba.cuda); ``TypeError`` for a mix."""
+    on_host = on_device = False
+    for arrays in array_lists:
+        for a in arrays:
+            if isinstance(a, np.ndarray):
+                on_host = True
+            else:
+                on_device = True
+    if not on_device:
+        return HOST
+    if on_host:
+        raise TypeError(f"{op}: cannot mix host (NumPy) and device (CUDA) arrays in one call")
+    from ..cuda.memory import DeviceArrays  # lazy: imports numba.cuda
+
+    return DeviceArrays([a for arrays in array_lists for a in arrays])
+
+
+def uniform_arrays(arrays, op: str, *, writable: bool = True, nonempty: bool = True):
+    """The checks of a call on one list of alike arrays (allreduce, broadcast):
+    ``arrays`` (one array or a list) converted, non-empty (Gloo's
+    ``requires non-empty tensor list``), every one of the first's dtype and
+    shape, writable. Returns ``(list of arrays, their memory)``. One function,
+    so the busiest calls pay one call for all of it."""
+    if isinstance(arrays, np.ndarray):
+        arrays = [arrays]
+    elif not isinstance(arrays, (list, tuple)):
+        arrays = [as_array(arrays, op)]
+    if type(arrays) is not list or not all(type(a) is np.ndarray and a.dtype in _SUPPORTED
+                                           for a in arrays):
+        arrays = [as_array(a, op) for a in arrays]
+    if not arrays:
+        if nonempty:
+            raise ValueError(f"{op}: requires non-empty tensor list")
+        return arrays, HOST
+    xp = memory_of(op, arrays) if type(arrays[0]) is not np.ndarray or len(arrays) > 1 else HOST
+    check_same_type_and_size(arrays, op)
+    if writable:
+        check_writable(arrays, op)
+    return arrays, xp

@@ -12,7 +12,7 @@ factor as it is loaded into the wire dtype.
 A :class:`Reduction` is the plan: what to compute, and the kernel compiled
 for the memory it runs on (``kernel``; ``multiply`` too for PREMUL_SUM on the
 device). The steps that apply it have one shape per memory kind:
-:class:`HostSteps` here for NumPy arrays, and
+:class:`numcoll.memory.host.HostSteps` for NumPy arrays, and
 :class:`numcoll.cuda.memory.DeviceSteps` for CUDA arrays.
 """
 
@@ -22,9 +22,10 @@ import numpy as np
 
 from ..dtypes import check_op_dtype, dtype_name, is_half
 from ..kernels import cpu
+from .host import HostSteps
 from ..ops import ReduceOp
 
-__all__ = ["Reduction", "HostSteps"]
+__all__ = ["Reduction"]
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -65,67 +66,6 @@ class Reduction:
             raise TypeError(f"{opname}: {exc}") from None
         #: The steps on host memory (stateless, so made once per plan).
         self.host_steps = None if device else HostSteps(self)
-
-
-class HostSteps:
-    """A :class:`Reduction` applied to NumPy arrays: the host twin of
-    :class:`numcoll.cuda.memory.DeviceSteps`, with the same methods."""
-
-    __slots__ = ("_red", "wire_dtype", "reduce")
-
-    def __init__(self, red: Reduction):
-        self._red = red
-        self.wire_dtype = red.wire_dtype
-        #: acc = op(acc, x), elementwise, in the wire dtype: the plan's compiled kernel.
-        self.reduce = red.kernel
-
-    def to_wire(self, src: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """``src`` (any layout) as a flat wire-dtype array (a new one unless ``out``)."""
-        red = self._red
-        if out is None:
-            out = np.empty(src.size, red.wire_dtype)
-        if red.widen:
-            cpu.widen_into(np.ascontiguousarray(src).reshape(-1), out)
-        else:
-            np.copyto(out, src.reshape(-1) if src.flags.c_contiguous else src.ravel())
-        if red.factor is not None:
-            np.multiply(out, red.factor, out=out)
-        return out
-
-    def load(self, arrays: list) -> tuple[np.ndarray, bool]:
-        """The flat work buffer holding the local reduction of ``arrays``, and
-        whether it *is* ``arrays[0]``'s memory (then results need no copy back)."""
-        red = self._red
-        first = arrays[0]
-        if len(arrays) == 1 and not red.widen and first.flags.c_contiguous:
-            work = first.reshape(-1)
-            if red.factor is not None:
-                np.multiply(work, red.factor, out=work)
-            return work, True
-        work = self.to_wire(first)
-        if len(arrays) > 1:
-            scratch = np.empty_like(work)
-            for a in arrays[1:]:
-                self.reduce(work, self.to_wire(a, scratch))
-        return work, False
-
-    def finish(self, work: np.ndarray) -> None:
-        """Apply what comes after the sum (AVG's division)."""
-        if self._red.divisor is not None and work.size:
-            cpu.scale_into(work, self._red.divisor)
-
-    def store(self, work: np.ndarray, out: np.ndarray) -> None:
-        """Write the flat work buffer (or a slice of it) into ``out`` (any layout)."""
-        red = self._red
-        if red.widen:
-            if out.flags.c_contiguous:
-                cpu.narrow_into(work, out.reshape(-1))
-            else:
-                tmp = np.empty(out.size, red.dtype)
-                cpu.narrow_into(work, tmp)
-                np.copyto(out, tmp.reshape(out.shape))
-        else:
-            np.copyto(out, work.reshape(out.shape))
 
 
 def _premul_factor(op: ReduceOp, dtype: np.dtype, wire_dtype: np.dtype, opname: str):

@@ -1,9 +1,17 @@
-"""An in-memory stand-in for numcoll.comm.Comm, to test algorithms alone.
+"""An in-memory stand-in for :class:`numcoll.comm.Comm`, to test algorithms alone.
 
 Ranks are threads; a send copies its bytes into the receiver's inbox at once
 (FIFO per (source, step)), a receive waits on the receiver's own condition
 with a deadline. No transport, no ProcessGroup, no dtype: what an algorithm
-sees of the world is exactly this interface.
+sees of the world is exactly this interface, so an algorithm of your own can
+be checked at 1..33 ranks in milliseconds::
+
+    from numcoll.testing import run_ranks
+    results = run_ranks(5, lambda comm: my_allreduce(comm, HostBuffer(x, add), 1024))
+
+Every wait has a deadline (:data:`WAIT_S`); ``run_ranks`` re-raises the first
+rank's error, and checks that no message was left unreceived and that every
+rank ran the same shared-arena steps.
 """
 
 from __future__ import annotations
@@ -54,12 +62,21 @@ class _ArenaView:
 
 
 class FakeComm:
+    """One rank's comm: the send/recv and shared-arena verbs of :class:`numcoll.comm.Comm`."""
+
     def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None,
                  arena: _Arena | None = None):
         self.rank, self.size = rank, len(fabric)
         self._fabric = fabric
         self._log = log
         self.arena = None if arena is None else _ArenaView(arena, rank)
+
+    @property
+    def arena_slot_nbytes(self) -> int:
+        return self.arena.slot_nbytes
+
+    def next_slot(self) -> np.ndarray:
+        return self.arena.mine(self.arena.next_step)
 
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:
         """Comm.shared_step: publish, then wait for every rank's part of the step."""

@@ -1,0 +1,123 @@
+"""What a collective needs of its group, passed explicitly.
+
+Every collective in this package is a *builder*: ``build(ctx, <the call's
+arguments>) -> (Call, run)``. It checks the arguments, works out (or takes
+from ``ctx.plans``) the algorithm, segment size and reduction plan, builds
+the :class:`~numcoll.call.Call`, and returns it with ``run(comm, work)``, the
+closure the group runs when the call's turn comes. A builder reads nothing
+but its arguments and this context, and never calls the group: the
+:class:`~numcoll.ProcessGroup` (or the module API) hands ``(call, run)`` to
+``ProcessGroup.submit``. So a call flows one way: group -> builder, then
+group -> executor -> ``run`` -> algorithm -> comm -> transport.
+
+The plan cache
+--------------
+Most of a small call's cost is working out what a repeated call already
+worked out. ``ctx.plans`` keeps those plans -- one bounded, least-recently-used
+table for every collective of the group, keyed by everything a plan depends
+on (collective, dtypes, shapes, op, root, options). A hit costs two dict
+operations, both in C (``plans.get``; ``plans.move_to_end``)::
+
+    plan = ctx.plans.get(key)
+    if plan is None:
+        plan = ctx.keep(key, <build the plan>)
+    else:
+        ctx.plans.move_to_end(key)
+
+(:func:`cached` wraps that for builders off the hot path.) Builders put
+hashable stand-ins in a key (an op's ``_key``, not the op, whose ``__hash__``
+is Python code); an option of the wrong type that cannot be hashed is refused
+by :func:`check_options` with the option's own message.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+from .. import config as _config
+from ..memory.reduction import Reduction
+from .checks import timeout_seconds
+from .choice import Choice, choose, segment_count
+
+__all__ = ["GroupContext", "cached", "check_options"]
+
+
+class GroupContext:
+    """A group as its collectives see it: ``rank``, ``size``, ``cfg`` (the
+    :class:`numcoll.config.Config` in force), ``timeout_s`` (the default
+    deadline) and the plan cache ``plans``. Owned by one ProcessGroup."""
+
+    __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions")
+
+    def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
+        self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
+        self.plans: OrderedDict = OrderedDict()
+        self.plans_kept = cfg.call_plans_kept
+        self._reductions: dict = {}  # (op, dtype, on device) -> Reduction
+
+    def keep(self, key, plan):
+        """Keep ``plan`` under ``key`` (evicting the least recently used plan
+        beyond ``plans_kept``) and return it."""
+        plans = self.plans
+        plans[key] = plan
+        if len(plans) > self.plans_kept:
+            plans.popitem(last=False)
+        return plan
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """A new default deadline: plans hold calls stamped with the old one."""
+        self.timeout_s = timeout_s
+        self.plans.clear()
+
+    def disable_arena(self) -> None:
+        """This group's transport has no shared arena: no shared algorithms."""
+        self.cfg = _config.replace(self.cfg, arena_slot_nbytes=0)
+        self.plans.clear()
+
+    # -- what plans are made of ------------------------------------------------------
+    def timeout_for(self, opts, op_name: str) -> float:
+        """The deadline in seconds for a call with options ``opts`` (the group's
+        default unless ``opts.timeout`` is set; it must be a positive timedelta)."""
+        t = getattr(opts, "timeout", None)
+        return self.timeout_s if t is None else timeout_seconds(t, op_name)
+
+    def reduction(self, op, dtype, name: str, on_device: bool) -> Reduction:
+        """The (op, dtype) plan: checks and a compiled kernel, made once per group."""
+        key = (op, dtype, on_device)
+        red = self._reductions.get(key)
+        if red is None:
+            red = self._reductions[key] = Reduction(op, dtype, self.size, self.cfg.half_wire,
+                                                    name, device=on_device)
+        return red
+
+    def choose(self, collective: str, requested, nbytes: int, shared: bool = True) -> Choice:
+        """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`)."""
+        return choose(self.cfg, collective, requested, nbytes, self.size, shared)
+
+    def segment(self, itemsize: int) -> int:
+        """Elements per segment for arrays of ``itemsize`` bytes."""
+        return segment_count(self.cfg, itemsize)
+
+
+def check_options(opts, op_name: str) -> None:
+    """``TypeError`` naming the option, for options no plan key can hold."""
+    algorithm, timeout = opts.algorithm, opts.timeout
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise TypeError(f"{op_name}: algorithm must be a str, got {type(algorithm).__name__}")
+    if timeout is not None:
+        timeout_seconds(timeout, op_name)
+
+
+def cached(ctx: GroupContext, key: tuple, opts, op_name: str, build: Callable, *args):
+    """``ctx``'s plan for ``key`` (which holds ``opts``'s algorithm and
+    timeout), built with ``build(*args)`` on a miss."""
+    try:
+        plan = ctx.plans.get(key)
+    except TypeError:  # an unhashable option
+        check_options(opts, op_name)
+        raise
+    if plan is None:
+        return ctx.keep(key, build(*args))
+    ctx.plans.move_to_end(key)
+    return plan

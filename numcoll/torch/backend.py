@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from ..bootstrap.launcher_env import local_host_for
-from ..bootstrap.store import PrefixStore
 from ..bootstrap.torch_store import TorchStore
 from ..memory.arrays import as_array
 from ..memory.sparse import SparseCOO

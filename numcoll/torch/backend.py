@@ -46,10 +46,6 @@ from ..options import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOpt
                        ReduceOptions, ReduceScatterOptions, ScatterOptions)
 from ..process_group import ProcessGroup
 
-try:  # a blocking call run on the caller's thread (see _finish); asked to become public
-    from ..process_group import _run_blocking
-except ImportError:  # pragma: no cover - the lead's rewrite may move it
-    _run_blocking = None
 from .errors import to_torch_error
 from .work import Work, completed_work
 
@@ -178,10 +174,7 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         if getattr(opts, "asyncOp", True):
             return Work(call(), value, after)
         try:
-            if _run_blocking is not None:
-                _run_blocking(call)
-            else:
-                call().wait()
+            call(blocking=True)
             if after is not None:
                 after()
         except BaseException as exc:  # noqa: BLE001 - raised as torch's

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import statistics
 import time
@@ -175,7 +174,9 @@ def judge(name: str, now: dict, base: dict, speed: float = 1.0,
 def judge_all(rows: dict, now: dict[str, dict], base: dict[str, dict]) -> list[Verdict]:
     """Verdicts on the gated rows (``rows``: name -> :class:`~numcoll.bench.rows.Row`)
     that both runs have, each against its anchor's slowdown."""
-    cpus = _usable_cpus()
+    from .rows import usable_cpus
+
+    cpus = len(usable_cpus())
     verdicts = []
     for name, row in rows.items():
         if not row.gated or name not in now or name not in base:
@@ -189,13 +190,6 @@ def judge_all(rows: dict, now: dict[str, dict], base: dict[str, dict]) -> list[V
         verdicts.append(judge(name, now[name], base[name], speed, floor,
                               load_sensitive=bool(row.world_size)))
     return verdicts
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def measure(schedule, rounds: int, base: dict[str, dict] | None = None, *,

@@ -32,7 +32,7 @@ import numpy as np
 from .sweep import bus_factor, format_nbytes, make_plan, moves_data
 
 __all__ = ["Row", "default_rows", "rank_step", "local_step", "environment", "ROOTED",
-           "COLLECTIVES", "missing_api"]
+           "COLLECTIVES", "missing_api", "usable_cpus", "exchange_file_nbytes"]
 
 #: Every collective the suite measures (numcoll-bench's ops).
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall",
@@ -191,6 +191,14 @@ def default_rows(quick: bool = True) -> list[Row]:
     return rows
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (every CPU where affinity is unknown)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
 # -- steps -------------------------------------------------------------------------------
 def rank_step(spec: dict) -> tuple[Callable[[], object], bool]:
     """``(step, sync_each_iter)`` for a row measured on this rank's default group."""
@@ -243,17 +251,13 @@ def _exchange(path: str, nbytes: int, rank: int, world_size: int) -> Callable[[]
     together, from running side by side, or that takes the caches and memory
     bandwidth, slows it as it slows a collective of that size."""
     count = max(1, nbytes // 4)
-    slot = -(-count * 4 // 64) * 64 // 4  # float32 per slot, whole cache lines
+    slot = _slot_nbytes(nbytes) // 4  # float32 per slot
     shared = np.memmap(path, dtype=np.int64, mode="r+")
     flags = shared[:world_size * 8]
     slots = shared[world_size * 8:].view(np.float32)[:world_size * slot].reshape(
         world_size, slot)[:, :count]
     src, acc = np.zeros(count, np.float32), np.empty(count, np.float32)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    spins = 0 if world_size > cpus else 32
+    spins = 0 if world_size > len(usable_cpus()) else 32
     epoch = [int(flags[rank * 8])]
 
     def meet():
@@ -277,10 +281,14 @@ def _exchange(path: str, nbytes: int, rank: int, world_size: int) -> Callable[[]
     return step
 
 
+def _slot_nbytes(nbytes: int) -> int:
+    """A rank's slot in :func:`_exchange`'s file: whole float32s, whole cache lines."""
+    return -(-max(1, nbytes // 4) * 4 // 64) * 64
+
+
 def exchange_file_nbytes(world_size: int, nbytes: int) -> int:
     """The size of the file :func:`_exchange` maps (counters, then one slot per rank)."""
-    slot_nbytes = -(-max(1, nbytes // 4) * 4 // 64) * 64
-    return 64 * world_size + slot_nbytes * world_size
+    return 64 * world_size + _slot_nbytes(nbytes) * world_size
 
 
 def local_step(spec: dict) -> Callable[[], object]:
@@ -336,15 +344,11 @@ def environment() -> dict:
     cfg, defaults = current(), Config()
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)
                if getattr(cfg, f.name) != getattr(defaults, f.name)}
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
     return {
         "numcoll_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NUMCOLL_")},
         "numcoll_config_changed": changed,
         "versions": {"numcoll": __version__, "python": platform.python_version(),
                      "numpy": np.__version__, "numba": _version("numba"),
                      "pyzmq": _version("pyzmq"), "torch": _version("torch")},
-        "cpus_usable": usable,
+        "cpus_usable": len(usable_cpus()),
     }

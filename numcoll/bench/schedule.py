@@ -52,7 +52,7 @@ from typing import Callable
 
 import numpy as np
 
-from .rows import Row, exchange_file_nbytes, local_step, missing_api, rank_step
+from .rows import Row, exchange_file_nbytes, local_step, missing_api, rank_step, usable_cpus
 
 __all__ = ["Schedule", "ScheduleError", "WARMUP_ITERS"]
 
@@ -113,10 +113,7 @@ def _pin(rank: int, world_size: int) -> int | None:
     rows 3x slower at random on the 2-core VM: a state of the machine, not of
     the code, so the gate fixes the placement. Returns the CPU, or None when
     the ranks outnumber the CPUs (they then share them as users' do)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
+    cpus = usable_cpus()
     if world_size > len(cpus):
         return None
     cpu = cpus[rank]

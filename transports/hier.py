@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 
 from .base import ANY_SOURCE, Rendezvous, TransportError
+from .endpoint import forget
 
 __all__ = ["HierTransport", "HostArena", "NET_TAG_BIT", "hosts_from_keys"]
 
@@ -51,7 +52,8 @@ HOST_KEY = "hier/host/{rank}"
 
 
 class _Prefixed:
-    """``store`` with keys under ``prefix`` (the Rendezvous subset)."""
+    """``store`` with keys under ``prefix`` (the Rendezvous subset, and
+    ``delete_key`` where ``store`` has it)."""
 
     def __init__(self, store: Rendezvous, prefix: str):
         self._store, self._prefix = store, prefix
@@ -61,6 +63,9 @@ class _Prefixed:
 
     def get(self, key: str) -> bytes:
         return self._store.get(self._prefix + key)
+
+    def delete_key(self, key: str) -> None:
+        forget(self._store, self._prefix + key)
 
 
 def hosts_from_keys(keys: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -195,6 +200,9 @@ class HierTransport:
         # take them there).
         self._local_index = {r: i for i, r in enumerate(self.local) if r != rank}
         self._net = create("tcp", rank, size, _Prefixed(store, "hier/net/"), options)
+        # Every peer published its tcp address after reading every host key,
+        # and this rank has read every address: its key can go.
+        forget(store, HOST_KEY.format(rank=rank))
         try:
             self._shm = create("shm", self.local.index(rank), len(self.local),
                                _Prefixed(store, f"hier/host{self.host}/"), options)

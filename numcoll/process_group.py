@@ -31,7 +31,7 @@ from .collectives import movement, p2p, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import AbortNotes, Comm
+from .comm import AbortNotes, Comm, Finished
 from .diagnostics import flight_recorder
 from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
 from .futures import FutureTimeoutError
@@ -107,6 +107,8 @@ class ProcessGroup:
         if self._transport.arena is None and cfg.arena_slot_nbytes:
             self.context.disable_arena()  # no shared memory between these ranks
         self._notes = AbortNotes(self._store, rank)
+        mailbox = getattr(self._transport, "mailbox", None)  # to find messages no call took
+        self._done = Finished(mailbox, rank) if mailbox is not None else None
 
         self._lock = threading.Lock()
         self._next_seq = 1  # collectives are numbered from 1, as torch numbers them
@@ -352,8 +354,8 @@ class ProcessGroup:
         """Run one work and complete its future (returning its error, if any):
         the one place work runs, on a worker, on a caller waiting for it, or
         on a blocking caller."""
-        record, call = work.record, work.call
-        error = result = None
+        record, call, done = work.record, work.call, self._done
+        error = result = comm = None
         try:
             if self._poisoned is not None:
                 raise GroupPoisonedError(
@@ -368,15 +370,31 @@ class ProcessGroup:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
-            result = run(Comm(self._transport, work.seq, call, self._notes, record), work)
+            comm = Comm(self._transport, work.seq, call, self._notes, record)
+            if done is not None and done.mailbox.held_calls:
+                done.check(work.seq, call, finished=False)
+            result = run(comm, work)
+            if done is not None and done.mailbox.held_calls:
+                done.check(work.seq, call, finished=True)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            error = self._fail(work, exc)
+            # Nothing left this rank (a MemoryError while preparing, say): ranks
+            # that all fail alike are still in step, so the group is not poisoned.
+            alone = comm is not None and not comm.started and isinstance(exc, Exception) \
+                and not isinstance(exc, NumcollError)
+            error = exc if alone else self._fail(
+                work, exc if done is None else done.explain(work.seq, call, exc))
         if work.arena_ticket >= 0:
             self._arena_order.end_turn(work)
         if record is not None:
             self._recorder.ended(record, error)
         with self._lock:
             self._inflight.pop(work.order, None)
+            if work.seq > 0 and done is not None:  # which collectives have finished
+                done.recent.append((work.seq, call))
+                done.above.add(work.seq)
+                while done.below in done.above:
+                    done.above.remove(done.below)
+                    done.below += 1
         future = work.future
         if error is None:
             future.set_result(result)

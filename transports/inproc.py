@@ -90,6 +90,12 @@ class InprocTransport:
             req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
         return req
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The matching engine (read it, never post to it): what arrived that no
+        receive has taken yet, e.g. a message of a call its receiver finished."""
+        return self._mailbox
+
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> PendingRequest:
         return self._mailbox.receive(peer, tag, buf, stamp, whole_call)

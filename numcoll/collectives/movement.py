@@ -61,7 +61,7 @@ def _broadcast_plan(ctx, name, arrays, root_rank, opts):
     algorithm = ctx.choose(name, opts.algorithm, nbytes)
     call = Call(name, ctx.timeout_for(opts, name), src.dtype, src.size, root=root_rank,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
-                output_sizes=shapes(arrays), nbytes=nbytes)
+                output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings)
     return algorithm, ctx.segment(src.dtype.itemsize), call
 
 
@@ -231,7 +231,8 @@ def _build_gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
     algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize)
     call = Call(name, ctx.timeout_for(opts, name), dtype, per_rank,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
-                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                settings=ctx.settings)
     return algorithm, ctx.segment(dtype.itemsize), call
 
 
@@ -347,7 +348,8 @@ def _build_rooted_plan(ctx, name, opts, share, root, inputs, outputs):
     algorithm = ctx.choose(name, opts.algorithm, share.size * share.dtype.itemsize)
     call = Call(name, ctx.timeout_for(opts, name), share.dtype, share.size, root=root,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
-                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                settings=ctx.settings)
     return algorithm, ctx.segment(share.dtype.itemsize), call
 
 
@@ -455,7 +457,7 @@ def _build_alltoall_plan(ctx, name, opts, inputs, outputs):
     # no element count is stamped: each message's size is checked exactly instead.
     call = Call(name, ctx.timeout_for(opts, name), dtype, 0, algorithm=algorithm.name,
                 input_sizes=shapes(inputs), output_sizes=shapes(outputs),
-                nbytes=nbytes_of(inputs))
+                nbytes=nbytes_of(inputs), settings=ctx.settings)
     return algorithm, ctx.segment(dtype.itemsize), call
 
 

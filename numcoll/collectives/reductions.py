@@ -84,7 +84,8 @@ def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
     algorithm = ctx.choose(name, opts.algorithm, nbytes)
     call = Call(name, ctx.timeout_for(opts, name), first.dtype, first.size, root=-1,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
-                output_sizes=shapes(arrays), nbytes=nbytes, **op_fields(reduce_op))
+                output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings,
+                **op_fields(reduce_op))
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -137,7 +138,7 @@ def _coalesced_plan(ctx, name, arrays, xp, total, opts):
     call = Call(name, ctx.timeout_for(opts, name), arrays[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes_of(arrays),
-                **op_fields(opts.reduce_op))
+                **op_fields(opts.reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -188,7 +189,7 @@ def _reduce_plan(ctx, name, arrays, xp, reduce_op, root_rank, opts):
     call = Call(name, ctx.timeout_for(opts, name), arr.dtype, arr.size,
                 root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays) if is_root else (), nbytes=nbytes_of(arrays),
-                **op_fields(reduce_op))
+                **op_fields(reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -244,7 +245,7 @@ def _reduce_scatter_plan(ctx, name, inputs, outputs, total, xp, opts):
     call = Call(name, ctx.timeout_for(opts, name), outputs[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
-                **op_fields(opts.reduce_op))
+                **op_fields(opts.reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 

@@ -347,6 +347,12 @@ class ShmRingTransport:
             self._wake_helper()
         return req
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The matching engine (read it, never post to it): what arrived that no
+        receive has taken yet, e.g. a message of a call its receiver finished."""
+        return self._mailbox
+
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> _Request:
         check_peer(RECV, self.rank, self.size, peer, tag)

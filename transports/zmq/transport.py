@@ -355,6 +355,12 @@ class ZmqTransport:
             req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
         return req
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The matching engine (read it, never post to it): what arrived that no
+        receive has taken yet, e.g. a message of a call its receiver finished."""
+        return self._mailbox
+
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> PendingRequest:
         return self._mailbox.receive(peer, tag, buf, stamp, whole_call)

@@ -74,6 +74,7 @@ class InprocTransport:
                 "(every rank had already closed, or rank 0 is in another process)")
         self._fabric = fabric
         self._mailbox = fabric.mailboxes[rank]
+        self.mailbox = self._mailbox  # read-only to callers: what arrived, not taken
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -89,12 +90,6 @@ class InprocTransport:
         else:
             req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
         return req
-
-    @property
-    def mailbox(self) -> Mailbox:
-        """The matching engine (read it, never post to it): what arrived that no
-        receive has taken yet, e.g. a message of a call its receiver finished."""
-        return self._mailbox
 
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> PendingRequest:

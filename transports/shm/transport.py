@@ -179,6 +179,7 @@ class ShmRingTransport:
         self.size = size
         self.timeout_s = timeout_s
         self._mailbox = Mailbox(rank, size)
+        self.mailbox = self._mailbox  # read-only to callers: what arrived, not taken
         self._capacity = ring_nbytes_for(inline_nbytes)
         self._max_chunk = self._capacity // 2 - 512
         self._min_chunk = min(MIN_CHUNK_NBYTES, self._max_chunk)
@@ -346,12 +347,6 @@ class ShmRingTransport:
             queue.append(send)
             self._wake_helper()
         return req
-
-    @property
-    def mailbox(self) -> Mailbox:
-        """The matching engine (read it, never post to it): what arrived that no
-        receive has taken yet, e.g. a message of a call its receiver finished."""
-        return self._mailbox
 
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> _Request:

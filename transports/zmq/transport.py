@@ -183,6 +183,7 @@ class ZmqTransport:
         self._grace_s = peer_grace_s
         self._zero_copy_nbytes = zero_copy_nbytes
         self._mailbox = Mailbox(rank, size, max_unexpected_nbytes, self._on_overflow)
+        self.mailbox = self._mailbox  # read-only to callers: what arrived, not taken
         self._nonce = int.from_bytes(os.urandom(8), "little")
         self._peer_nonces: dict[int, int] = {}
         self._security = auth.Security(token, curve)
@@ -354,12 +355,6 @@ class ZmqTransport:
         if not posted:
             req.fail(TransportClosed(f"{req.describe()}: {self._closed_reason}", peer))
         return req
-
-    @property
-    def mailbox(self) -> Mailbox:
-        """The matching engine (read it, never post to it): what arrived that no
-        receive has taken yet, e.g. a message of a call its receiver finished."""
-        return self._mailbox
 
     def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
               whole_call: bool = False) -> PendingRequest:

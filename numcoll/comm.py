@@ -169,6 +169,13 @@ class Comm:
         #: then nothing left this rank, and a failure concerns this rank alone.
         self.started = False
 
+    def alone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` concerns this rank alone: raised before anything left
+        it (a MemoryError while the call prepared its buffers, say), so ranks
+        that all fail alike are still in step and the group need not be poisoned."""
+        return not self.started and isinstance(exc, Exception) \
+            and not isinstance(exc, NumcollError)
+
     # -- posting ----------------------------------------------------------------
     def isend(self, peer: int, step: int, buf) -> Pending:
         return self._post(self.transport.isend, peer, collective_tag(self.seq, step), buf,
@@ -396,6 +403,17 @@ def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
 
 
 
+class _NoMailbox:
+    held_calls = 0
+
+    @staticmethod
+    def oldest_held():
+        return None
+
+
+_NO_MAILBOX = _NoMailbox()
+
+
 class Finished:
     """Which collectives this rank has finished, to tell a message that arrived
     early from one that no call will ever take: a message held for a finished
@@ -409,7 +427,8 @@ class Finished:
     __slots__ = ("mailbox", "rank", "below", "above", "recent")
 
     def __init__(self, mailbox, rank: int):
-        self.mailbox, self.rank = mailbox, rank
+        # A transport without a mailbox (one of the caller's own) holds nothing.
+        self.mailbox, self.rank = mailbox if mailbox is not None else _NO_MAILBOX, rank
         self.below, self.above, self.recent = 1, set(), deque(maxlen=16)
 
     def check(self, seq: int, call: Call, finished: bool) -> None:

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Callable
 
 import transports
+from transports.endpoint import forget
 
 from . import config as _config
 from .algorithms import SHARED
@@ -33,11 +34,10 @@ from .collectives.choice import check_forced
 from .collectives.context import GroupContext
 from .comm import AbortNotes, Comm, Finished
 from .diagnostics import flight_recorder
-from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
-from .futures import FutureTimeoutError
+from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
 from .bootstrap.store import PrefixStore, Store
-from .work import ArenaOrder, Work
+from .work import ArenaOrder, Work, wait_for_earlier
 
 __all__ = ["ProcessGroup"]
 
@@ -107,8 +107,7 @@ class ProcessGroup:
         if self._transport.arena is None and cfg.arena_slot_nbytes:
             self.context.disable_arena()  # no shared memory between these ranks
         self._notes = AbortNotes(self._store, rank)
-        mailbox = getattr(self._transport, "mailbox", None)  # to find messages no call took
-        self._done = Finished(mailbox, rank) if mailbox is not None else None
+        self._done = Finished(getattr(self._transport, "mailbox", None), rank)
 
         self._lock = threading.Lock()
         self._next_seq = 1  # collectives are numbered from 1, as torch numbers them
@@ -118,7 +117,7 @@ class ProcessGroup:
         self._arena_order = ArenaOrder(rank)  # the shared arena's calls run in submission order
         self._poisoned: str | None = None
         self._closed = False
-        self._global_rank = rank  # in the default group: see _set_global_ranks
+        self._global_rank = rank  # in the default group: see set_global_ranks
         fr = flight_recorder.recorder()
         self._recorder = fr
         self._pg_id = (fr.register_group(f"{opts.group_name}/{generation}",
@@ -159,9 +158,14 @@ class ProcessGroup:
         here = f"{transports.host_key()}:{os.getpid()}"
         self._store.set(f"where/{self._rank}", here)
         places = [self._store.get(f"where/{r}").decode() for r in range(self._size)]
+        if self._store.add("where/read", 1) == self._size:
+            # Every rank has read every place: a store shared by many groups
+            # (sub-groups come and go) need not keep them.
+            for key in [f"where/{r}" for r in range(self._size)] + ["where/read"]:
+                forget(self._store, key)
         return transports.choose_kind(here, places)
 
-    def _set_global_ranks(self, ranks: list[int]) -> None:
+    def set_global_ranks(self, ranks: list[int]) -> None:
         """The default group's ranks of this group's ranks (``new_group`` tells
         them), for the flight recorder's records and configuration."""
         self._global_rank = ranks[self._rank]
@@ -169,114 +173,135 @@ class ProcessGroup:
             self._recorder.set_group_ranks(self._pg_id, ranks)
 
     # -- the collectives: each checks on this thread, then submit() -----------------
-    def allreduce(self, arrays, opts=None, *, op=None):
+    def allreduce(self, arrays, opts=None, *, op=None, blocking: bool = False):
         """Reduce ``arrays`` (one array, or same-shape arrays reduced locally
         first) across ranks; every array of every rank gets the result."""
-        return self.submit(*reductions.allreduce(self.context, arrays, opts, op))
+        call, run = reductions.allreduce(self.context, arrays, opts, op)
+        return self.submit(call, run, blocking)
 
-    def allreduce_coalesced(self, arrays, opts=None):
+    def allreduce_coalesced(self, arrays, opts=None, *, blocking: bool = False):
         """Allreduce a list of arrays of one dtype and any shapes as one message."""
-        return self.submit(*reductions.allreduce_coalesced(self.context, arrays, opts))
+        call, run = reductions.allreduce_coalesced(self.context, arrays, opts)
+        return self.submit(call, run, blocking)
 
-    def reduce(self, arrays, opts=None, *, op=None, root=None):
+    def reduce(self, arrays, opts=None, *, op=None, root=None, blocking: bool = False):
         """Reduce into ``arrays[opts.root_tensor]`` of rank ``opts.root_rank``
         (``root`` overrides it); other ranks' arrays are left unchanged."""
-        return self.submit(*reductions.reduce(self.context, arrays, opts, op, root))
+        call, run = reductions.reduce(self.context, arrays, opts, op, root)
+        return self.submit(call, run, blocking)
 
-    def reduce_scatter(self, output_list, input_lists, opts=None):
+    def reduce_scatter(self, output_list, input_lists, opts=None, *, blocking: bool = False):
         """Rank r gets the reduction over ranks of ``input_lists[0][r]`` in ``output_list[0]``."""
-        return self.submit(*reductions.reduce_scatter(self.context, output_list, input_lists,
-                                                      opts))
+        call, run = reductions.reduce_scatter(self.context, output_list, input_lists, opts)
+        return self.submit(call, run, blocking)
 
-    def reduce_scatter_tensor(self, output, input, opts=None):
+    def reduce_scatter_tensor(self, output, input, opts=None, *, blocking: bool = False):
         """Rank r gets the reduction of the r-th of ``world_size`` equal slices
         of every rank's ``input`` (``input.size == output.size * world_size``)."""
-        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
-            self.context, output, input, opts, name="reduce_scatter_tensor"))
+        call, run = reductions.reduce_scatter_tensor_coalesced(self.context, output, input,
+                                                               opts, name="reduce_scatter_tensor")
+        return self.submit(call, run, blocking)
 
     _reduce_scatter_base = reduce_scatter_tensor  # torch's older name
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None, *,
+                                        blocking: bool = False):
         """``reduce_scatter_tensor`` for several (output, input) pairs in one ring."""
-        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
-            self.context, outputs, inputs, opts))
+        call, run = reductions.reduce_scatter_tensor_coalesced(self.context, outputs,
+                                                               inputs, opts)
+        return self.submit(call, run, blocking)
 
-    def broadcast(self, arrays, opts=None, *, root=None):
+    def broadcast(self, arrays, opts=None, *, root=None, blocking: bool = False):
         """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` (``root``
         overrides it) into every array on every rank."""
-        return self.submit(*movement.broadcast(self.context, arrays, opts, root))
+        call, run = movement.broadcast(self.context, arrays, opts, root)
+        return self.submit(call, run, blocking)
 
-    def allgather(self, output_lists, input_list, opts=None):
+    def allgather(self, output_lists, input_list, opts=None, *, blocking: bool = False):
         """Every rank's inputs, in rank order, into every output list (n inputs:
         each of the n output lists holds n * world_size arrays)."""
-        return self.submit(*movement.allgather(self.context, output_lists, input_list, opts))
+        call, run = movement.allgather(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
+    def allgather_coalesced(self, output_lists, input_list, opts=None, *,
+                            blocking: bool = False):
         """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (any shapes, one dtype)."""
-        return self.submit(*movement.allgather_coalesced(self.context, output_lists,
-                                                         input_list, opts))
+        call, run = movement.allgather_coalesced(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def allgather_into_tensor(self, output, input, opts=None):
+    def allgather_into_tensor(self, output, input, opts=None, *, blocking: bool = False):
         """``output`` (``world_size`` times ``input``'s size) gets every rank's
         ``input`` back to back, in rank order."""
-        return self.submit(*movement.allgather_into_tensor_coalesced(
-            self.context, output, input, opts, name="allgather_into_tensor"))
+        call, run = movement.allgather_into_tensor_coalesced(self.context, output, input,
+                                                             opts, name="allgather_into_tensor")
+        return self.submit(call, run, blocking)
 
     _allgather_base = allgather_into_tensor  # torch's older name
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None, *,
+                                        blocking: bool = False):
         """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
-        return self.submit(*movement.allgather_into_tensor_coalesced(self.context, outputs,
-                                                                     inputs, opts))
+        call, run = movement.allgather_into_tensor_coalesced(self.context, outputs, inputs,
+                                                             opts)
+        return self.submit(call, run, blocking)
 
-    def gather(self, output_lists, input_list, opts=None):
+    def gather(self, output_lists, input_list, opts=None, *, blocking: bool = False):
         """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``
         (non-roots pass ``[]``)."""
-        return self.submit(*movement.gather(self.context, output_lists, input_list, opts))
+        call, run = movement.gather(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def scatter(self, output_list, input_lists, opts=None):
+    def scatter(self, output_list, input_lists, opts=None, *, blocking: bool = False):
         """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``
         (non-roots pass ``[]``)."""
-        return self.submit(*movement.scatter(self.context, output_list, input_lists, opts))
+        call, run = movement.scatter(self.context, output_list, input_lists, opts)
+        return self.submit(call, run, blocking)
 
-    def alltoall(self, output_list, input_list, opts=None):
+    def alltoall(self, output_list, input_list, opts=None, *, blocking: bool = False):
         """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
-        return self.submit(*movement.alltoall(self.context, output_list, input_list, opts))
+        call, run = movement.alltoall(self.context, output_list, input_list, opts)
+        return self.submit(call, run, blocking)
 
     def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                      opts=None):
+                      opts=None, *, blocking: bool = False):
         """``input`` split along dim 0 (equally or by ``input_split_sizes``):
         block q to rank q; rank r's block lands in ``output``'s r-th block."""
-        return self.submit(*movement.alltoall_base(self.context, output, input,
-                                                   output_split_sizes, input_split_sizes,
-                                                   opts))
+        call, run = movement.alltoall_base(self.context, output, input, output_split_sizes,
+                                           input_split_sizes, opts)
+        return self.submit(call, run, blocking)
 
-    def send(self, arrays, dst: int, tag: int = 0):
+    def send(self, arrays, dst: int, tag: int = 0, *, blocking: bool = False):
         """Send one array to rank ``dst``, matched by the receiver's (source, tag)."""
-        return self.submit(*p2p.send(self.context, arrays, dst, tag))
+        call, run = p2p.send(self.context, arrays, dst, tag)
+        return self.submit(call, run, blocking)
 
-    def recv(self, arrays, src: int, tag: int = 0):
+    def recv(self, arrays, src: int, tag: int = 0, *, blocking: bool = False):
         """Receive one array from rank ``src`` into ``arrays``."""
-        return self.submit(*p2p.recv(self.context, arrays, src, tag))
+        call, run = p2p.recv(self.context, arrays, src, tag)
+        return self.submit(call, run, blocking)
 
-    def recv_anysource(self, arrays, tag: int = 0):
+    def recv_anysource(self, arrays, tag: int = 0, *, blocking: bool = False):
         """Receive one array from whichever rank sends with ``tag`` first;
         ``work.source_rank()`` tells which."""
-        return self.submit(*p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
-                                     name="recv_anysource"))
+        call, run = p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
+                             name="recv_anysource")
+        return self.submit(call, run, blocking)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=None, *, blocking: bool = False):
         """Complete once every rank has entered the barrier and every call this
         rank submitted before it has completed. The future's value is ``[]``."""
-        return self.submit(*p2p.barrier(self.context, opts))
+        call, run = p2p.barrier(self.context, opts)
+        return self.submit(call, run, blocking)
 
-    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False):
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False, *, blocking: bool = False):
         """A barrier where rank 0 names the ranks that did not arrive within
         ``timeout`` (all of them with ``wait_all_ranks``)."""
-        return self.submit(*p2p.monitored_barrier(self.context, timeout, wait_all_ranks))
+        call, run = p2p.monitored_barrier(self.context, timeout, wait_all_ranks)
+        return self.submit(call, run, blocking)
 
     # -- running calls ----------------------------------------------------------------
-    def submit(self, call: Call, run: Callable, blocking: bool = False) -> Work | None:
+    def submit(self, call: Call, run: Callable, blocking: bool = False) -> Work:
         """Number ``call`` and run ``run(comm, work)`` for it; its return value
         becomes the future's value.
 
@@ -285,9 +310,10 @@ class ProcessGroup:
         receives (``call.collective`` false) are matched by tag and take none.
 
         ``blocking=False`` returns the :class:`Work` at once. ``blocking=True``
-        returns None once the call has completed (raising its error, as
+        returns it once the call has completed (raising its error, as
         ``Work.wait()`` would), and runs it right here when the group has
-        nothing in flight. That keeps each rank's order: nothing in flight
+        nothing in flight (every collective method takes ``blocking=``, for a
+        caller that will wait at once: the module API, the torch backend). That keeps each rank's order: nothing in flight
         means every earlier call of this group on this rank has completed, so
         this one overtakes nothing, and the check is made under the lock that
         hands out sequence numbers, so a later call from another thread finds
@@ -322,10 +348,8 @@ class ProcessGroup:
             error = self._execute(work, run)
             if error is not None:
                 raise error
-            return None
-        if blocking:
+        elif blocking:
             work.wait()
-            return None
         return work
 
     def _usable(self) -> str | None:
@@ -364,32 +388,30 @@ class ProcessGroup:
             if self._closed:
                 raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
                                    "group was shut down before it ran")
-            if call.after_earlier:
-                self._wait_for_earlier(work)
+            if call.after_earlier:  # a barrier
+                with self._lock:
+                    earlier = [w for k, w in self._inflight.items() if k < work.order]
+                wait_for_earlier(work, earlier, self._rank)
             if work.arena_ticket >= 0:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
             comm = Comm(self._transport, work.seq, call, self._notes, record)
-            if done is not None and done.mailbox.held_calls:
+            if done.mailbox.held_calls:  # messages no call took yet: any of a finished call?
                 done.check(work.seq, call, finished=False)
             result = run(comm, work)
-            if done is not None and done.mailbox.held_calls:
+            if done.mailbox.held_calls:
                 done.check(work.seq, call, finished=True)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            # Nothing left this rank (a MemoryError while preparing, say): ranks
-            # that all fail alike are still in step, so the group is not poisoned.
-            alone = comm is not None and not comm.started and isinstance(exc, Exception) \
-                and not isinstance(exc, NumcollError)
-            error = exc if alone else self._fail(
-                work, exc if done is None else done.explain(work.seq, call, exc))
+            alone = comm is not None and comm.alone(exc)  # then the group is not poisoned
+            error = exc if alone else self._fail(work, done.explain(work.seq, call, exc))
         if work.arena_ticket >= 0:
             self._arena_order.end_turn(work)
         if record is not None:
             self._recorder.ended(record, error)
         with self._lock:
             self._inflight.pop(work.order, None)
-            if work.seq > 0 and done is not None:  # which collectives have finished
+            if work.seq > 0:  # which collectives have finished (see comm.Finished)
                 done.recent.append((work.seq, call))
                 done.above.add(work.seq)
                 while done.below in done.above:
@@ -401,24 +423,6 @@ class ProcessGroup:
         else:
             future.set_exception(error)
         return error
-
-    def _wait_for_earlier(self, work: Work) -> None:
-        """A barrier's rule: every call submitted before it has finished
-        (each has its own deadline; its failure is its own)."""
-        deadline = time.monotonic() + work.call.timeout_s
-        with self._lock:
-            earlier = [w for k, w in self._inflight.items() if k < work.order]
-        for w in earlier:
-            try:
-                w.future.wait(max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError:
-                raise CollectiveTimeoutError(
-                    f"Timed out waiting {round(work.call.timeout_s * 1000)}ms for "
-                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank}: "
-                    f"{w.op_name} (collective #{w.seq}), submitted before it, did not "
-                    "finish") from None
-            except Exception:  # noqa: BLE001 - reported by that call's own Work
-                pass
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.
@@ -501,6 +505,8 @@ class ProcessGroup:
         for w in self._workers:
             w.join(timeout=5.0)
         self.context.plans.clear()
+        if self._recorder is not None:  # its records may stay; its table entry goes with them
+            self._recorder.release_group(self._pg_id)
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -264,4 +264,4 @@ def test_receives_without_a_buffer_free_the_ring_in_order(small_rings):
         for s in sends:
             s.wait(deadline())
     # the ring has been reused many times over: nothing leaked its space
-    assert b._tail[0] == b._cursor[0]
+    assert b._rings._tail[0] == b._rings._cursor[0]

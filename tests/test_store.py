@@ -27,6 +27,7 @@ from numcoll.bootstrap.store import (
     StoreTimeoutError,
 )
 from numcoll.bootstrap.tcpstore import StoreConnectionError, TCPStore
+from numcoll.bootstrap.tcpstore.protocol import OPENING
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -363,16 +364,16 @@ def test_tcp_server_survives_clients_vanishing_mid_request():
             return struct.pack("!I", len(body)) + body
 
         with socket.create_connection((HOST, master.port)) as s:  # half a frame
-            s.sendall(frame(1, b"key", b"value")[:7])
+            s.sendall(OPENING + frame(1, b"key", b"value")[:7])
         with socket.create_connection((HOST, master.port)) as s:  # a parked get
-            s.sendall(frame(2, b"never", b"60000"))
+            s.sendall(OPENING + frame(2, b"never", b"60000"))
             time.sleep(0.05)
         with socket.create_connection((HOST, master.port)) as s:  # absurd frame size
-            s.sendall(struct.pack("!I", 0xFFFFFFFF))
+            s.sendall(OPENING + struct.pack("!I", 0xFFFFFFFF))
         with socket.create_connection((HOST, master.port)) as s:  # unknown op
-            s.sendall(frame(99))
+            s.sendall(OPENING + frame(99))
             greeting = _recv_frame(s)
-            assert greeting.startswith(b"numcoll-store/1")
+            assert greeting.startswith(b"numcoll-store/2")
             assert _recv_frame(s)[0] == 2  # an error reply, connection kept
         master.set("never", b"now")  # wakes no one: the parked client is gone
         assert master.get("never") == b"now"

@@ -61,6 +61,10 @@ class DictStore:
                 raise TimeoutError(f"store: no key {key!r} after {self._timeout_s}s")
             return self._data[key]
 
+    def delete_key(self, key: str) -> bool:
+        with self._cond:
+            return self._data.pop(key, None) is not None
+
 
 class FileStore:
     """A store shared by processes: one file per key, written atomically."""
@@ -85,6 +89,13 @@ class FileStore:
             time.sleep(self._poll_s)
         with open(self._path(key), "rb") as f:
             return f.read()
+
+    def delete_key(self, key: str) -> bool:
+        try:
+            os.unlink(self._path(key))
+            return True
+        except FileNotFoundError:
+            return False
 
 
 def connect(kind: str, size: int, **kwargs) -> list[Transport]:

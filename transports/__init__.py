@@ -1,5 +1,6 @@
 """Moving bytes between the ranks of a group: the transport interface and its
-implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``).
+implementations (in-process threads, ZeroMQ over ``tcp://`` and ``ipc://``,
+shared-memory rings between the processes of one host).
 
 This package never imports :mod:`numcoll`, and it is the only one that imports zmq.
 """
@@ -12,6 +13,7 @@ from typing import Callable
 
 from .base import (
     ANY_SOURCE,
+    Arena,
     CALL_SHIFT,
     MAX_TAG,
     MAX_STAMP_NBYTES,
@@ -32,6 +34,7 @@ __all__ = [
     "MAX_TAG",
     "Request",
     "Transport",
+    "Arena",
     "Rendezvous",
     "TransportError",
     "TransportTimeout",
@@ -70,8 +73,9 @@ class TransportOptions:
         travel through ``shm_slots`` shared-memory slots per peer (one copy on
         each side instead of a socket's); ``shm_slots=0`` turns this off.
     token : str or bytes, optional
-        ZeroMQ transports: a shared secret every connection must prove
-        (``None``: ``NUMCOLL_AUTH_TOKEN``, if set). See :mod:`transports.zmq.auth`.
+        A shared secret every connection must prove (``None``:
+        ``NUMCOLL_AUTH_TOKEN``, if set): ZeroMQ transports see
+        :mod:`transports.zmq.auth`, ``shm`` :mod:`transports.shm.rendezvous`.
     curve : bool, optional
         ZeroMQ transports: encrypt every connection with CURVE, admitting only
         the group's keys (``None``: ``NUMCOLL_CURVE=1``).
@@ -220,11 +224,13 @@ def _zmq(scheme):
 
 
 def _shm(rank, size, store, options):
+    from . import tokens
     from .shm.transport import ShmRingTransport
 
     # Rings hold two of the largest messages the ipc slots would carry.
     return ShmRingTransport(rank, size, store, inline_nbytes=options.shm_slot_nbytes,
-                            arena_slot_nbytes=options.arena_slot_nbytes)
+                            arena_slot_nbytes=options.arena_slot_nbytes,
+                            token=tokens.resolve(options.token))
 
 
 register("inproc", _inproc)

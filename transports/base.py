@@ -7,8 +7,16 @@ sender's rank and a 64-bit tag; a receive matches the oldest unmatched message
 with the same (peer, tag) — or from any peer, for ``ANY_SOURCE``. Messages with
 the same (sender, receiver, tag) arrive in the order they were sent.
 
-Implementations: :mod:`transports.inproc` (ranks are threads of one process)
-and :mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``).
+Implementations: :mod:`transports.inproc` (ranks are threads of one process),
+:mod:`transports.zmq.transport` (``tcp://`` and ``ipc://``) and
+:mod:`transports.shm.transport` (shared-memory rings between the processes of
+one host). What they share -- the argument checks, requests, loopback, failing
+requests to a closed transport or a departed peer, matching in a mailbox -- is
+:mod:`transports.endpoint`.
+
+Optional capabilities are declared, never discovered: a transport that has a
+shared arena (:class:`Arena`) exposes it as ``transport.arena``; every other
+transport sets ``arena = None``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ __all__ = [
     "MAX_TAG",
     "Request",
     "Transport",
+    "Arena",
     "TransportError",
     "TransportTimeout",
     "PeerClosed",
@@ -112,12 +121,66 @@ class Request(Protocol):
         ...
 
 
+class Arena(Protocol):
+    """Memory every rank of the group maps, written in *steps*: the optional
+    capability of transports whose ranks share memory (``transport.arena``;
+    None elsewhere). Implementation and memory-ordering argument:
+    :mod:`transports.shm.arena`.
+
+    A step is: each rank fills its slot (:meth:`mine`, or a payload given to
+    :meth:`put`), publishes it under the call's sequence number and stamp
+    (:meth:`put`), waits until every rank published the same step with the
+    same call (:meth:`wait`), then reads any rank's slot in place
+    (:meth:`view`, :meth:`nbytes`). Every rank runs the same steps in the same
+    order; a slot may be read until the step after next begins. Arrays are
+    NumPy ``uint8`` arrays.
+    """
+
+    #: Payload bytes a rank can contribute per step.
+    slot_nbytes: int
+
+    @property
+    def next_step(self) -> int:
+        """The step this rank publishes next."""
+        ...
+
+    def mine(self, step: int):
+        """This rank's (writable) slot for ``step``, to fill before ``put(None, ...)``."""
+        ...
+
+    def put(self, payload, seq: int, stamp: bytes, nbytes: int | None = None) -> int:
+        """Publish this rank's part of the next step: ``payload`` (copied in) or,
+        with None, the first ``nbytes`` already written into :meth:`mine`.
+        Returns the step."""
+        ...
+
+    def wait(self, step: int, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None) -> None:
+        """Return once every rank published ``step`` under ``seq`` and ``stamp``;
+        raise :class:`StampMismatch`, :class:`PeerClosed`,
+        :class:`TransportClosed` or :class:`TransportTimeout`. ``call``: the
+        call's key in tags (``tag >> CALL_SHIFT``), to also catch a peer
+        running another call through point-to-point messages."""
+        ...
+
+    def nbytes(self, step: int, rank: int) -> int:
+        """The payload size ``rank`` published for ``step``."""
+        ...
+
+    def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None):
+        """``rank``'s payload of ``step`` (read-only by convention), bytes
+        ``start:start + nbytes``."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Point-to-point messaging among the ``size`` ranks of one group."""
 
     rank: int
     size: int
+    #: The shared arena (:class:`Arena`), or None where the ranks share no memory.
+    arena: Arena | None
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.
@@ -156,68 +219,13 @@ class Transport(Protocol):
 class Rendezvous(Protocol):
     """What a transport needs from a store to exchange addresses: numcoll's
     stores satisfy it. ``get`` blocks until the key exists (with the store's
-    own deadline)."""
+    own deadline).
+
+    A store may also have ``delete_key(key)`` (numcoll's do): a transport
+    then deletes a key it published once every peer has read it (see
+    :func:`transports.endpoint.forget`), so a store shared by many groups
+    does not grow with them. A store with only ``set`` and ``get`` keeps them."""
 
     def set(self, key: str, value: bytes) -> None: ...
 
     def get(self, key: str) -> bytes: ...
-
-
-# --- Helpers shared by the implementations (not part of the interface) -------
-
-#: ``what`` of a request: the words error messages use.
-SEND = "send"
-RECV = "recv"
-
-
-def describe(what: str, rank: int, peer: int, tag: int) -> str:
-    """Name a request in error messages: ``"recv from rank 1 (tag 7) on rank 0"``."""
-    who = "any rank" if peer == ANY_SOURCE else f"rank {peer}"
-    direction = "to" if what == SEND else "from"
-    return f"{what} {direction} {who} (tag {tag}) on rank {rank}"
-
-
-def check_peer(what: str, rank: int, size: int, peer, tag) -> None:
-    """Raise ``ValueError`` unless ``peer`` is a rank of the group (or, for a
-    receive, :data:`ANY_SOURCE`) and ``tag`` fits in 64 unsigned bits."""
-    if not isinstance(peer, int) or not (0 <= peer < size or (what == RECV and peer == ANY_SOURCE)):
-        raise ValueError(f"{what} on rank {rank}: invalid peer rank {peer!r} (group size {size})")
-    if not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
-        raise ValueError(f"{what} on rank {rank}: invalid tag {tag!r} (must be in [0, 2**64))")
-
-
-def check_stamp(stamp) -> bytes:
-    """``stamp`` as bytes; ``ValueError`` if it is not bytes or is too long."""
-    if not isinstance(stamp, (bytes, bytearray)) or len(stamp) > MAX_STAMP_NBYTES:
-        raise ValueError(f"stamp must be at most {MAX_STAMP_NBYTES} bytes, got {stamp!r:.80}")
-    return bytes(stamp)
-
-
-def byte_view(buf, *, writable: bool = False) -> memoryview:
-    """A flat unsigned-byte view of ``buf`` without copying.
-
-    Accepts anything exporting the buffer protocol, and NumPy arrays whose
-    dtype the buffer protocol cannot describe (``ml_dtypes.bfloat16``).
-    Raises ``ValueError`` for non-contiguous or (when ``writable``) read-only
-    buffers, since the bytes must move in place.
-    """
-    try:
-        view = memoryview(buf)
-    except (TypeError, ValueError):
-        if not hasattr(buf, "__array_interface__"):
-            raise
-        import numpy  # only for dtypes the buffer protocol cannot describe
-
-        array = numpy.asarray(buf)
-        if not array.flags.c_contiguous:
-            raise ValueError("buffer must be C-contiguous") from None
-        view = memoryview(array.reshape(-1).view(numpy.uint8))
-    if not view.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError("receive buffer must be writable")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    if view.nbytes == 0:  # memoryview cannot cast a shape containing 0
-        return memoryview(bytearray() if writable else b"")
-    return view.cast("B")

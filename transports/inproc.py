@@ -11,17 +11,9 @@ from __future__ import annotations
 import threading
 import uuid
 
-from .base import (
-    SEND,
-    PeerClosed,
-    Rendezvous,
-    TransportClosed,
-    TransportError,
-    byte_view,
-    check_peer,
-    check_stamp,
-)
-from .mailbox import Mailbox, PendingRequest
+from .base import PeerClosed, Rendezvous, TransportError
+from .endpoint import MailboxTransport, PendingRequest, forget
+from .mailbox import Mailbox
 
 __all__ = ["InprocTransport"]
 
@@ -33,13 +25,14 @@ class _Fabric:
     def __init__(self, size: int):
         self.mailboxes = [Mailbox(rank, size) for rank in range(size)]
         self.open_count = size  # dropped from the registry when every rank has closed
+        self.found = 0  # ranks that found it; the last one removes its id from the store
 
 
 _registry_lock = threading.Lock()
 _fabrics: dict[str, _Fabric] = {}
 
 
-class InprocTransport:
+class InprocTransport(MailboxTransport):
     """Transport between ranks that are threads of this process.
 
     Parameters
@@ -50,9 +43,6 @@ class InprocTransport:
         Already prefixed for the group; rank 0 sets :data:`FABRIC_KEY`, the others get it.
     Every wait takes its own deadline.
     """
-
-    #: No shared arena between these ranks (see :class:`transports.base.Transport`).
-    arena = None
 
     def __init__(self, rank: int, size: int, store: Rendezvous):
         if not 0 <= rank < size:
@@ -68,38 +58,33 @@ class InprocTransport:
             self._fabric_id = store.get(FABRIC_KEY).decode()
         with _registry_lock:
             fabric = _fabrics.get(self._fabric_id)
+            if fabric is not None:
+                fabric.found += 1
+                everyone = fabric.found == size
         if fabric is None:
             raise TransportError(
                 f"rank {rank}: in-process fabric {self._fabric_id} not found "
                 "(every rank had already closed, or rank 0 is in another process)")
+        if everyone:  # every rank has read the id: a shared store need not keep it
+            forget(store, FABRIC_KEY)
         self._fabric = fabric
         self._mailbox = fabric.mailboxes[rank]
-        self.mailbox = self._mailbox  # read-only to callers: what arrived, not taken
         self._closed = False
         self._close_lock = threading.Lock()
 
-    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> PendingRequest:
-        check_peer(SEND, self.rank, self.size, peer, tag)
-        data = byte_view(buf)
-        stamp = check_stamp(stamp)
-        req = PendingRequest(SEND, self.rank, peer, tag)
-        if self._closed:
-            req.fail(TransportClosed(f"{req.describe()}: this transport is closed", peer))
-        elif self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
-            req.complete(None, source=peer)
-        else:
-            req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
-        return req
-
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
-              whole_call: bool = False) -> PendingRequest:
-        return self._mailbox.receive(peer, tag, buf, stamp, whole_call)
+    def _send(self, req: PendingRequest, peer: int, tag: int, data: memoryview,
+              stamp: bytes) -> bool:
+        if self._fabric.mailboxes[peer].deliver(self.rank, tag, data, stamp=stamp):
+            return True  # copied (or taken straight into the receive's buffer)
+        req.fail(PeerClosed(f"{req.describe()}: rank {peer} closed its transport", peer))
+        return False
 
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+            self._closed_why = "this transport is closed"
         self._mailbox.close(f"rank {self.rank}'s transport was closed")
         for mailbox in self._fabric.mailboxes:
             if mailbox is not self._mailbox:

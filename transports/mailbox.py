@@ -19,144 +19,27 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
-from _thread import allocate_lock
 from collections import deque
 from typing import Callable
 
 from .base import (
     ANY_SOURCE,
     CALL_SHIFT,
-    RECV,
     MessageSizeError,
     PeerClosed,
     StampMismatch,
     TransportClosed,
     TransportError,
-    TransportTimeout,
-    byte_view,
-    check_peer,
-    check_stamp,
-    describe,
 )
+from .endpoint import RECV, PendingRequest, describe
 
-__all__ = ["PendingRequest", "Mailbox", "DISCARD"]
+__all__ = ["Mailbox", "DISCARD", "PayloadReader"]
 
 #: Passed to a payload reader to drop the payload (an empty receive buffer).
 DISCARD = memoryview(bytearray())
 #: What a held message costs besides its payload (queue entry, stamp, view):
 #: so a flood of empty messages counts against the cap too.
 HELD_OVERHEAD_NBYTES = 256
-
-
-class PendingRequest:
-    """A posted send or receive; implements :class:`transports.base.Request`.
-
-    A zero-copy send completes in two steps: handed to ZeroMQ, then ``after``
-    (ZeroMQ's tracker event) fires when ZeroMQ releases the buffer.
-    """
-
-    __slots__ = ("what", "rank", "peer", "tag", "buf", "stamp", "whole_call", "source", "seq",
-                 "_finished", "_lock", "_after", "_result", "_error")
-
-    def __init__(self, what: str, rank: int, peer: int, tag: int, buf: memoryview | None = None,
-                 stamp: bytes = b"", whole_call: bool = False):
-        self.what = what
-        self.rank = rank
-        self.peer = peer
-        self.tag = tag
-        self.buf = buf
-        self.stamp = stamp
-        self.whole_call = whole_call and bool(stamp) and peer != ANY_SOURCE
-        self.source = None if peer == ANY_SOURCE else peer
-        self.seq = 0
-        # Completion is a lock held until the request finishes (as threading.Thread
-        # does it): far cheaper to make than an Event, and this is made per message.
-        self._finished = False
-        self._lock = allocate_lock()
-        self._lock.acquire()
-        self._after: threading.Event | None = None
-        self._result: memoryview | None = None
-        self._error: TransportError | None = None
-
-    def complete(self, result: memoryview | None = None, source: int | None = None,
-                 after: threading.Event | None = None) -> None:
-        """Mark done (``after``: an event still to fire before the buffer is free).
-
-        Called once, by whoever owns the request (the mailbox, or the I/O thread).
-        """
-        if source is not None:
-            self.source = source
-        self._result = result
-        self._after = after
-        self._finished = True
-        self._lock.release()
-
-    def fail(self, exc: TransportError) -> None:
-        """Fail the request, unless it already finished. Called by its owner.
-
-        A zero-copy send already handed to ZeroMQ keeps waiting for ``after``:
-        the caller must not reuse its buffer while ZeroMQ may still read it
-        (whoever fails it also closes the socket, which releases the buffer).
-        """
-        if self._finished:
-            after = self._after
-            if after is not None and not after.is_set():
-                self._error = exc
-            return
-        self._error = exc  # written before the release: the waiter's acquire orders it
-        self._finished = True
-        self._lock.release()
-
-    def done(self) -> bool:
-        if not self._finished:
-            return False
-        after = self._after
-        return after is None or after.is_set()
-
-    def wait(self, deadline: float | None) -> memoryview | None:
-        start = time.monotonic()
-        if not self._finished and not self._wait_lock(deadline):
-            raise self._timeout(start)
-        after = self._after
-        if after is not None and not _wait_event(after, deadline):
-            raise self._timeout(start)
-        if self._error is not None:
-            raise self._error.with_traceback(None)  # raised again on every wait: don't grow the traceback
-        return self._result
-
-    def _wait_lock(self, deadline: float | None) -> bool:
-        lock = self._lock
-        if deadline is None:
-            lock.acquire()
-        else:
-            remaining = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
-            if remaining <= 0 or not lock.acquire(timeout=remaining):
-                return False
-        lock.release()  # let other waiters (and later waits) through
-        return True
-
-    def _timeout(self, start: float) -> TransportTimeout:
-        waited_s = time.monotonic() - start
-        return TransportTimeout(
-            f"Timed out waiting {waited_s * 1000:.0f}ms for {self.describe()}",
-            self.peer, self.tag, self.what, waited_s)
-
-    def describe(self) -> str:
-        return describe(self.what, self.rank, self.peer, self.tag)
-
-    def __repr__(self) -> str:
-        state = "failed" if self._error is not None else "done" if self.done() else "pending"
-        return f"<PendingRequest {self.describe()}: {state}>"
-
-
-def _wait_event(event: threading.Event, deadline: float | None) -> bool:
-    if event.is_set():
-        return True
-    if deadline is None:
-        return event.wait()
-    remaining = min(deadline - time.monotonic(), threading.TIMEOUT_MAX)
-    return remaining > 0 and event.wait(remaining)
 
 
 #: Reads the payload of the message being delivered: ``read(None)`` returns it
@@ -185,23 +68,18 @@ class Mailbox:
         # (see CALL_SHIFT): a message of another call from the same peer fails them.
         self._calls_posted: dict[tuple[int, int], list[PendingRequest]] = {}
         self._calls_held: dict[tuple[int, int], dict[bytes, int]] = {}
-        self.held_calls = 0  # stamped messages held: while 0, oldest_held() has nothing
+        #: Stamped messages held for receives not posted yet: while 0,
+        #: :meth:`oldest_held` has nothing to find (a plain attribute, so that a
+        #: caller's check costs nothing then).
+        self.held_calls = 0
         self._held_order: list[int] = []  # their calls (tag >> CALL_SHIFT): a lazy heap
-        self._gone: dict[int, str] = {}  # peer -> why it left
+        #: peer -> why it left (read it, never write it: :meth:`peer_gone` does).
+        self.gone: dict[int, str] = {}
         self._closed: str | None = None
         # One counter orders posts and arrivals, so ANY_SOURCE takes the oldest.
         self._counter = itertools.count()
 
     # --- receiving side -----------------------------------------------------
-
-    def receive(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
-                whole_call: bool = False) -> PendingRequest:
-        """A transport's ``irecv``: check the arguments, then :meth:`post`."""
-        check_peer(RECV, self.rank, self.size, peer, tag)
-        view = None if buf is None else byte_view(buf, writable=True)
-        req = PendingRequest(RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
-        self.post(req)
-        return req
 
     def post(self, req: PendingRequest) -> None:
         """Match ``req`` with the oldest queued message, or post it."""
@@ -240,7 +118,9 @@ class Mailbox:
         return None
 
     def oldest_held(self) -> tuple[int, int, bytes] | None:
-        """``(call, src, stamp)`` of a held message of the lowest call held, or None."""
+        """``(call, src, stamp)`` of a held stamped message of the lowest call
+        (``tag >> CALL_SHIFT``) any is held for, or None: a caller that has
+        finished that call knows that no receive will ever take it."""
         with self._lock:
             while self._held_order:
                 call = self._held_order[0]
@@ -252,7 +132,7 @@ class Mailbox:
 
     def gone_reason(self, peer: int) -> str | None:
         """Why ``peer`` left, or ``None`` while it is connected."""
-        return self._gone.get(peer)
+        return self.gone.get(peer)
 
     # --- delivering side ----------------------------------------------------
 
@@ -339,10 +219,10 @@ class Mailbox:
         """``peer`` left: fail receives from it that no queued message satisfies
         (and ANY_SOURCE ones once every other rank has left)."""
         with self._lock:
-            if peer in self._gone or self._closed is not None:
+            if peer in self.gone or self._closed is not None:
                 return
-            self._gone[peer] = reason
-            all_gone = len(self._gone) >= self.size - 1
+            self.gone[peer] = reason
+            all_gone = len(self.gone) >= self.size - 1
             victims = []
             for key in [k for k in self._posted if k[0] == peer or (all_gone and k[0] == ANY_SOURCE)]:
                 victims.extend(self._posted.pop(key))
@@ -389,7 +269,7 @@ class Mailbox:
         """Whether ``nbytes`` more from ``src`` may be held (and ``src`` is not cut off)."""
         if self._max_unexpected is None or src == self.rank:
             return True
-        if src in self._gone:
+        if src in self.gone:
             return False
         return self._held_nbytes[src] + nbytes + HELD_OVERHEAD_NBYTES <= self._max_unexpected
 
@@ -450,7 +330,7 @@ class Mailbox:
 
     def _overflowed(self, src: int) -> None:
         """``src`` sent more than the cap (or was cut off already): say so once."""
-        if self._max_unexpected is None or src in self._gone:
+        if self._max_unexpected is None or src in self.gone:
             return
         reason = (f"rank {src} sent more than {self._max_unexpected} bytes that no receive on "
                   f"rank {self.rank} asked for (NUMCOLL_MAX_UNEXPECTED_NBYTES); cut off")
@@ -495,10 +375,10 @@ class Mailbox:
         if self._closed is not None:
             return TransportClosed(f"{req.describe()}: {self._closed}", req.peer)
         if req.peer == ANY_SOURCE:
-            if self.size > 1 and len(self._gone) >= self.size - 1:
+            if self.size > 1 and len(self.gone) >= self.size - 1:
                 return PeerClosed(f"{req.describe()}: every other rank has left", None)
             return None
-        reason = self._gone.get(req.peer)
+        reason = self.gone.get(req.peer)
         if reason is not None:
             return PeerClosed(f"{req.describe()}: {reason}", req.peer)
         return None

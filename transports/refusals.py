@@ -9,8 +9,10 @@ when the log is closed (a transport's or store's shutdown). An attacker who
 opens 2,000 connections costs a few lines, not 2,000, and a lone refusal is
 never held back until the next one comes.
 
-One flusher thread serves every open log of the process; it exits when the
-last one closes, so nothing is left running after a clean shutdown.
+One flusher thread serves every log of the process that has refusals waiting
+to be summarised; it starts with the first such log and exits when none is
+left, so a transport that never refuses more than a burst (nearly all of
+them) costs no thread, and nothing is left running after a clean shutdown.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ class RefusalLog:
         self.count = 0
         self.counts: Counter = Counter()
         self._closed = False
-        _flusher.add(self)
 
     def refuse(self, reason: str, peer: str = "", detail: str = "") -> None:
         """Count one refusal. ``reason`` is a short fixed phrase (it keys the
@@ -67,10 +68,16 @@ class RefusalLog:
             self.counts[reason] += 1
             if now >= self._window_end:
                 self._window_end, self._logged = now + self.interval_s, 0
-            if self._logged >= self._burst:
+            held = self._logged >= self._burst
+            if held:
+                first_held = not self._pending and not self._closed
                 self._pending[(reason, peer)] += 1
-                return
-            self._logged += 1
+            else:
+                self._logged += 1
+        if held:
+            if first_held:  # nothing else held back: the timer must come for this one
+                _flusher.add(self)
+            return
         who = f" from {peer}" if peer else ""
         self._emit(f"{self.who}: refused{who}: {reason}" + (f" ({detail})" if detail else ""))
 
@@ -102,7 +109,8 @@ class RefusalLog:
 
 
 class _Flusher:
-    """The one thread that flushes every open :class:`RefusalLog` on its interval."""
+    """The one thread that flushes, on their interval, the refusal logs
+    that hold refusals back; a log leaves its care once a flush finds nothing."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -133,6 +141,10 @@ class _Flusher:
                 logs = list(self._logs)
             for log in logs:
                 log.flush()
+            with self._cond:
+                # A log that held nothing back since its flush leaves; one that
+                # holds something back later comes again through add().
+                self._logs.difference_update([log for log in logs if not log._pending])
 
 
 _flusher = _Flusher()

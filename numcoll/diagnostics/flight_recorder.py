@@ -10,7 +10,16 @@ last N records per process (default 2000; 0 turns the recorder off). When a
 group is poisoned (a timeout, a dead peer, a mismatch) and
 ``NUMCOLL_FR_DUMP_DIR`` is set, the rank writes its records there as
 ``numcoll_fr_rank{rank}.json``; ``python -m numcoll.diagnostics.fr_trace DIR`` merges the ranks'
-dumps and says which rank is missing from which collective.
+dumps and says which rank is missing from which collective. A dump directory
+may be shared with other users: the file is created new (``O_EXCL``, never
+through a link, mode 0600) under a random name and renamed into place, so
+nothing planted there is followed or overwritten through, and a reader never
+sees half a file.
+
+A group's configuration and progress are kept while the group lives and,
+once it is shut down (:meth:`FlightRecorder.release_group`), only while some
+of its records are still in the ring: creating and destroying groups forever
+does not grow the recorder.
 
 Times are ``time.time_ns()`` (wall clock), so records of ranks in different
 processes line up on one timeline.
@@ -24,11 +33,12 @@ import json
 import os
 import threading
 import time
+import uuid
 
 from .. import config
 from ..call import TORCH_NAMES
 
-__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record"]
+__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record", "write_private"]
 
 VERSION = "1.0"
 _now_ns = time.time_ns
@@ -113,7 +123,8 @@ class FlightRecorder:
         self._pg_ids = itertools.count()
         self._lock = threading.Lock()
         self._pg_config: dict[int, dict] = {}
-        self._pg_status: dict[int, dict] = {}
+        self._pg_status: dict[int, list] = {}
+        self._released: set[int] = set()  # shut down; dropped once no record names them
 
     def register_group(self, name: str, desc: str, ranks: list[int]) -> int:
         """A new group's id (``pg_id`` in the records)."""
@@ -126,18 +137,35 @@ class FlightRecorder:
 
     def set_group_ranks(self, pg_id: int, ranks: list[int]) -> None:
         with self._lock:
-            self._pg_config[pg_id]["ranks"] = list(ranks)
+            config = self._pg_config.get(pg_id)
+            if config is not None:
+                config["ranks"] = list(ranks)
+
+    def release_group(self, pg_id: int) -> None:
+        """The group ``pg_id`` was shut down: forget its configuration and
+        progress once none of its records is left in the ring (and those of
+        groups released earlier whose records have since been pushed out)."""
+        with self._lock:
+            self._released.add(pg_id)
+            # list() copies the ring in C, safe against a concurrent append.
+            named = {rec.pg_id for rec in list(self._records)}
+            for gone in [g for g in self._released if g not in named]:
+                self._released.discard(gone)
+                self._pg_config.pop(gone, None)
+                self._pg_status.pop(gone, None)
 
     # The three calls below run on every collective: no lock (a deque append and
     # an itertools.count step are atomic under the GIL; a status read racing an
-    # update sees the old or the new number), one clock read each.
+    # update sees the old or the new number), one clock read each. A group's
+    # status may be gone (work finishing after its group was released).
     def record(self, pg_id: int, rank: int, seq: int, call, started: bool = False) -> Record:
         """A new record for collective ``seq`` (scheduled; or ``started`` at once,
         for a call its caller runs right away)."""
         rec = Record(next(self._ids), pg_id, rank, seq, call)
         self._records.append(rec)
-        if seq > 0:
-            self._pg_status[pg_id][0] = seq
+        status = self._pg_status.get(pg_id)
+        if seq > 0 and status is not None:
+            status[0] = seq
         if started:
             self.started(rec)
         return rec
@@ -145,8 +173,8 @@ class FlightRecorder:
     def started(self, rec: Record) -> None:
         rec.state = "started"
         rec.time_started_ns = _now_ns()
-        status = self._pg_status[rec.pg_id]
-        if rec.seq > status[1]:
+        status = self._pg_status.get(rec.pg_id)
+        if status is not None and rec.seq > status[1]:
             status[1] = rec.seq
 
     def ended(self, rec: Record, error: BaseException | None = None) -> None:
@@ -154,8 +182,8 @@ class FlightRecorder:
         rec.waiting_for = rec.waiting_op = None
         if error is None:
             rec.state = "completed"
-            status = self._pg_status[rec.pg_id]
-            if rec.seq > status[2]:
+            status = self._pg_status.get(rec.pg_id)
+            if status is not None and rec.seq > status[2]:
                 status[2] = rec.seq
         else:
             rec.state = "failed"
@@ -182,14 +210,41 @@ class FlightRecorder:
                 "pg_status": status, "entries": entries}
 
     def dump_to_dir(self, directory: str, rank: int) -> str:
-        """Write this rank's records to ``directory``; returns the file's path."""
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"numcoll_fr_rank{rank}.json")
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.dump(rank), f)
-        os.replace(tmp, path)  # a reader never sees half a file
-        return path
+        """Write this rank's records to ``directory`` (see the module docstring);
+        returns the file's path."""
+        name = f"numcoll_fr_rank{rank}.json"
+        write_private(directory, name, json.dumps(self.dump(rank)).encode())
+        return os.path.join(directory, name)
+
+
+def write_private(directory: str, name: str, data: bytes) -> None:
+    """Put ``data`` in ``directory/name`` as a new file only this user can read.
+
+    The directory is made (0700) if missing and opened without following a
+    link in its last component; the bytes go to a new file of a random name
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600), which is then renamed over
+    ``name``: a link or file planted under either name is never written
+    through, and a reader sees the old file or the whole new one. Raises
+    ``OSError`` (e.g. when another user's file holds ``name`` in a sticky
+    directory: it is not ours to replace)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
 
 
 _recorder: FlightRecorder | None = None

@@ -62,11 +62,18 @@ from __future__ import annotations
 
 import struct
 import time
+from typing import Callable
 
 import numpy as np
 from numba import njit
 
-from ..base import PeerClosed, StampMismatch, TransportClosed, TransportTimeout
+from ..base import (
+    PeerClosed,
+    StampMismatch,
+    TransportClosed,
+    TransportError,
+    TransportTimeout,
+)
 from .ring import (
     _cpu_relax,
     _load_acquire,
@@ -144,20 +151,36 @@ def _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
 
 
 class SharedArena:
-    """The arena of one rank (see the module docstring).
+    """The arena of one rank (see the module docstring); implements
+    :class:`transports.base.Arena`.
 
-    ``region``: rank 0's region (uint8, mapped by every rank), the arena at
-    byte ``offset``; ``transport``: the ShmRingTransport it belongs to (for
-    its liveness, mailbox and spin settings).
+    Parameters
+    ----------
+    region : numpy.ndarray
+        Rank 0's region (uint8, mapped by every rank), the arena at byte ``offset``.
+    rank, size, slot_nbytes : int
+    spin_ns, yield_ns : int
+        How long a wait busy-polls, then polls with ``sched_yield``, before it
+        sleeps between polls.
+    peer_left : callable
+        ``peer_left(peer)``: the error to raise if this rank's transport closed
+        or ``peer`` left (a :class:`~transports.base.TransportError`), else None.
+    conflicting_call : callable
+        ``conflicting_call(peer, call, stamp)``: the stamp of a point-to-point
+        message ``peer`` sent for call ``call`` that is not ``stamp``, or None.
     """
 
     def __init__(self, region: np.ndarray, offset: int, rank: int, size: int,
-                 slot_nbytes: int, transport):
+                 slot_nbytes: int, *, spin_ns: int, yield_ns: int,
+                 peer_left: Callable[[int], TransportError | None],
+                 conflicting_call: Callable[[int, int, bytes], bytes | None]):
         self.rank = rank
         self.size = size
         #: Payload bytes a rank can contribute per step.
         self.slot_nbytes = slot_nbytes
-        self._transport = transport
+        self._spin_ns, self._yield_ns = spin_ns, yield_ns
+        self._peer_left = peer_left
+        self._conflicting_call = conflicting_call
         ctrl_nbytes = size * LINE_WORDS * 8
         self._region = region[offset:offset + arena_nbytes(size, slot_nbytes)]
         self._ctrl = self._region[:ctrl_nbytes].view(np.int64)
@@ -217,7 +240,6 @@ class SharedArena:
         TransportTimeout (see the module docstring). ``call``: the call's key
         in ring tags (``tag >> CALL_SHIFT``), to catch a peer that runs
         another call over the rings at this sequence number."""
-        t = self._transport
         s0, s1 = _stamp_words(stamp)
         first = self._first_header[step & 1]
         # Local references: close() may drop the arena's meanwhile (the mapping
@@ -226,8 +248,8 @@ class SharedArena:
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
         now = time.monotonic_ns()
-        spin_until = now + t._spin_ns
-        until = spin_until + t._yield_ns
+        spin_until = now + self._spin_ns
+        until = spin_until + self._yield_ns
         deadline_ns = None if deadline is None else int(deadline * 1e9)
         if deadline_ns is not None:
             until = min(until, deadline_ns)
@@ -245,15 +267,15 @@ class SharedArena:
                     f"shared-memory step on rank {self.rank}: rank {peer} published another "
                     "call", peer, stamp, theirs[1:3].tobytes(), remote_seq=int(theirs[0]))
             peer = got
-            if t._closed:
-                raise TransportClosed(f"rank {self.rank}'s transport was closed", peer)
-            reason = t._gone.get(peer)
-            if reason is not None:
-                raise PeerClosed(f"shared-memory step on rank {self.rank}: {reason}", peer)
+            left = self._peer_left(peer)
+            if isinstance(left, PeerClosed):
+                raise PeerClosed(f"shared-memory step on rank {self.rank}: {left}", peer)
+            if left is not None:
+                raise left
             now_s = time.monotonic()
             if call is not None and now_s >= next_mismatch_poll:
                 next_mismatch_poll = now_s + MISMATCH_POLL_S
-                theirs = t._conflicting_call(peer, call, stamp)
+                theirs = self._conflicting_call(peer, call, stamp)
                 if theirs is not None:
                     raise StampMismatch(
                         f"shared-memory step on rank {self.rank}: rank {peer} sent messages "

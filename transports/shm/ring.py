@@ -56,7 +56,7 @@ __all__ = [
     "HEAD", "TAIL", "ASLEEP", "BLOCKED", "CTRL_WORDS", "CTRL_NBYTES", "HEADER_NBYTES",
     "RESERVE_NBYTES", "KIND_PAD", "KIND_FIRST", "KIND_MORE", "KIND_BYE",
     "ring_put", "ring_next", "ring_free", "ring_bye", "ring_set_flag", "rings_set_flag", "copy_bytes",
-    "spin_ready",
+    "spin_ready", "ring_nbytes_for", "ring_index", "RingViews",
 ]
 
 # Word indices (uint64) in a ring's control block.
@@ -361,3 +361,28 @@ def ring_bye(ctrl, data64):
     _store_release(ctrl, HEAD, head + ALIGN)
     _fence()
     return _load_acquire(ctrl, ASLEEP) != 0
+
+
+def ring_nbytes_for(inline_nbytes: int) -> int:
+    """Ring capacity that holds two records of ``inline_nbytes`` (double buffering)."""
+    need = 2 * (inline_nbytes + HEADER_NBYTES + 256 + ALIGN) + RESERVE_NBYTES
+    return max(1 << 16, 1 << (need - 1).bit_length())
+
+
+def ring_index(owner: int, peer: int) -> int:
+    """Index of the ring from ``peer`` in ``owner``'s region."""
+    return peer if peer < owner else peer - 1
+
+
+class RingViews:
+    """Views of one ring in a region (uint8): its control words and its data
+    (bytes and words). Ring ``index`` of a region starts at ``index *
+    (CTRL_NBYTES + capacity)``."""
+
+    __slots__ = ("ctrl", "data", "data64")
+
+    def __init__(self, region: np.ndarray, index: int, capacity: int):
+        start = index * (CTRL_NBYTES + capacity)
+        self.ctrl = region[start:start + CTRL_NBYTES].view(np.uint64)
+        self.data = region[start + CTRL_NBYTES:start + CTRL_NBYTES + capacity]
+        self.data64 = self.data.view(np.uint64)

@@ -1,150 +1,63 @@
 """Shared-memory transport ``shm``: ranks that are processes (or threads) of one host.
 
 Rings
-    Every rank owns one anonymous shared-memory region (``memfd_create``: it
-    has no name, so nothing can be left in ``/dev/shm``, even after SIGKILL)
-    holding its *inbound* rings, one per peer: lock-free single-producer /
-    single-consumer byte rings (layout and memory ordering:
-    :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
+    Every rank owns one anonymous shared-memory region
+    (:mod:`transports.shm.region`) holding its *inbound* rings, one per
+    peer: lock-free single-producer / single-consumer byte rings (layout
+    and memory ordering: :mod:`transports.shm.ring`). A message up to ``inline_nbytes`` is
     one record (header, stamp, payload); a larger one is cut into chunks
     that follow each other through the ring, flow-controlled by its read
     index, so memory stays bounded whatever the message size, and two ranks
     sending each other huge messages at once cannot deadlock (whoever waits
-    also drains, see below). One record is copied in by the sender and out
+    also drains). One record is copied in by the sender and out
     by the receiver, straight into the posted buffer (or into a new one for
     a receive posted without a buffer). A chunked message is assembled in a
     private buffer first (one more copy: the Mailbox can only take a whole
     payload). Collectives that read the peers' bytes in place use the
     shared arena instead (:mod:`transports.shm.arena`, ``self.arena``).
 Progress
-    There is no I/O thread on the critical path: the thread that waits on a
-    request makes progress itself (drains every inbound ring into the
-    :class:`~transports.mailbox.Mailbox`, pushes queued sends), then polls
-    the rings without the GIL: a bounded busy spin (``pause``), then
-    ``sched_yield`` polls, then it blocks on the request. A rank whose
-    threads stopped polling (2 ms after the last poll, or at once when a
-    waiter blocks) marks its rings ASLEEP; a producer that publishes into a
-    sleeping ring pokes the consumer with one byte on a Unix socket, which
-    wakes the transport's helper thread (blocked in ``poll``) to drain. The
-    helper also carries progress no one waits for (sends that did not fit,
-    unexpected messages), so a send completes even if its receiver is busy.
+    The thread that waits on a request moves the bytes itself, spinning,
+    then yielding, then blocking; a helper thread, woken by a one-byte poke
+    on a Unix socket, carries what no one waits for
+    (:mod:`transports.shm.progress`).
 Rendezvous and liveness
-    Each rank listens on an abstract Unix socket (no file) named in the store
-    and connects to every peer; the hello carries the region's fd
-    (SCM_RIGHTS). The sockets stay open: a peer's process ending, however it
-    ends, closes them, so its death shows up at once as EOF in the helper's
-    ``poll``; what the peer wrote before is drained first. A closing rank
-    writes ``BYE`` into its rings (after its data) before closing its
-    sockets, which tells "closed" from "lost".
+    Each rank listens on an abstract Unix socket named in the store and
+    connects to every peer; once both sides checked who the other is (its
+    user and pid, and with ``NUMCOLL_AUTH_TOKEN`` its knowledge of the
+    token), the region's fd travels, sealed against any change of size
+    (:mod:`transports.shm.rendezvous`). The sockets stay open: a peer's
+    process ending, however it ends, closes them, so its death shows up at
+    once as EOF in the helper's ``poll``; what the peer wrote before is
+    drained first. A closing rank writes ``BYE`` into its rings (after its
+    data) before closing its sockets, which tells "closed" from "lost".
 """
 
 from __future__ import annotations
 
-import mmap
+import functools
 import os
-import select
 import socket
-import struct
 import threading
 import time
-import uuid
-import warnings
-from collections import deque
 
 import numpy as np
 
 from . import ring as K
-from ..base import (
-    RECV,
-    SEND,
-    PeerClosed,
-    Rendezvous,
-    TransportClosed,
-    TransportError,
-    byte_view,
-    check_peer,
-    check_stamp,
-)
-from ..mailbox import DISCARD, Mailbox, PendingRequest
-from .arena import SharedArena, arena_nbytes
+from ..base import Rendezvous, TransportError
+from ..endpoint import MailboxTransport
+from ..mailbox import Mailbox
+from ..refusals import RefusalLog
+from .arena import SharedArena
+from .progress import RingProgress, Send, ShmRequest
+from .region import arena_offset, create_region, region_nbytes
+from .rendezvous import connect_peers
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
-#: Store key of a rank's listening socket name.
-NAME_KEY = "shm/{rank}"
-#: The hello on a new connection: rank, pid, ring capacity, group size, arena
-#: slot size (+ the fd).
-HELLO = struct.Struct("<iiqqq")
-#: Chunks of a large message are not cut below this (unless it is the rest).
-MIN_CHUNK_NBYTES = 64 << 10
-#: While a send waits for room, the waiter returns from its GIL-free poll this often (ns).
-SEND_SLICE_NS = 20_000
-#: Block-phase waits are cut into slices of this many seconds (a safety net only).
-BLOCK_SLICE_S = 0.05
-#: The helper's poll timeout when nothing wakes it (a safety net only), ms.
-IDLE_POLL_MS = 100
-#: A rank whose threads stopped polling stays "awake" (producers do not poke
-#: it) this long, since a collective's next wait usually follows within
-#: microseconds; a poke costs a syscall and a thread wake-up on both sides.
-#: After that the helper marks the rings ASLEEP (and drains what came).
-LAZY_SLEEP_NS = 2_000_000
-JOIN_TIMEOUT_S = 5.0
-_POKE = b"\x01"
-_EMPTY = np.empty(0, np.uint8)
-#: Payloads up to this size come out of the ring as ``bytes`` (cheaper than an array).
-_SMALL_COPY_NBYTES = 4096
+ring_nbytes_for = K.ring_nbytes_for
 
 
-def ring_nbytes_for(inline_nbytes: int) -> int:
-    """Ring capacity that holds two records of ``inline_nbytes`` (double buffering)."""
-    need = 2 * (inline_nbytes + K.HEADER_NBYTES + 256 + K.ALIGN) + K.RESERVE_NBYTES
-    return max(1 << 16, 1 << (need - 1).bit_length())
-
-
-class _Request(PendingRequest):
-    """A request whose ``wait`` drives the transport (see the module docstring)."""
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: "ShmRingTransport", what: str, rank: int, peer: int, tag: int,
-                 buf: memoryview | None = None, stamp: bytes = b"", whole_call: bool = False):
-        super().__init__(what, rank, peer, tag, buf, stamp, whole_call)
-        self._engine = engine
-
-    def wait(self, deadline: float | None) -> memoryview | None:
-        if not self._finished:
-            start = time.monotonic()
-            if not self._engine._wait_for(self, deadline):
-                raise self._timeout(start)
-        return super().wait(deadline)
-
-
-class _Send:
-    __slots__ = ("req", "tag", "nbytes", "payload", "stamp", "offset", "started")
-
-    def __init__(self, req: _Request, tag: int, payload: np.ndarray, stamp: bytes):
-        self.req = req
-        self.tag = np.uint64(tag)
-        self.nbytes = payload.size
-        self.payload = payload
-        self.stamp = np.frombuffer(stamp, np.uint8) if stamp else _EMPTY
-        self.offset = 0
-        self.started = False
-
-
-class _Ring:
-    """Views of one ring: its control words and its data (bytes and words)."""
-
-    __slots__ = ("ctrl", "data", "data64")
-
-    def __init__(self, region: np.ndarray, index: int, capacity: int):
-        start = index * (K.CTRL_NBYTES + capacity)
-        self.ctrl = region[start:start + K.CTRL_NBYTES].view(np.uint64)
-        self.data = region[start + K.CTRL_NBYTES:start + K.CTRL_NBYTES + capacity]
-        self.data64 = self.data.view(np.uint64)
-
-
-class ShmRingTransport:
+class ShmRingTransport(MailboxTransport):
     """Point-to-point messaging through shared-memory rings (one host).
 
     Parameters
@@ -166,531 +79,105 @@ class ShmRingTransport:
     arena_slot_nbytes : int
         Payload bytes per rank and step of the shared arena
         (:mod:`transports.shm.arena`, ``self.arena``); 0: no arena.
+    token : bytes, optional
+        A shared secret every peer must prove it knows before memory is
+        exchanged (:mod:`transports.shm.rendezvous`).
+
+    ``refusals`` counts (and logs) every connection refused at set-up.
     """
 
     def __init__(self, rank: int, size: int, store: Rendezvous, *, timeout_s: float = 300.0,
                  inline_nbytes: int = 1 << 20, spin_us: float = 5.0, yield_us: float = 2000.0,
-                 arena_slot_nbytes: int = 0):
+                 arena_slot_nbytes: int = 0, token: bytes | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")
         if size > 1 and not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
             raise TransportError("the shm transport needs Linux (memfd_create, SCM_RIGHTS)")
+        if arena_slot_nbytes < 0 or arena_slot_nbytes % 64:
+            raise ValueError(f"arena_slot_nbytes must be a non-negative multiple of 64, "
+                             f"got {arena_slot_nbytes}")
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s
         self._mailbox = Mailbox(rank, size)
-        self.mailbox = self._mailbox  # read-only to callers: what arrived, not taken
-        self._capacity = ring_nbytes_for(inline_nbytes)
-        self._max_chunk = self._capacity // 2 - 512
-        self._min_chunk = min(MIN_CHUNK_NBYTES, self._max_chunk)
+        self.refusals = RefusalLog(f"numcoll shm transport rank {rank}")
+        self._capacity = K.ring_nbytes_for(inline_nbytes)
         self._spin_ns = int(spin_us * 1000) if size <= _usable_cpus() else 0
         self._yield_ns = int(yield_us * 1000)
-        self._peers = [p for p in range(size) if p != rank]
-        self._plock = threading.Lock()  # progress: ring reads and writes, the send queues
-        self._spin_lock = threading.Lock()
-        self._spinners = 0
-        self._asleep = True  # the rings' ASLEEP flags are up (see _go_to_sleep)
-        self._last_active_ns = 0
-        self._epoch = np.zeros(1, np.uint64)  # bumped whenever progress is made
-        self._sendq: dict[int, deque[_Send]] = {p: deque() for p in self._peers}
-        self._blocked: dict[int, bool] = {p: False for p in self._peers}
-        self._cursor: dict[int, int] = {p: 0 for p in self._peers}  # read position per ring
-        self._tail: dict[int, int] = {p: 0 for p in self._peers}  # TAIL as last written
-        self._partial: dict[int, list] = {}  # src -> [tag, stamp, buffer, bytes filled]
-        self._gone: dict[int, str] = {}
-        self._bye: set[int] = set()
+        self._arena_slot_nbytes = arena_slot_nbytes if size > 1 else 0
         self._closed = False
         self._close_lock = threading.Lock()
-        self._stopping = False
-        self._inbound: dict[int, _Ring] = {}
-        self._outbound: dict[int, _Ring] = {}
-        self._maps: list[mmap.mmap] = []
-        self._out_sock: dict[int, socket.socket] = {}
-        self._in_sock: dict[int, socket.socket] = {}
-        self._region64: np.ndarray | None = None
-        self._stride_words = (K.CTRL_NBYTES + self._capacity) // 8
-        self._wake_fd = -1
-        self._helper: threading.Thread | None = None
-        if arena_slot_nbytes < 0 or arena_slot_nbytes % 64:
-            raise ValueError(f"arena_slot_nbytes must be a non-negative multiple of 64, "
-                             f"got {arena_slot_nbytes}")
-        self._arena_slot_nbytes = arena_slot_nbytes if size > 1 else 0
+        self._rings: RingProgress | None = None
         #: The shared arena (:mod:`transports.shm.arena`), or None.
         self.arena: SharedArena | None = None
         if size == 1:
             return
         try:
-            self._connect(store)
-            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._connect(store, token)
         except BaseException:
-            self._release()
+            self.refusals.close()
             raise
-        self._helper = threading.Thread(target=self._helper_main, daemon=True,
-                                        name=f"numcoll-shm-helper-rank{rank}")
-        self._helper.start()
 
     # --- set-up -------------------------------------------------------------------------
 
-    def _index_in(self, owner: int, peer: int) -> int:
-        """Index of the ring from ``peer`` in ``owner``'s region."""
-        return peer if peer < owner else peer - 1
-
     def _region_nbytes(self, owner: int) -> int:
-        """Bytes of ``owner``'s region: its inbound rings, and on rank 0 the arena
-        (page-aligned after the rings)."""
-        rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
-        if owner != 0 or not self._arena_slot_nbytes:
-            return rings
-        return _page_align(rings) + arena_nbytes(self.size, self._arena_slot_nbytes)
+        return region_nbytes(owner, self.size, self._capacity, self._arena_slot_nbytes)
 
-    def _connect(self, store: Rendezvous) -> None:
-        region_nbytes = self._region_nbytes(self.rank)
-        fd = os.memfd_create(f"numcoll-shm-rank{self.rank}", os.MFD_CLOEXEC)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    def _connect(self, store: Rendezvous, token: bytes | None) -> None:
+        fd, region = create_region(self.rank, self._region_nbytes(self.rank))
         try:
-            os.ftruncate(fd, region_nbytes)
-            region = mmap.mmap(fd, region_nbytes)
-            self._maps.append(region)
-            region_u8 = np.frombuffer(region, np.uint8)
-            self._region64 = region_u8.view(np.uint64)
-            for p in self._peers:
-                self._inbound[p] = _Ring(region_u8, self._index_in(self.rank, p), self._capacity)
-            # Nobody polls yet: producers must poke.
-            K.rings_set_flag(self._region64, self._stride_words, self.size - 1, K.ASLEEP, 1)
-            name = f"\0numcoll-shm-{uuid.uuid4().hex}-{self.rank}"  # abstract: no file
-            listener.bind(name)
-            listener.listen(self.size)
-            store.set(NAME_KEY.format(rank=self.rank), name[1:].encode())
-            names = {p: "\0" + store.get(NAME_KEY.format(rank=p)).decode() for p in self._peers}
-            deadline = time.monotonic() + self.timeout_s
-            hello = HELLO.pack(self.rank, os.getpid(), self._capacity, self.size,
-                               self._arena_slot_nbytes)
-            for p in self._peers:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-                self._out_sock[p] = sock
-                sock.settimeout(_remaining(deadline))
-                sock.connect(names[p])
-                socket.send_fds(sock, [hello], [fd])
-                sock.setblocking(False)
-            for _ in self._peers:
-                listener.settimeout(_remaining(deadline))
-                conn, _ = listener.accept()
-                conn.settimeout(_remaining(deadline))
-                try:
-                    msg, fds, _, _ = socket.recv_fds(conn, HELLO.size, 1)
-                except BaseException:
-                    conn.close()
-                    raise
-                peer, _pid, capacity, size, slot = (HELLO.unpack(msg) if len(msg) == HELLO.size
-                                                    else (-1,) * 5)
-                try:
-                    if len(fds) != 1 or peer not in self._sendq or peer in self._in_sock \
-                            or capacity != self._capacity or size != self.size \
-                            or slot != self._arena_slot_nbytes:
-                        conn.close()
-                        raise TransportError(
-                            f"rank {self.rank}: bad shm hello (rank {peer}, ring {capacity} bytes, "
-                            f"group of {size}, arena slot {slot} bytes; expected ring "
-                            f"{self._capacity}, group of {self.size}, arena slot "
-                            f"{self._arena_slot_nbytes}): do all ranks use the same settings?")
-                    theirs = mmap.mmap(fds[0], self._region_nbytes(peer))
-                finally:
-                    for f in fds:
-                        os.close(f)
-                self._maps.append(theirs)
-                conn.setblocking(False)
-                self._in_sock[peer] = conn
-                self._outbound[peer] = _Ring(np.frombuffer(theirs, np.uint8),
-                                             self._index_in(peer, self.rank), self._capacity)
-                if peer == 0:
-                    arena_home = theirs
-            if self._arena_slot_nbytes:
-                home = np.frombuffer(region if self.rank == 0 else arena_home, np.uint8)
-                rings = (self.size - 1) * (K.CTRL_NBYTES + self._capacity)
-                self.arena = SharedArena(home, _page_align(rings), self.rank, self.size,
-                                         self._arena_slot_nbytes, self)
+            links = connect_peers(
+                self.rank, self.size, store, fd,
+                settings=(self._capacity, self.size, self._arena_slot_nbytes),
+                region_nbytes=self._region_nbytes, token=token,
+                deadline=time.monotonic() + self.timeout_s, refusals=self.refusals)
+        except BaseException:
+            region.close()
+            raise
         finally:
-            listener.close()
-            os.close(fd)
+            os.close(fd)  # every peer that needs it holds its own
+        try:
+            self._rings = RingProgress(self.rank, self.size, self._mailbox, region, links,
+                                       self._capacity, self._spin_ns, self._yield_ns)
+        except BaseException:
+            for link in links.values():
+                link.out_sock.close()
+                link.in_sock.close()
+                link.region.close()
+            region.close()
+            raise
+        # Requests that drive the rings while they wait (a group of one has none to drive).
+        self._new_request = functools.partial(ShmRequest, self._rings)
+        if self._arena_slot_nbytes:
+            home = np.frombuffer(region if self.rank == 0 else links[0].region, np.uint8)
+            self.arena = SharedArena(
+                home, arena_offset(self.size, self._capacity), self.rank, self.size,
+                self._arena_slot_nbytes, spin_ns=self._spin_ns, yield_ns=self._yield_ns,
+                peer_left=self._rings.left, conflicting_call=self._rings.conflicting_call)
 
-    # --- the Transport interface --------------------------------------------------------
+    # --- MailboxTransport ---------------------------------------------------------------
 
-    def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> _Request:
-        check_peer(SEND, self.rank, self.size, peer, tag)
-        data = byte_view(buf)
-        stamp = check_stamp(stamp)
-        req = _Request(self, SEND, self.rank, peer, tag)
-        if self._closed:
-            req.fail(TransportClosed(f"{req.describe()}: rank {self.rank}'s transport was closed",
-                                     peer))
-            return req
-        if peer == self.rank:
-            if self._mailbox.deliver(peer, tag, data, stamp=stamp):
-                req.complete(None, source=peer)
-            else:
-                req.fail(TransportClosed(f"{req.describe()}: this transport is closed", peer))
-            return req
-        reason = self._gone.get(peer)
-        if reason is not None:
-            req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
-            return req
-        payload = np.frombuffer(data, np.uint8) if data.nbytes else _EMPTY
-        send = _Send(req, tag, payload, stamp)
-        queue = self._sendq[peer]
-        if self._plock.acquire(blocking=False):
-            try:
-                queue.append(send)
-                self._push(peer)
-            finally:
-                self._plock.release()
-        else:  # someone is making progress: queue it, and make sure it is seen
-            queue.append(send)
-            self._wake_helper()
-        return req
-
-    def irecv(self, peer: int, tag: int, buf=None, stamp: bytes = b"",
-              whole_call: bool = False) -> _Request:
-        check_peer(RECV, self.rank, self.size, peer, tag)
-        view = None if buf is None else byte_view(buf, writable=True)
-        req = _Request(self, RECV, self.rank, peer, tag, view, check_stamp(stamp), whole_call)
-        self._mailbox.post(req)
-        return req
+    def _send(self, req: ShmRequest, peer: int, tag: int, data: memoryview,
+              stamp: bytes) -> bool:
+        self._rings.post(peer, Send(req, tag, data, stamp))
+        return False  # completed once its last byte is in the ring
 
     def close(self) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        reason = f"rank {self.rank}'s transport was closed"
-        if self.size > 1:
-            with self._plock:  # progress never blocks while holding it
-                self._stopping = True  # no more progress: ours is over
-                for peer, queue in self._sendq.items():
-                    while queue:
-                        req = queue.popleft().req
-                        req.fail(TransportClosed(f"{req.describe()}: {reason}", peer))
-                # BYE after everything already in the rings, then the sockets
-                # close: peers drain our data, read BYE, then see EOF.
-                for peer, ring in self._outbound.items():
-                    if peer not in self._gone and K.ring_bye(ring.ctrl, ring.data64):
-                        self._poke(peer)
-        self._mailbox.close(reason)
-        self._epoch[0] += 1  # spinning waiters look again, and find their requests failed
-        if self._helper is not None:
-            self._wake_helper()
-            self._helper.join(JOIN_TIMEOUT_S)
-            if self._helper.is_alive():
-                warnings.warn(f"rank {self.rank}: shm helper thread did not stop within "
-                              f"{JOIN_TIMEOUT_S}s", RuntimeWarning, stacklevel=2)
-                return  # its fds are still in use: leave them to it
-        with self._plock:
-            self._release()
+            self._closed_why = reason = f"rank {self.rank}'s transport was closed"
+        if self._rings is not None:
+            self._rings.stop(reason)  # closes the mailbox once the peers are told
+        else:
+            self._mailbox.close(reason)
+        if self.arena is not None:
+            self.arena.release()
+        self.refusals.close()
 
     def __repr__(self) -> str:
         return f"<ShmRingTransport rank {self.rank}/{self.size}{' closed' if self._closed else ''}>"
-
-    def _conflicting_call(self, peer: int, call: int, stamp: bytes) -> bytes | None:
-        """For the arena's slow waits: drain the rings (unless another thread
-        is), then the stamp of a message ``peer`` sent for call ``call`` that
-        is not ``stamp``, if any (see :meth:`Mailbox.conflicting_stamp`)."""
-        if self._plock.acquire(blocking=False):
-            try:
-                self._progress()
-            finally:
-                self._plock.release()
-        return self._mailbox.conflicting_stamp(peer, call, stamp)
-
-    # --- progress (callers hold _plock) ---------------------------------------------------
-
-    def _progress(self) -> bool:
-        if self._stopping:
-            return False
-        did = False
-        for peer in self._peers:
-            if peer not in self._gone:
-                did = self._drain(peer) or did
-        for peer, queue in self._sendq.items():
-            if queue:
-                did = self._push(peer) or did
-        if did:
-            self._epoch[0] += 1
-        return did
-
-    def _push(self, peer: int) -> bool:
-        """Write queued sends to ``peer`` while they fit; True if anything moved."""
-        queue = self._sendq[peer]
-        ring = self._outbound[peer]
-        did = False
-        while queue:
-            s = queue[0]
-            offset, started, poke = K.ring_put(
-                ring.ctrl, ring.data, ring.data64, K.KIND_FIRST, s.tag, s.nbytes, s.stamp,
-                s.payload, s.offset, s.started, self._max_chunk, self._min_chunk)
-            if poke:
-                self._poke(peer)
-            if started != s.started or offset != s.offset:
-                did = True
-            s.offset, s.started = offset, started
-            if started and offset == s.nbytes:
-                queue.popleft()
-                s.req.complete(None, source=peer)
-                continue
-            if self._blocked[peer]:
-                break
-            # Out of room: ask to be poked when the consumer frees some, then
-            # look once more (it may have freed it before seeing the flag).
-            self._blocked[peer] = True
-            K.ring_set_flag(ring.ctrl, K.BLOCKED, 1)
-        if not queue and self._blocked[peer]:
-            self._blocked[peer] = False
-            K.ring_set_flag(ring.ctrl, K.BLOCKED, 0)
-        return did
-
-    def _drain(self, peer: int) -> bool:
-        """Hand every record in the ring from ``peer`` to the mailbox."""
-        ring = self._inbound[peer]
-        data = ring.data
-        cursor = self._cursor[peer]
-        did = False
-        while True:
-            pos, word0, tag, nbytes, chunk, cursor = K.ring_next(ring.ctrl, ring.data64, cursor)
-            if pos < 0:
-                break
-            did = True
-            end = cursor + (word0 >> 16)
-            kind = word0 & 0xFF
-            if kind == K.KIND_FIRST:
-                stamp_nbytes = (word0 >> 8) & 0xFF
-                start = pos + K.HEADER_NBYTES
-                stamp = data[start:start + stamp_nbytes].tobytes() if stamp_nbytes else b""
-                start += stamp_nbytes
-                if chunk == nbytes:
-                    self._arrive(peer, tag, nbytes, data, start, stamp, False)
-                else:
-                    buf = np.empty(nbytes, np.uint8)
-                    K.copy_bytes(buf, 0, data, start, chunk)
-                    self._partial[peer] = [tag, stamp, buf, chunk]
-            elif kind == K.KIND_MORE:
-                part = self._partial[peer]
-                K.copy_bytes(part[2], part[3], data, pos + K.HEADER_NBYTES, chunk)
-                part[3] += chunk
-                if part[3] == part[2].size:
-                    del self._partial[peer]
-                    self._arrive(peer, part[0], part[2].size, part[2], 0, part[1], True)
-            elif kind == K.KIND_BYE:  # after everything it sent
-                self._cursor[peer] = end
-                self._free(peer)
-                self._bye.add(peer)
-                self._peer_gone(peer, f"rank {peer} closed its transport")
-                return True
-            else:
-                raise TransportError(f"rank {self.rank}: corrupt shm ring from rank {peer} "
-                                     f"(record kind {kind})")
-            cursor = end
-        self._cursor[peer] = cursor
-        self._free(peer)
-        return did
-
-    def _free(self, peer: int) -> None:
-        """Give the producer back every record consumed (up to the read position)."""
-        tail = self._cursor[peer]
-        if tail != self._tail[peer]:
-            self._tail[peer] = tail
-            if K.ring_free(self._inbound[peer].ctrl, tail):
-                self._poke(peer)
-
-    def _arrive(self, src: int, tag: int, nbytes: int, data: np.ndarray, start: int,
-                stamp: bytes, assembled: bool) -> None:
-        """Deliver a whole message: bytes ``start:start + nbytes`` of ``data``,
-        the ring itself, or (``assembled``) a buffer of our own."""
-
-        def read(into):
-            if into is DISCARD or nbytes == 0:
-                return None if into is not None else memoryview(b"")
-            if into is None:
-                if assembled:  # hand over the buffer itself
-                    return memoryview(data).toreadonly()
-                if nbytes <= _SMALL_COPY_NBYTES:
-                    return memoryview(data[start:start + nbytes].tobytes())
-                out = np.empty(nbytes, np.uint8)
-                K.copy_bytes(out, 0, data, start, nbytes)
-                return memoryview(out).toreadonly()
-            K.copy_bytes(np.frombuffer(into, np.uint8), 0, data, start, nbytes)
-            return None
-
-        self._mailbox.arrive(src, tag, nbytes, read, stamp)
-
-    def _peer_gone(self, peer: int, reason: str) -> None:
-        if peer in self._gone:
-            return
-        self._gone[peer] = reason
-        self._partial.pop(peer, None)
-        self._mailbox.peer_gone(peer, reason)
-        queue = self._sendq[peer]
-        while queue:
-            req = queue.popleft().req
-            req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
-
-    def _poke(self, peer: int) -> None:
-        sock = self._out_sock.get(peer)
-        if sock is None:
-            return
-        try:
-            sock.send(_POKE, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-        except OSError:  # full (a poke is pending anyway) or gone (EOF tells the helper)
-            pass
-
-    # --- waiting --------------------------------------------------------------------------
-
-    def _wait_for(self, req: _Request, deadline: float | None) -> bool:
-        """Make progress until ``req`` finishes (True) or ``deadline`` passes (False)."""
-        region = self._region64  # a local reference keeps the mapping alive
-        if region is None or self._closed:
-            return req._wait_lock(deadline)
-        deadline_ns = None if deadline is None else int(deadline * 1e9)
-        now = time.monotonic_ns()
-        spin_until = now + self._spin_ns
-        yield_until = spin_until + self._yield_ns
-        if deadline_ns is not None:
-            yield_until = min(yield_until, deadline_ns)
-        self._enter_spin(region)
-        blocking = False
-        try:
-            while not req._finished:
-                if self._plock.acquire(blocking=False):
-                    try:
-                        self._progress()
-                    finally:
-                        self._plock.release()
-                    if req._finished:
-                        break
-                    seen = int(self._epoch[0])
-                    now = time.monotonic_ns()
-                    if now >= yield_until:
-                        blocking = True
-                        break
-                    until = yield_until
-                    if any(self._sendq.values()):
-                        until = min(until, now + SEND_SLICE_NS)
-                    K.spin_ready(region, self._stride_words, self.size - 1, self._epoch,
-                                 seen, spin_until, until)
-                else:  # another thread is making progress: let it have the GIL
-                    if req._lock.acquire(timeout=50e-6):
-                        req._lock.release()
-                    if time.monotonic_ns() >= yield_until:
-                        blocking = True
-                        break
-        finally:
-            self._leave_spin(region, blocking or not req._finished)
-        # Blocking phase: the helper drains when poked and completes the request.
-        while not req._finished:
-            now_s = time.monotonic()
-            if deadline is not None and now_s >= deadline:
-                return False
-            slice_s = BLOCK_SLICE_S if deadline is None else min(BLOCK_SLICE_S, deadline - now_s)
-            if req._lock.acquire(timeout=slice_s):
-                req._lock.release()
-                break
-        return True
-
-    def _enter_spin(self, region: np.ndarray) -> None:
-        with self._spin_lock:
-            self._spinners += 1
-            if self._asleep:  # someone polls now: producers need not poke
-                self._asleep = False
-                K.rings_set_flag(region, self._stride_words, self.size - 1, K.ASLEEP, 0)
-
-    def _leave_spin(self, region: np.ndarray, blocking: bool) -> None:
-        with self._spin_lock:
-            self._spinners -= 1
-            self._last_active_ns = time.monotonic_ns()
-            if blocking:  # about to block: from now on, arrivals must poke
-                self._go_to_sleep(region)
-
-    def _go_to_sleep(self, region: np.ndarray) -> None:
-        """Raise the ASLEEP flags unless a thread still polls (caller holds _spin_lock)."""
-        if self._spinners or self._asleep:
-            return
-        self._asleep = True
-        if K.rings_set_flag(region, self._stride_words, self.size - 1, K.ASLEEP, 1):
-            self._wake_helper()  # arrived before the flags were up: nobody poked
-
-    def _wake_helper(self) -> None:
-        if self._wake_fd >= 0:
-            try:
-                os.eventfd_write(self._wake_fd, 1)
-            except OSError:
-                pass
-
-    # --- the helper thread ------------------------------------------------------------------
-
-    def _helper_main(self) -> None:
-        poller = select.poll()
-        by_fd = {}
-        for peer, sock in self._in_sock.items():
-            poller.register(sock.fileno(), select.POLLIN)
-            by_fd[sock.fileno()] = peer
-        poller.register(self._wake_fd, select.POLLIN)
-        error = None
-        try:
-            while not self._stopping:
-                events = poller.poll(IDLE_POLL_MS if self._asleep else LAZY_SLEEP_NS // 1_000_000)
-                if self._stopping:
-                    return
-                if not self._asleep:
-                    with self._spin_lock:
-                        if time.monotonic_ns() - self._last_active_ns >= LAZY_SLEEP_NS:
-                            region = self._region64
-                            if region is not None:
-                                self._go_to_sleep(region)
-                ended = []
-                for fd, _ in events:
-                    if fd == self._wake_fd:
-                        try:
-                            os.eventfd_read(fd)
-                        except BlockingIOError:
-                            pass
-                        continue
-                    try:
-                        got = os.read(fd, 4096)
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        got = b""
-                    if not got:  # the peer's end closed: it exited or closed its transport
-                        poller.unregister(fd)
-                        ended.append(by_fd[fd])
-                with self._plock:
-                    self._progress()  # drains what an ended peer wrote first (BYE included)
-                    for peer in ended:
-                        self._peer_gone(peer, f"rank {peer} closed its transport" if peer in self._bye
-                                        else f"connection to rank {peer} lost (process exited?)")
-        except Exception as exc:  # noqa: BLE001 - fail the waiters with the cause
-            error = exc
-        finally:
-            if error is not None:
-                self._mailbox.close(f"the shm helper thread of rank {self.rank} failed: {error!r}")
-
-    def _release(self) -> None:
-        """Close sockets and fds; drop the mappings (unmapped once no view remains)."""
-        if self.arena is not None:
-            self.arena.release()
-        for sock in (*self._out_sock.values(), *self._in_sock.values()):
-            sock.close()
-        self._out_sock.clear()
-        self._in_sock.clear()
-        if self._wake_fd >= 0:
-            os.close(self._wake_fd)
-            self._wake_fd = -1
-        self._inbound = {}
-        self._outbound = {}
-        self._region64 = None
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view is still alive (a waiter mid-poll): GC unmaps it
-                pass
-        self._maps.clear()
 
 
 def _usable_cpus() -> int:
@@ -698,14 +185,3 @@ def _usable_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _page_align(nbytes: int) -> int:
-    return (nbytes + mmap.PAGESIZE - 1) & ~(mmap.PAGESIZE - 1)
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("shm transport: timed out connecting to the peers")
-    return left

@@ -1,4 +1,4 @@
-"""Who may connect to a rank's ZeroMQ socket, and what a dropped frame says.
+"""Who may connect to a rank's ZeroMQ socket.
 
 A rank's PULL socket is the door strangers knock on. Three locks, from the
 weakest to the strongest, chosen by :class:`Security`:
@@ -7,13 +7,14 @@ weakest to the strongest, chosen by :class:`Security`:
   user (the kernel tells libzmq the peer's uid; abstract-namespace sockets have
   no file permissions to do it);
 - with a token (``NUMCOLL_AUTH_TOKEN``): the PLAIN mechanism, whose password is
-  ``HMAC-SHA256(token, "numcoll-transport")`` (the token itself never travels);
+  an HMAC-SHA256 of the token (:func:`transports.tokens.proof`, label
+  ``transport``; the token itself never travels);
 - with CURVE (``NUMCOLL_CURVE=1``): every connection is encrypted, and only the
   group's own public keys (exchanged through the store) are admitted.
 
-Every frame that passes the door is still checked (see
-:mod:`transports.zmq.transport`); what fails a check is dropped and reported
-through :class:`DropLog`, at most a few lines per interval.
+Every refusal is counted and logged, rate-limited, through the transport's
+:class:`~transports.refusals.RefusalLog`. Every frame that passes the door is
+still checked (:mod:`transports.zmq.wire`).
 
 One ZAP handler serves every socket of the process (ZeroMQ allows one per
 context); each socket registers its policy under a ZAP domain of its own, and
@@ -23,7 +24,6 @@ the handler's thread exits when the last one unregisters.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import itertools
 import logging
@@ -35,7 +35,10 @@ import time
 import zmq
 from zmq.utils import z85
 
-__all__ = ["Security", "DropLog", "LOGGER_NAME", "transport_password", "from_env"]
+from .. import tokens
+from ..refusals import RefusalLog
+
+__all__ = ["Security", "LOGGER_NAME", "transport_password", "from_env"]
 
 LOGGER_NAME = "numcoll.transport"
 log = logging.getLogger(LOGGER_NAME)
@@ -53,51 +56,15 @@ ZAP_JOIN_TIMEOUT_S = 2.0
 def transport_password(token: bytes) -> bytes:
     """The PLAIN password derived from ``token``: a sniffer of an unencrypted
     connection learns this, never the token (which also guards the store)."""
-    return hmac.new(token, b"numcoll-transport", hashlib.sha256).hexdigest().encode()
+    return tokens.proof(token, b"transport").hex().encode()
 
 
 def from_env(token=None, curve=None) -> tuple[bytes | None, bool]:
     """``token`` and ``curve`` with ``None`` replaced by ``NUMCOLL_AUTH_TOKEN``
     and ``NUMCOLL_CURVE``."""
-    if token is None:
-        token = os.environ.get("NUMCOLL_AUTH_TOKEN") or None
-    if isinstance(token, str):
-        token = token.encode()
-    if token is not None and not isinstance(token, bytes):
-        raise TypeError(f"token must be str or bytes, got {type(token).__name__}")
     if curve is None:
         curve = os.environ.get("NUMCOLL_CURVE", "0").strip().lower() in ("1", "true", "yes", "on")
-    return token or None, bool(curve)
-
-
-class DropLog:
-    """Rate-limited warnings about dropped frames and refused connections:
-    the first ``burst`` of each interval are logged, the rest counted and
-    summarised once the interval is over. Never raises."""
-
-    def __init__(self, who: str, burst: int = 5, interval_s: float = 10.0):
-        self._who, self._burst, self._interval_s = who, burst, interval_s
-        self._lock = threading.Lock()
-        self._window_end = 0.0
-        self._logged = self._suppressed = 0
-        #: Everything dropped since creation (tests and diagnostics read it).
-        self.count = 0
-
-    def drop(self, why: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.count += 1
-            if now >= self._window_end:
-                suppressed, self._suppressed = self._suppressed, 0
-                self._window_end, self._logged = now + self._interval_s, 0
-                if suppressed:
-                    log.warning("%s: %d more dropped in the last %gs", self._who,
-                                suppressed, self._interval_s)
-            if self._logged >= self._burst:
-                self._suppressed += 1
-                return
-            self._logged += 1
-        log.warning("%s: %s", self._who, why)
+    return tokens.resolve(token), bool(curve)
 
 
 @dataclasses.dataclass
@@ -121,7 +88,7 @@ class Security:
     def mechanism(self) -> bytes:
         return b"CURVE" if self.curve else b"PLAIN" if self.token else b"NULL"
 
-    def serve(self, sock: zmq.Socket, scheme: str, refused: DropLog) -> "_Door | None":
+    def serve(self, sock: zmq.Socket, scheme: str, refused: RefusalLog) -> "_Door | None":
         """Configure the listening ``sock`` (before bind); the returned door
         must be closed with the socket. None if nothing is checked."""
         check_uid = scheme == "ipc" and sys.platform.startswith("linux")
@@ -153,7 +120,7 @@ class _Door:
 
     _ids = itertools.count()
 
-    def __init__(self, security: Security, uid: int | None, refused: DropLog):
+    def __init__(self, security: Security, uid: int | None, refused: RefusalLog):
         self.domain = f"numcoll-{os.getpid()}-{next(self._ids)}"
         self.security = security
         self.uid = uid
@@ -165,22 +132,22 @@ class _Door:
         self.curve_keys.update(z85_keys)
 
     def admit(self, address: str, mechanism: bytes, credentials: list[bytes]) -> str | None:
-        """None to admit; else why not."""
+        """None to admit; else why not (a short phrase: it keys the refusal log)."""
         if mechanism != self.security.mechanism:
-            return f"mechanism {mechanism.decode(errors='replace')} from {address}"
+            return f"mechanism {mechanism.decode(errors='replace')}"
         if self.uid is not None:
             # libzmq appends the peer's credentials to an ipc address: "...:uid:gid:pid".
             parts = address.rsplit(":", 3)
             if len(parts) == 4 and parts[1].isdigit() and int(parts[1]) != self.uid:
-                return f"ipc peer of uid {parts[1]} (pid {parts[3]}), not this user's"
+                return "ipc peer of another user"
         if mechanism == b"PLAIN":
             if len(credentials) != 2 or not hmac.compare_digest(
                     credentials[1], transport_password(self.security.token)):
-                return f"wrong token from {address}"
+                return "wrong token"
         elif mechanism == b"CURVE":
             key = z85.encode(credentials[0]) if credentials else b""
             if key not in self.curve_keys:
-                return f"CURVE key not of this group from {address}"
+                return "CURVE key not of this group"
         return None
 
     def close(self) -> None:
@@ -279,8 +246,16 @@ class _Handler:
             sock.send_multipart([ZAP_VERSION, request_id, b"200", b"OK", b"numcoll", b""])
         else:
             if door is not None:
-                door.refused.drop(why)
+                door.refused.refuse(why, _who(address.decode(errors="replace")))
             sock.send_multipart([ZAP_VERSION, request_id, b"400", why.encode()[:200], b"", b""])
+
+
+def _who(address: str) -> str:
+    """A ZAP address for the log: "127.0.0.1", or for ipc "uid 0 pid 123"."""
+    parts = address.rsplit(":", 3)
+    if len(parts) == 4 and parts[1].isdigit() and parts[3].isdigit():
+        return f"uid {parts[1]} pid {parts[3]}"
+    return address
 
 
 def _bind_soon(sock: zmq.Socket, endpoint: str, within_s: float = 1.0) -> None:

@@ -23,6 +23,13 @@ The sender reserves the slab's memory up front (``posix_fallocate``): on a
 small ``/dev/shm`` that fails cleanly, the sender publishes ``none`` for that
 peer, and payloads to it simply keep travelling through the socket — instead
 of a SIGBUS when a sparse file's page could not be backed later.
+
+A slab is created ``0600`` with ``O_EXCL``, and the receiver maps only a
+file whose name is one SharedSlabs makes, that is no link, belongs to this
+user, is readable by no one else and is large enough: a name planted in the
+store cannot make it map another user's file (whose owner could truncate it
+under the mapping: a SIGBUS). A process of the same user still could; see the
+README's threat model. What is refused is counted in ``refusals``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import tempfile
 import threading
 import uuid
@@ -38,6 +46,8 @@ from collections import deque
 import numpy as np
 
 from ..base import Rendezvous
+from ..endpoint import forget
+from ..refusals import RefusalLog
 
 __all__ = ["SharedSlabs"]
 
@@ -62,8 +72,10 @@ class SharedSlabs:
     ``read`` of a slot only by the I/O thread that received its header.
     """
 
-    def __init__(self, rank: int, size: int, store: Rendezvous, slot_nbytes: int, slots: int):
+    def __init__(self, rank: int, size: int, store: Rendezvous, slot_nbytes: int, slots: int,
+                 refusals: RefusalLog | None = None):
         self.slot_nbytes = slot_nbytes
+        self._refusals = refusals
         self._lock = threading.Lock()
         self._free: dict[int, deque[int]] = {}
         self._out: dict[int, mmap.mmap] = {}
@@ -88,8 +100,13 @@ class SharedSlabs:
                 store.set(f"shm/{peer}/{rank}/state", _MAPPED if self._map(peer, path, nbytes)
                           else _NONE)
             for peer in peers:
-                if peer in self._out and store.get(f"shm/{rank}/{peer}/state") != _MAPPED:
+                state = store.get(f"shm/{rank}/{peer}/state")  # its answer, slab or none
+                if peer in self._out and state != _MAPPED:
                     self._out.pop(peer).close()  # it could not map it: use the socket
+                # The peer has answered: neither key is read again, and a store
+                # shared by many groups need not keep them.
+                forget(store, f"shm/{rank}/{peer}/state")
+                forget(store, f"shm/{rank}/{peer}")
                 if peer in self._out:
                     self._free[peer] = deque(range(slots))
                     self._busy[peer] = set()
@@ -107,23 +124,34 @@ class SharedSlabs:
             return False
         path = path.decode()
         if _NAME.fullmatch(os.path.basename(path)) is None:
-            return False  # not a name SharedSlabs makes: never open it
+            return self._refuse(peer, "not a slab's name", path)  # never open it
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:  # its creator is gone: nothing will come through it
             return False
+        except OSError as exc:  # a link (ELOOP), or not ours to read
+            return self._refuse(peer, "slab not openable", f"{path}: {exc.strerror}")
         try:
-            if os.fstat(fd).st_size < nbytes:
-                return False
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                return self._refuse(peer, "slab not this user's private file",
+                                    f"{path}: uid {st.st_uid}, mode {st.st_mode & 0o7777:o}")
+            if st.st_size < nbytes:
+                return self._refuse(peer, "slab too small", f"{path}: {st.st_size} bytes")
             self._in[peer] = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         _unlink(path)  # mapped: the name is no longer needed by anyone
         return True
 
+    def _refuse(self, peer: int, reason: str, detail: str) -> bool:
+        if self._refusals is not None:
+            self._refusals.refuse(reason, f"rank {peer}", detail)
+        return False
+
     def _create(self, peer: int, path: str, nbytes: int) -> bool:
         """Create and reserve the slab towards ``peer``; False if there is no room."""
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR, 0o600)
         self._paths.append(path)
         try:
             try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import deque
 
 from transports import (
     CALL_SHIFT,
@@ -343,6 +342,11 @@ class Comm:
         if isinstance(exc, PeerClosed):
             note = self._notes.read(peer) if self._notes and peer is not None else None
             culprit, reason = _read_note(note)
+            if culprit == self.rank:  # the peer aborted because of this rank (a mismatch)
+                err = PeerError(f"{where}: rank {peer} aborted the group because of this "
+                                f"rank: {reason}", peer=peer)
+                err.root_reason = reason
+                return err
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.
                 err = PeerError(f"{where}: rank {culprit} left or failed, and rank {peer} "
@@ -415,21 +419,22 @@ _NO_MAILBOX = _NoMailbox()
 
 
 class Finished:
-    """Which collectives this rank has finished, to tell a message that arrived
-    early from one that no call will ever take: a message held for a finished
-    collective proves that its sender ran another call (two roots of one
-    broadcast each send and neither receives, and both go on). The group
-    updates ``below`` (every collective numbered below it has finished),
-    ``above`` (those finished above it) and ``recent`` (``(seq, call)`` of the
-    last ones) as each collective ends; :meth:`check` runs only while the
-    mailbox holds a stamped message (``mailbox.held_calls``)."""
+    """Tells a message that arrived early from one that no call will ever take:
+    a message held for a collective this rank has finished proves that its
+    sender ran another call (two roots of one broadcast each send, neither
+    receives, and both go on). :meth:`check` is asked only while the mailbox
+    holds a stamped message (``mailbox.held_calls``), so it costs nothing
+    otherwise; the group supplies ``lowest_in_flight()``, the lowest number of
+    a collective it has not finished, and its flight recorder, to name this
+    rank's side of a finished call."""
 
-    __slots__ = ("mailbox", "rank", "below", "above", "recent")
+    __slots__ = ("mailbox", "rank", "_lowest_in_flight", "_recorder", "_pg_id")
 
-    def __init__(self, mailbox, rank: int):
+    def __init__(self, mailbox, rank: int, lowest_in_flight, recorder=None, pg_id: int = -1):
         # A transport without a mailbox (one of the caller's own) holds nothing.
-        self.mailbox, self.rank = mailbox if mailbox is not None else _NO_MAILBOX, rank
-        self.below, self.above, self.recent = 1, set(), deque(maxlen=16)
+        self.mailbox = mailbox if mailbox is not None else _NO_MAILBOX
+        self.rank, self._lowest_in_flight = rank, lowest_in_flight
+        self._recorder, self._pg_id = recorder, pg_id
 
     def check(self, seq: int, call: Call, finished: bool) -> None:
         """Raise :class:`CollectiveMismatchError` if the mailbox holds a message
@@ -451,14 +456,17 @@ class Finished:
         return error
 
     def _unclaimed(self, seq, call, finished) -> CollectiveMismatchError | None:
+        # In this order: a message still held after its call had finished (it
+        # may have been held for a call in flight a moment ago, and been taken).
+        below = self._lowest_in_flight()
         found = self.mailbox.oldest_held()
         if found is None:
             return None
         key, peer, stamp = found
-        below = self.below & SEQ_MASK
-        if key < below:  # (point-to-point tags are above every collective's)
-            seq = self.below - below + key
-            call = next((c for s, c in self.recent if s == seq), None)
-        elif not (finished and seq > 0 and key == seq & SEQ_MASK):
-            return None
+        if not (finished and seq > 0 and key == seq & SEQ_MASK):
+            if key >= below & SEQ_MASK:  # (point-to-point tags are above every collective's)
+                return None
+            seq = below - (below & SEQ_MASK) + key
+            rec = self._recorder.find(self._pg_id, seq) if self._recorder is not None else None
+            call = rec.call if rec is not None else None
         return leftover_error(self.rank, peer, seq, stamp, call)

@@ -107,7 +107,6 @@ class ProcessGroup:
         if self._transport.arena is None and cfg.arena_slot_nbytes:
             self.context.disable_arena()  # no shared memory between these ranks
         self._notes = AbortNotes(self._store, rank)
-        self._done = Finished(getattr(self._transport, "mailbox", None), rank)
 
         self._lock = threading.Lock()
         self._next_seq = 1  # collectives are numbered from 1, as torch numbers them
@@ -124,6 +123,8 @@ class ProcessGroup:
                                          f"{self.transport_kind} group of {world_size}",
                                          list(range(world_size)))
                        if fr is not None else -1)
+        self._done = Finished(getattr(self._transport, "mailbox", None), rank,
+                              self._lowest_in_flight, fr, self._pg_id)  # mismatches found late
         self._workers = [
             threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
             for i in range(opts.threads)
@@ -411,18 +412,17 @@ class ProcessGroup:
             self._recorder.ended(record, error)
         with self._lock:
             self._inflight.pop(work.order, None)
-            if work.seq > 0:  # which collectives have finished (see comm.Finished)
-                done.recent.append((work.seq, call))
-                done.above.add(work.seq)
-                while done.below in done.above:
-                    done.above.remove(done.below)
-                    done.below += 1
         future = work.future
         if error is None:
             future.set_result(result)
         else:
             future.set_exception(error)
         return error
+
+    def _lowest_in_flight(self) -> int:
+        """The lowest number of a collective not finished here (``_inflight`` is in order)."""
+        with self._lock:
+            return next((w.seq for w in self._inflight.values() if w.seq > 0), self._next_seq)
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.

@@ -132,9 +132,10 @@ def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
     words; see :mod:`.overlap`, which also rules on arrays that overlap each other)."""
     for i, a in enumerate(arrays):
         if isinstance(a, np.ndarray):
-            if not a.flags.writeable:
+            flags = a.flags
+            if not flags.writeable:
                 raise ValueError(f"{op}: {what} array at index {i} is read-only")
-            if a.flags.c_contiguous:
+            if flags.c_contiguous:
                 continue  # the usual case: no element can meet another
         elif getattr(a, "_numcoll_readonly", False):   # set by cuda.arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "

@@ -217,9 +217,11 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """``allreduce``, ``allgather in-place``: what a progress bar calls it."""
+        """``allreduce``, ``allgather in-place``, ``allreduce ring`` (forced): what a
+        progress bar calls it."""
         both = self.op in PLACEMENTS and len(PLACEMENTS[self.op]) > 1
-        return f"{self.op} {self.placement}" if both else self.op
+        label = f"{self.op} {self.placement}" if both else self.op
+        return label + (f" {self.algorithm}" if self.algorithm else "")
 
 
 def moves_data(op: str) -> bool:

@@ -23,16 +23,19 @@ from transports import (
     TransportTimeout,
 )
 
-from .call import Call, describe_stamp
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
+from .call import Call, describe_stamp, stamp_settings
+from .config import AGREED
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
+                     NumcollError, PeerError)
 
-__all__ = ["Comm", "SubComm", "Topology", "AbortNotes", "collective_tag", "p2p_tag",
-           "abort_note", "MAX_STEP", "MAX_USER_TAG"]
+__all__ = ["Comm", "AbortNotes", "Finished", "collective_tag", "p2p_tag", "abort_note",
+           "leftover_error", "MAX_STEP", "MAX_USER_TAG", "SEQ_MASK"]
 
 _SEQ_BITS = 31
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
-_SEQ_MASK = (1 << _SEQ_BITS) - 1
+#: A collective's number as its messages' tags carry it (``tag >> CALL_SHIFT``).
+SEQ_MASK = (1 << _SEQ_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
 
@@ -41,7 +44,7 @@ def collective_tag(seq: int, step: int) -> int:
     """Tag of message ``step`` of collective number ``seq`` (seq wraps at 2**31)."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step {step} out of range")
-    return ((seq & _SEQ_MASK) << _STEP_BITS) | step
+    return ((seq & SEQ_MASK) << _STEP_BITS) | step
 
 
 def p2p_tag(user_tag: int) -> int:
@@ -148,10 +151,11 @@ class Comm:
     follow_stalls = True
 
     def __init__(self, transport, seq: int, call: Call, notes: AbortNotes | None = None,
-                 record=None, topology: Topology | None = None):
+                 record=None, topology=None):
         # One is built for every collective run: plain assignments only.
         self.transport = transport
-        #: Which ranks share a host (groups over several hosts), else None.
+        #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`,
+        #: groups over several hosts), else None.
         self.topology = topology
         self.rank = transport.rank
         self.size = transport.size
@@ -163,6 +167,16 @@ class Comm:
         self.stamp = call.stamp
         self._notes = notes
         self._record = record  # the flight recorder's entry: waiting_for is kept current
+        #: Whether the call has posted a message or taken an arena step: until
+        #: then nothing left this rank, and a failure concerns this rank alone.
+        self.started = False
+
+    def alone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` concerns this rank alone: raised before anything left
+        it (a MemoryError while the call prepared its buffers, say), so ranks
+        that all fail alike are still in step and the group need not be poisoned."""
+        return not self.started and isinstance(exc, Exception) \
+            and not isinstance(exc, NumcollError)
 
     # -- posting ----------------------------------------------------------------
     def isend(self, peer: int, step: int, buf) -> Pending:
@@ -170,6 +184,7 @@ class Comm:
                           "send", step)
 
     def irecv(self, peer: int, step: int, buf=None) -> Pending:
+        self.started = True
         try:
             request = self.transport.irecv(peer, collective_tag(self.seq, step), buf,
                                            self.stamp, True)
@@ -184,6 +199,7 @@ class Comm:
         return self._post(self.transport.irecv, peer, tag, buf, "recv", None)
 
     def _post(self, fn, peer, tag, buf, what, step) -> Pending:
+        self.started = True
         try:
             return Pending(fn(peer, tag, buf, self.stamp), peer, what, step)
         except TransportError as exc:
@@ -224,6 +240,7 @@ class Comm:
     def next_slot(self):
         """This rank's slot (a uint8 array) for the arena's next step, to write
         a payload in place before :meth:`shared_step` publishes it."""
+        self.started = True
         arena = self.transport.arena
         return arena.mine(arena.next_step)
 
@@ -232,6 +249,7 @@ class Comm:
         None, the ``nbytes`` already written into ``arena.mine(arena.next_step)``)
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
+        self.started = True
         arena = self.transport.arena
         record = self._record
         if record is not None:
@@ -239,7 +257,7 @@ class Comm:
         try:
             step = arena.put(payload, self.seq, self.stamp, nbytes)
             # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
-            arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & _SEQ_MASK)
+            arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & SEQ_MASK)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
         return step
@@ -257,18 +275,6 @@ class Comm:
             return arena.view(step, peer, start, nbytes)
         except TransportError as exc:
             raise self._translate(exc, peer, "recv") from exc
-
-    # -- two levels: this host's ranks, and one rank per host ------------------------
-    def local(self) -> SubComm:
-        """This host's ranks, as a comm of their own (``rank`` = this rank's
-        place among them), with the shared-arena verbs: the arena of a group
-        over several hosts is its host's."""
-        return SubComm(self, self.topology.local)
-
-    def across(self, ranks) -> SubComm:
-        """The group ranks ``ranks`` (one per host, say) as a comm of their
-        own, numbered in that order: messages only."""
-        return SubComm(self, ranks)
 
     def size_mismatch(self, peer: int, detail: str):
         """Fail as a wrong-size message from ``peer`` (for algorithms that learn
@@ -313,15 +319,13 @@ class Comm:
         waited = (f"rank {peer} did not publish its part of a shared-arena step"
                   if what == "arena" else f"{what} {direction} rank {peer} did not complete")
         if isinstance(exc, StampMismatch):
-            mine = self.call.summary(self.seq)
             remote_seq = getattr(exc, "remote_seq", None)
-            theirs = describe_stamp(exc.remote_stamp,
-                                    self.seq if remote_seq is None else remote_seq)
+            mine, theirs = _both_calls(self.call, self.seq, exc.remote_stamp,
+                                       self.seq if remote_seq is None else remote_seq)
             return CollectiveMismatchError(
                 f"Detected mismatch between collectives on ranks. Rank {self.rank} is running "
-                f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. Every "
-                "rank must call the same collectives, in the same order, with the same dtype, "
-                "element count, op and root", peer=peer)
+                f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. "
+                f"{_AGREE}" + _settings_hint(self.call.stamp, exc.remote_stamp), peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
             culprit, reason = self._stall_behind(peer)
@@ -341,6 +345,11 @@ class Comm:
         if isinstance(exc, PeerClosed):
             note = self._notes.read(peer) if self._notes and peer is not None else None
             culprit, reason = _read_note(note)
+            if culprit == self.rank:  # the peer aborted because of this rank (a mismatch)
+                err = PeerError(f"{where}: rank {peer} aborted the group because of this "
+                                f"rank: {reason}", peer=peer)
+                err.root_reason = reason
+                return err
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.
                 err = PeerError(f"{where}: rank {culprit} left or failed, and rank {peer} "
@@ -359,90 +368,108 @@ class Comm:
         return NumcollError(f"{where}: transport error with rank {peer}: {exc}")
 
 
-class Topology:
-    """Which ranks of a group share a host, as one rank sees it.
-
-    ``hosts``: the group's ranks per host (hosts ordered by their lowest
-    rank); ``host``: this rank's host (an index of ``hosts``); ``local``:
-    its ranks; ``lanes``: the fewest ranks any host has (so many ranks of
-    every host can each carry a share of the traffic between hosts);
-    ``slot_nbytes``: the bytes one step of a host's shared arena carries (the
-    group's setting, equal on every host; 0: no arenas).
-    """
-
-    __slots__ = ("hosts", "host", "local", "lanes", "slot_nbytes", "host_of")
-
-    def __init__(self, hosts, rank: int, slot_nbytes: int):
-        self.hosts = tuple(tuple(h) for h in hosts)
-        self.host_of = {r: i for i, h in enumerate(self.hosts) for r in h}
-        self.host = self.host_of[rank]
-        self.local = self.hosts[self.host]
-        self.lanes = min(len(h) for h in self.hosts)
-        self.slot_nbytes = slot_nbytes
-
-    @property
-    def two_level(self) -> bool:
-        """Whether two-level algorithms pay off: several hosts, one of them
-        with several ranks, and arenas to combine them in."""
-        return (len(self.hosts) > 1 and max(len(h) for h in self.hosts) > 1
-                and self.slot_nbytes > 0)
-
-    def __repr__(self) -> str:
-        return f"Topology(hosts={self.hosts}, host={self.host})"
+_AGREE = ("Every rank must call the same collectives, in the same order, with the same dtype, "
+          "element count, op and root")
 
 
-class SubComm:
-    """Some of a call's ranks as a comm of their own, numbered 0..len(ranks)-1
-    (:meth:`Comm.local`, :meth:`Comm.across`): what a two-level algorithm
-    runs a phase on, with the verbs of a :class:`Comm`.
+def _both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None):
+    """This rank's call and the other rank's (from its stamp), in words; with the
+    algorithm and settings where those are all that differ."""
+    mine, theirs = call.summary(seq), describe_stamp(stamp, their_seq, detail=False)
+    if mine == theirs:
+        mine, theirs = call.summary(seq, detail=True), describe_stamp(stamp, their_seq)
+    return mine, theirs
 
-    Messages and arena reads go through the parent to its (group) ranks, so
-    tags keep the call's sequence number and every error names group ranks.
-    ``step_base`` is added to every step, to keep phases apart. The arena
-    verbs are meaningful on this host's ranks only (the parent's arena is
-    its host's).
-    """
 
-    __slots__ = ("parent", "ranks", "rank", "size", "_base")
+def _settings_hint(stamp: bytes, theirs: bytes) -> str:
+    """What to do when two stamps differ in their settings fingerprint."""
+    a, b = stamp_settings(stamp), stamp_settings(theirs)
+    if a is None or b is None or a == b:
+        return ""
+    names = ", ".join(f"NUMCOLL_{name.upper()}" for name in AGREED)
+    return (f". The ranks' settings differ (fingerprints {a:04x} and {b:04x}): every rank "
+            f"must use the same {names} (and ProcessGroup.Options(algorithm=...))")
 
-    def __init__(self, parent, ranks, step_base: int = 0):
-        self.parent = parent
-        self.ranks = tuple(ranks)
-        self.rank = self.ranks.index(parent.rank)
-        self.size = len(self.ranks)
-        self._base = step_base
 
-    def isend(self, peer: int, step: int, buf):
-        return self.parent.isend(self.ranks[peer], self._base + step, buf)
+def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
+                   mine: Call | None) -> CollectiveMismatchError:
+    """The error for a message of call ``seq`` from ``peer`` that no call on this
+    rank took though this rank finished its call ``seq`` (``mine``, if known):
+    the two ranks ran different calls without noticing (both roots of a
+    broadcast, say, each sending and neither receiving)."""
+    if mine is not None:
+        ours, theirs = _both_calls(mine, seq, stamp, seq)
+        hint = _settings_hint(mine.stamp, stamp)
+    else:
+        ours, theirs, hint = f"collective #{seq}", describe_stamp(stamp, seq), ""
+    return CollectiveMismatchError(
+        f"Detected mismatch between collectives on ranks. Rank {rank} ran {ours}, but rank "
+        f"{peer} ran {theirs}: rank {peer} sent rank {rank} a message of that call which no "
+        f"call on rank {rank} received, so the two calls did not exchange what they should "
+        f"have (their results are not valid). {_AGREE}{hint}", peer=peer)
 
-    def irecv(self, peer: int, step: int, buf=None):
-        return self.parent.irecv(self.ranks[peer], self._base + step, buf)
 
-    def wait(self, pending):
-        return self.parent.wait(pending)
 
-    def wait_all(self, pendings) -> None:
-        self.parent.wait_all(pendings)
+class _NoMailbox:
+    held_calls = 0
 
-    def sendrecv(self, send_peer: int, recv_peer: int, step: int, send_buf, recv_buf=None):
-        r = self.irecv(recv_peer, step, recv_buf)
-        s = self.isend(send_peer, step, send_buf)
-        data = self.wait(r)
-        self.wait(s)
-        return data
+    @staticmethod
+    def oldest_held():
+        return None
 
-    @property
-    def arena_slot_nbytes(self) -> int:
-        return self.parent.arena_slot_nbytes
 
-    def next_slot(self):
-        return self.parent.next_slot()
+_NO_MAILBOX = _NoMailbox()
 
-    def shared_step(self, payload=None, nbytes: int | None = None) -> int:
-        return self.parent.shared_step(payload, nbytes)
 
-    def shared_view(self, step: int, peer: int, start: int, nbytes: int):
-        return self.parent.shared_view(step, self.ranks[peer], start, nbytes)
+class Finished:
+    """Tells a message that arrived early from one that no call will ever take:
+    a message held for a collective this rank has finished proves that its
+    sender ran another call (two roots of one broadcast each send, neither
+    receives, and both go on). :meth:`check` is asked only while the mailbox
+    holds a stamped message (``mailbox.held_calls``), so it costs nothing
+    otherwise; the group supplies ``lowest_in_flight()``, the lowest number of
+    a collective it has not finished, and its flight recorder, to name this
+    rank's side of a finished call."""
 
-    def size_mismatch(self, peer: int, detail: str):
-        self.parent.size_mismatch(self.ranks[peer], detail)
+    __slots__ = ("mailbox", "rank", "_lowest_in_flight", "_recorder", "_pg_id")
+
+    def __init__(self, mailbox, rank: int, lowest_in_flight, recorder=None, pg_id: int = -1):
+        # A transport without a mailbox (one of the caller's own) holds nothing.
+        self.mailbox = mailbox if mailbox is not None else _NO_MAILBOX
+        self.rank, self._lowest_in_flight = rank, lowest_in_flight
+        self._recorder, self._pg_id = recorder, pg_id
+
+    def check(self, seq: int, call: Call, finished: bool) -> None:
+        """Raise :class:`CollectiveMismatchError` if the mailbox holds a message
+        of a finished collective (``seq`` itself once ``finished``)."""
+        error = self._unclaimed(seq, call, finished)
+        if error is not None:
+            raise error
+
+    def explain(self, seq: int, call: Call, exc: BaseException) -> BaseException:
+        """``exc``, or the mismatch that explains it (a peer that found it first
+        and left, say), caused by it."""
+        if not self.mailbox.held_calls or isinstance(exc, (CollectiveMismatchError,
+                                                          GroupPoisonedError)):
+            return exc
+        error = self._unclaimed(seq, call, False)
+        if error is None:
+            return exc
+        error.__cause__ = exc
+        return error
+
+    def _unclaimed(self, seq, call, finished) -> CollectiveMismatchError | None:
+        # In this order: a message still held after its call had finished (it
+        # may have been held for a call in flight a moment ago, and been taken).
+        below = self._lowest_in_flight()
+        found = self.mailbox.oldest_held()
+        if found is None:
+            return None
+        key, peer, stamp = found
+        if not (finished and seq > 0 and key == seq & SEQ_MASK):
+            if key >= below & SEQ_MASK:  # (point-to-point tags are above every collective's)
+                return None
+            seq = below - (below & SEQ_MASK) + key
+            rec = self._recorder.find(self._pg_id, seq) if self._recorder is not None else None
+            call = rec.call if rec is not None else None
+        return leftover_error(self.rank, peer, seq, stamp, call)

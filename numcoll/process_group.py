@@ -32,7 +32,7 @@ from .collectives import movement, p2p, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import AbortNotes, Comm, Topology
+from .comm import AbortNotes, Comm, Finished
 from .diagnostics import flight_recorder
 from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
@@ -104,15 +104,8 @@ class ProcessGroup:
                 shm_slot_nbytes=max(cfg.segment_nbytes, cfg.allreduce_small_nbytes,
                                     cfg.broadcast_small_nbytes),
                 arena_slot_nbytes=cfg.arena_slot_nbytes))
-        # Transports over several hosts (hier) say which ranks share one; their
-        # arena is then each host's, present on hosts with several ranks only.
-        hosts = getattr(self._transport, "hosts", None)
-        self._topology = None if hosts is None else Topology(hosts, rank,
-                                                             cfg.arena_slot_nbytes)
-        if self._topology is not None:
-            self.context.set_topology(self._topology)
-        elif self._transport.arena is None and cfg.arena_slot_nbytes:
-            self.context.disable_arena()  # no shared memory between these ranks
+        # Which ranks share a host (hier transports say), and whether there is an arena.
+        self._topology = self.context.learn_hosts(self._transport)
         self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
@@ -130,6 +123,8 @@ class ProcessGroup:
                                          f"{self.transport_kind} group of {world_size}",
                                          list(range(world_size)))
                        if fr is not None else -1)
+        self._done = Finished(getattr(self._transport, "mailbox", None), rank,
+                              self._lowest_in_flight, fr, self._pg_id)  # mismatches found late
         self._workers = [
             threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
             for i in range(opts.threads)
@@ -384,8 +379,8 @@ class ProcessGroup:
         """Run one work and complete its future (returning its error, if any):
         the one place work runs, on a worker, on a caller waiting for it, or
         on a blocking caller."""
-        record, call = work.record, work.call
-        error = result = None
+        record, call, done = work.record, work.call, self._done
+        error = result = comm = None
         try:
             if self._poisoned is not None:
                 raise GroupPoisonedError(
@@ -402,10 +397,15 @@ class ProcessGroup:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
-            result = run(Comm(self._transport, work.seq, call, self._notes, record,
-                              self._topology), work)
+            comm = Comm(self._transport, work.seq, call, self._notes, record, self._topology)
+            if done.mailbox.held_calls:  # messages no call took yet: any of a finished call?
+                done.check(work.seq, call, finished=False)
+            result = run(comm, work)
+            if done.mailbox.held_calls:
+                done.check(work.seq, call, finished=True)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            error = self._fail(work, exc)
+            alone = comm is not None and comm.alone(exc)  # then the group is not poisoned
+            error = exc if alone else self._fail(work, done.explain(work.seq, call, exc))
         if work.arena_ticket >= 0:
             self._arena_order.end_turn(work)
         if record is not None:
@@ -418,6 +418,11 @@ class ProcessGroup:
         else:
             future.set_exception(error)
         return error
+
+    def _lowest_in_flight(self) -> int:
+        """The lowest number of a collective not finished here (``_inflight`` is in order)."""
+        with self._lock:
+            return next((w.seq for w in self._inflight.values() if w.seq > 0), self._next_seq)
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.

@@ -14,7 +14,7 @@ import pytest
 import numcoll as nc
 import transports
 from numcoll.collectives.choice import TWO_LEVEL_DEFAULT, choose
-from numcoll.comm import Topology
+from numcoll.algorithms.levels import Topology
 from numcoll.config import current
 from transports.hier import HierTransport
 
@@ -118,7 +118,7 @@ def test_a_group_over_hosts_refuses_what_it_cannot_run():
         with pytest.raises(ValueError, match="spans 2 hosts"):
             pgs[0].allreduce(np.ones(3), nc.AllreduceOptions(algorithm="shared"))
         with pytest.raises(ValueError, match="unknown algorithm 'twolevel'"):
-            pgs[0].gather([[np.ones(1)] * 4], [np.ones(1)],
+            pgs[0].gather([[np.ones(1) for _ in range(4)]], [np.ones(1)],
                           nc.GatherOptions(algorithm="twolevel"))
         # A rejected call takes no sequence number: the group still works.
         on_ranks(pgs, lambda pg: pg.allreduce(np.ones(3)).wait())
@@ -213,5 +213,32 @@ def test_a_dead_local_peer_is_named_by_every_rank(no_leaked_threads):
         for rank, (seconds, message) in enumerate(results[:3]):
             assert seconds < 5, (rank, seconds, message)
             assert "rank 3" in message, (rank, message)
+    finally:
+        close(pgs)
+
+
+def test_two_roots_of_one_broadcast_are_found_over_hosts():
+    """Host 0 broadcasts from rank 0, host 1 from rank 2: the leaders each send
+    their block across and neither receives, so each holds a message of a
+    finished call (in the tcp mailbox; the hier transport shows both of its
+    mailboxes as one): by the next call at the latest, the leaders fail with
+    the mismatch, naming both calls, and no rank waits for its deadline."""
+    pgs = hier_groups(LAYOUTS["2x2"], timeout=timedelta(seconds=20))
+    try:
+        def body(pg):
+            root = 0 if pg.rank() < 2 else 2
+            start = __import__("time").monotonic()
+            with pytest.raises(nc.NumcollError) as info:
+                pg.broadcast(np.full(4, pg.rank(), np.float32), root=root).wait()
+                pg.allreduce(np.ones(2)).wait()
+            return __import__("time").monotonic() - start, info.value
+
+        results = on_ranks(pgs, body)
+        for rank, (seconds, error) in enumerate(results):
+            assert seconds < 10, (rank, seconds, error)
+        for rank in (0, 2):
+            error = results[rank][1]
+            assert isinstance(error, nc.CollectiveMismatchError), (rank, error)
+            assert "root 0) #1" in str(error) and "root 2) #1" in str(error), error
     finally:
         close(pgs)

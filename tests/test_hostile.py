@@ -175,7 +175,7 @@ def test_raw_socket_garbage_is_survived(zkind):
         with pytest.raises(ConnectionResetError):  # a bad greeting: reset at once
             while raws[-1].recv(4096):
                 pass
-        assert time.monotonic() - start < 1
+        assert time.monotonic() - start < 5  # not the socket's own 5 s timeout
         for raw in raws:
             raw.close()
         assert victim._io._thread.is_alive() and victim._mailbox.held_nbytes(0) == 0
@@ -413,7 +413,7 @@ def test_store_token_both_ways(caplog):
             TCPStore(HOST, master.port, timeout=5)
         with pytest.raises(StoreAuthError, match="refused this client's token"):
             TCPStore(HOST, master.port, token="wrong", timeout=5)
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 5  # refused at once: not after a 5 s timeout
         assert "failed authentication" in caplog.text
         # A raw client skipping the handshake is dropped before any request is
         # served, and before the server buffers a big frame for it.
@@ -482,7 +482,7 @@ def test_a_port_that_is_not_a_store_fails_fast(answer, monkeypatch):
         start = time.monotonic()
         with pytest.raises(StoreAuthError, match="did not answer like a numcoll TCPStore"):
             TCPStore(HOST, listener.getsockname()[1], timeout=30)
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 10  # the 0.5 s probe, far from the 30 s timeout
     finally:
         stop.set()
         if answer is not None:
@@ -575,7 +575,8 @@ def test_store_serves_clients_past_200_idle_connections(monkeypatch):
                     for i in range(100):
                         client.set(f"k{i}", b"v")
                         assert client.get(f"k{i}") == b"v"
-                    assert time.monotonic() - start < 5
+                    # not held up by the idle ones (200 x the 0.5 s handshake timeout)
+                    assert time.monotonic() - start < 20
                 # strangers that never say which protocol they speak are hung up on
                 time.sleep(0.8)
                 idle[0].settimeout(2)
@@ -595,17 +596,21 @@ def test_a_short_deadline_is_kept_while_another_thread_is_stuck():
         start = time.monotonic()
         with pytest.raises(StoreTimeoutError, match="busy"):
             client.set("abort/0", b"why", timeout=0.3)
-        assert 0.25 < time.monotonic() - start < 1.0
+        # The short deadline is kept: waited for (a deadline never passes early),
+        # and far from the stuck thread's 30 s (an upper bound near 0.3 s would
+        # fail on a loaded machine, not on a wrong deadline).
+        elapsed = time.monotonic() - start
+        assert 0.25 < elapsed < 10, elapsed
         master.close()  # the store host is gone
         stuck.join(5)
         start = time.monotonic()
         with pytest.raises((StoreConnectionError, StoreTimeoutError)):
             client.set("abort/0", b"why", timeout=0.3)
-        assert time.monotonic() - start < 0.8
+        assert time.monotonic() - start < 10  # far from the client's 30 s
         start = time.monotonic()
         with pytest.raises(StoreConnectionError):  # even without one: not 30 s
             client.set("abort/0", b"why")
-        assert time.monotonic() - start < 2.5
+        assert time.monotonic() - start < 10
     finally:
         client.close()
         master.close()

@@ -107,7 +107,7 @@ def test_get_missing_key_times_out(store):
     store.set_timeout(ONE_SECOND)
     with pytest.raises(StoreTimeoutError) as info:
         _elapsed(store.get, "missing_key")
-    assert _elapsed.last < 3
+    assert 0.9 < _elapsed.last < 10  # the 1 s deadline: kept, and far below the default's 300 s
     assert isinstance(info.value, CollectiveTimeoutError)
     assert isinstance(info.value, TimeoutError)
     message = str(info.value)
@@ -175,7 +175,7 @@ def test_wait_and_check(stores):
     assert not store.check(["k1", "k2"])
     with pytest.raises(StoreTimeoutError) as info:
         _elapsed(store.wait, ["k1", "k2"], datetime.timedelta(milliseconds=300))
-    assert _elapsed.last < 3
+    assert 0.25 < _elapsed.last < 10  # the 300 ms deadline, not the store's own
     assert "k2" in str(info.value) and "k1" not in str(info.value)
     assert [k.rsplit("/", 1)[-1] for k in info.value.keys] == ["k2"]
     timer = threading.Timer(0.1, peer.set, ("k2", b"2"))
@@ -333,7 +333,9 @@ def test_tcp_store_dead_port_fails_clearly():
     port = _free_port()
     with pytest.raises(StoreConnectionError) as info:
         _elapsed(TCPStore, HOST, port, None, False, ONE_SECOND)
-    assert 0.9 < _elapsed.last < 3
+    # The 1 s deadline is kept: waited for (it never passes early), and far below
+    # the 300 s default (a tight upper bound fails on a loaded machine instead).
+    assert 0.9 < _elapsed.last < 10
     assert f"could not connect to TCPStore at {HOST}:{port} within 1000ms" in str(info.value)
 
 

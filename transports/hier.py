@@ -161,6 +161,29 @@ class HostArena:
         return self._arena.view(step, self._index[rank], start, nbytes)
 
 
+class _Mailboxes:
+    """What numcoll asks of a transport's mailbox (``held_calls``,
+    ``oldest_held``: messages held that no receive took yet), over both of
+    this transport's, the shm one's peers in group ranks."""
+
+    __slots__ = ("_net", "_shm", "_local")
+
+    def __init__(self, net, shm, local: tuple[int, ...]):
+        self._net, self._shm, self._local = net, shm, local
+
+    @property
+    def held_calls(self) -> int:
+        return self._net.held_calls + self._shm.held_calls
+
+    def oldest_held(self) -> tuple[int, int, bytes] | None:
+        net = self._net.oldest_held() if self._net.held_calls else None
+        shm = self._shm.oldest_held() if self._shm.held_calls else None
+        if shm is not None:
+            shm = (shm[0], self._local[shm[1]], shm[2])
+        found = [f for f in (net, shm) if f is not None]
+        return min(found, key=lambda f: f[0]) if found else None
+
+
 class HierTransport:
     """Shared memory among this host's ranks, tcp to the others (see the module docstring).
 
@@ -212,6 +235,9 @@ class HierTransport:
         arena = self._shm.arena
         #: This host's shared arena in group ranks (None: one rank here, or arenas off).
         self.arena = None if arena is None else HostArena(arena, self.local)
+        #: Both transports' mailboxes as one, in group ranks (what numcoll
+        #: checks for messages of a finished call).
+        self.mailbox = _Mailboxes(self._net.mailbox, self._shm.mailbox, self.local)
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b""):
         local = self._local_index.get(peer)

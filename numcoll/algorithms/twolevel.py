@@ -4,9 +4,8 @@ The cable between hosts, not memory, is what such a group waits for. A flat
 ring crosses it 2(P-1)/P times per byte of an allreduce per direction (1.5
 times for 2 hosts of 2 ranks, 1.67 for 2 of 3); combining a host's ranks
 through shared memory first crosses it once per host. Every algorithm here
-has three phases, on the comm's two levels (:meth:`numcoll.comm.Comm.local`,
-this host's ranks with its shared arena; :meth:`~numcoll.comm.Comm.across`,
-one rank per host):
+has three phases, on the comm's two levels (:class:`.levels.SubComm` objects:
+this host's ranks, with its shared arena, and one rank per host):
 
 1. *combine within the host* through the arena (one synchronisation per
    round of at most a slot's bytes);
@@ -40,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 
 from .barrier import barrier_dissemination
+from .levels import SubComm
 from .partition import chunk_bounds, segments
 from .shared import _bytes, _combine, _copy_in
 
@@ -69,13 +69,13 @@ class Levels:
     def __init__(self, comm, spread: bool, lead: int | None = None):
         top = comm.topology
         self.hosts, self.host = top.hosts, top.host
-        self.local = comm.local()
+        self.local = SubComm(comm, top.local)
         self.lanes = top.lanes if spread else 1
         #: Each host's ranks in lane order (``lead`` first on its host).
         self.order = [sorted(h, key=lambda r: r != lead) for h in top.hosts]
         place = self.order[self.host].index(comm.rank)
         self.lane = place if place < self.lanes else None
-        self.across = (comm.across([o[place] for o in self.order])
+        self.across = (SubComm(comm, [o[place] for o in self.order])
                        if self.lane is not None else None)
 
     def lane_rank(self, j: int) -> int:

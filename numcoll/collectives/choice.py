@@ -52,7 +52,7 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
     arena's (for a collective run inside another call, whose arena turn was
     not taken: a configured arena algorithm gives way to the automatic
-    choice). ``topology``: the group's :class:`numcoll.comm.Topology`, if it
+    choice). ``topology``: the group's :class:`numcoll.algorithms.levels.Topology`, if it
     knows which ranks share a host."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):

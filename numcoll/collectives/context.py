@@ -36,6 +36,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from .. import config as _config
+from ..algorithms.levels import Topology
 from ..memory.reduction import Reduction
 from .checks import timeout_seconds
 from .choice import Choice, choose, segment_count
@@ -46,15 +47,20 @@ __all__ = ["GroupContext", "cached", "check_options"]
 class GroupContext:
     """A group as its collectives see it: ``rank``, ``size``, ``cfg`` (the
     :class:`numcoll.config.Config` in force), ``timeout_s`` (the default
-    deadline) and the plan cache ``plans``. Owned by one ProcessGroup."""
+    deadline), ``settings`` (the configuration's fingerprint, which every
+    :class:`~numcoll.call.Call` stamps) and the plan cache ``plans``. Owned by
+    one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "topology")
+                 "settings", "topology")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
-        #: Which ranks share a host (:class:`numcoll.comm.Topology`), on groups
-        #: whose transport knows it (``hier``); else None.
+        #: What every Call of this group stamps: ranks whose settings differ fail
+        #: at their first call (:func:`numcoll.config.fingerprint`).
+        self.settings = _config.fingerprint(cfg)
+        #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`),
+        #: on groups whose transport knows it (``hier``); else None.
         self.topology = None
         self.plans: OrderedDict = OrderedDict()
         self.plans_kept = cfg.call_plans_kept
@@ -77,14 +83,23 @@ class GroupContext:
     def disable_arena(self) -> None:
         """This group's transport has no shared arena: no shared algorithms."""
         self.cfg = _config.replace(self.cfg, arena_slot_nbytes=0)
+        self.settings = _config.fingerprint(self.cfg)
         self.plans.clear()
 
-    def set_topology(self, topology) -> None:
-        """This group's ranks share hosts as ``topology`` says: the two-level
-        algorithms become available (and the group-wide ``shared`` ones go,
-        where it spans hosts)."""
-        self.topology = topology
-        self.plans.clear()
+    def learn_hosts(self, transport):
+        """Adopt what ``transport`` says of the hosts: with ``hosts`` (the hier
+        transport: its arena is each host's) the group's
+        :class:`~numcoll.algorithms.levels.Topology`, for the two-level
+        algorithms (the group-wide ``shared`` ones go, where it spans hosts);
+        without, and without an arena, no shared algorithms. Returns the
+        topology, or None."""
+        hosts = getattr(transport, "hosts", None)
+        if hosts is not None:
+            self.topology = Topology(hosts, self.rank, self.cfg.arena_slot_nbytes)
+            self.plans.clear()
+        elif transport.arena is None and self.cfg.arena_slot_nbytes:
+            self.disable_arena()  # no shared memory between these ranks
+        return self.topology
 
     # -- what plans are made of ------------------------------------------------------
     def timeout_for(self, opts, op_name: str) -> float:

@@ -189,6 +189,14 @@ class FlightRecorder:
             rec.state = "failed"
             rec.error = str(error)
 
+    def find(self, pg_id: int, seq: int) -> Record | None:
+        """The newest record of group ``pg_id``'s collective ``seq``, if the
+        ring still holds it (for error messages: a scan of the ring)."""
+        for rec in reversed(list(self._records)):
+            if rec.pg_id == pg_id and rec.seq == seq:
+                return rec
+        return None
+
     def waiting(self, rank: int) -> list[str]:
         """What global ``rank``'s collectives in progress are waiting for, newest first."""
         with self._lock:

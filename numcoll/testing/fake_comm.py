@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from ..comm import SubComm, Topology
+from ..algorithms.levels import Topology
 
 WAIT_S = 20.0
 
@@ -68,8 +68,8 @@ class _ArenaView:
 
 class FakeComm:
     """One rank's comm: the send/recv and shared-arena verbs of
-    :class:`numcoll.comm.Comm`, and with ``topology`` its two levels
-    (:meth:`local`, :meth:`across`; the arena is then this rank's host's)."""
+    :class:`numcoll.comm.Comm`, and with ``topology`` the group's hosts (the
+    arena is then this rank's host's)."""
 
     def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None,
                  arena: _Arena | None = None, topology: Topology | None = None):
@@ -78,12 +78,6 @@ class FakeComm:
         self._log = log
         self.arena = None if arena is None else _ArenaView(arena, rank)
         self.topology = topology
-
-    def local(self) -> SubComm:
-        return SubComm(self, self.topology.local)
-
-    def across(self, ranks) -> SubComm:
-        return SubComm(self, ranks)
 
     @property
     def arena_slot_nbytes(self) -> int:
@@ -190,9 +184,9 @@ def run_ranks(world_size: int, fn, log: list | None = None,
     The comms share an in-memory arena of ``arena_slot_nbytes`` per slot.
 
     ``hosts`` (lists of ranks covering every rank once, e.g. ``[[0, 1, 2],
-    [3]]``) gives the comms a :class:`~numcoll.comm.Topology`, as on a group
-    over several hosts: each host has an arena of its own, and the comms
-    offer ``local()`` and ``across()`` for two-level algorithms."""
+    [3]]``) gives the comms a :class:`~numcoll.algorithms.levels.Topology`, as on a group
+    over several hosts: each host has an arena of its own, as the two-level
+    algorithms need."""
     fabric = [_Inbox() for _ in range(world_size)]
     layout = [list(range(world_size))] if hosts is None else [list(h) for h in hosts]
     assert sorted(r for h in layout for r in h) == list(range(world_size)), (

@@ -162,16 +162,21 @@ LAUNCHED = textwrap.dedent("""
     import numcoll as dist
 
     dist.init_process_group("gloo")
+    pg = dist.get_default_group()
     x = np.array([float(dist.get_rank())])
-    dist.all_reduce(x)
+    work = pg.allreduce(x)
+    work.wait()
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
-    print("sum", int(x[0]), os.environ["GROUP_RANK"], names)
+    print("sum", int(x[0]), os.environ["GROUP_RANK"], pg.transport_kind, work.call.algorithm,
+          names)
     dist.destroy_process_group()
 """)
 
 
 def test_the_launcher_across_hosts(hosts, tmp_path):
+    """``numcoll run`` on each of 2 hosts, 2 ranks each: the group is
+    two-level by itself (the hier transport, the two-level allreduce)."""
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED)
     procs = [hosts.popen(node, [sys.executable, "-m", "numcoll", "run", "--nnodes", "2",
@@ -184,7 +189,7 @@ def test_the_launcher_across_hosts(hosts, tmp_path):
     for node, (code, out, err) in enumerate(results):
         assert code == 0, f"node {node}: {out}\n{err}"
         lines = sorted(line for line in out.splitlines() if "sum" in line)
-        assert lines == [f"[rank{r}]: sum 6 {node} {expected_names}"
+        assert lines == [f"[rank{r}]: sum 6 {node} hier twolevel_lanes {expected_names}"
                          for r in (2 * node, 2 * node + 1)], out
 
 

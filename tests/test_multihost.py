@@ -290,6 +290,22 @@ EVERY = textwrap.dedent("""
     pg = dist.get_default_group()
     assert pg.transport_kind == "hier", pg.transport_kind
     ran = check_every_collective(pg, expect="twolevel_lanes")
+    if dist.get_world_size() == 6:
+        # 3 hosts x 2: each group learns its own hosts (sub-groups keep the
+        # default group's transport kind). Sub-groups: 2 hosts x 2 (two-level),
+        # one rank per host (flat), one host (the host's arena is the group's).
+        kinds = {}
+        for name, members in (("2x2", [0, 1, 2, 3]), ("3x1", [0, 2, 4]), ("1x2", [4, 5])):
+            sub = dist.new_group(members)
+            if rank in members:
+                spg = sub
+                x = np.full(10_001, rank + 1.0)
+                work = spg.allreduce(x)
+                work.wait()
+                assert x[0] == x[-1] == sum(m + 1 for m in members), (name, x[0])
+                kinds[name] = [spg.transport_kind, work.call.algorithm]
+            dist.barrier()
+        ran["subgroups"] = kinds
 
     def cable(algorithm, repeats=3):
         # Bytes on this host's cable per direction per 16 MiB allreduce,
@@ -336,6 +352,11 @@ def test_every_collective_at_each_layout(hosts, tmp_path, layout):
         line = next(x for x in out.splitlines() if x.startswith(f"ok {r} "))
         reports[r] = json.loads(line.split(" ", 2)[2])
     assert reports[0]["ran"]["alltoall"] == "pairwise"
+    if layout == "3x2":
+        assert reports[0]["ran"]["subgroups"] == {
+            "2x2": ["hier", "twolevel_lanes"], "3x1": ["hier", "ring"]}, reports[0]
+        assert reports[4]["ran"]["subgroups"] == {
+            "3x1": ["hier", "ring"], "1x2": ["hier", "shared"]}, reports[4]
     if measure:
         flat = 2 * (len(procs) - 1) / len(procs)  # ring: each link's share crosses
         cable = reports[0]["cable"]

@@ -163,8 +163,8 @@ class HostArena:
 
 class _Mailboxes:
     """What numcoll asks of a transport's mailbox (``held_calls``,
-    ``oldest_held``: messages held that no receive took yet), over both of
-    this transport's, the shm one's peers in group ranks."""
+    ``oldest_call``, ``oldest_held``: messages held that no receive took yet),
+    over both of this transport's, the shm one's peers in group ranks."""
 
     __slots__ = ("_net", "_shm", "_local")
 
@@ -174,6 +174,10 @@ class _Mailboxes:
     @property
     def held_calls(self) -> int:
         return self._net.held_calls + self._shm.held_calls
+
+    @property
+    def oldest_call(self) -> int:
+        return min(self._net.oldest_call, self._shm.oldest_call)
 
     def oldest_held(self) -> tuple[int, int, bytes] | None:
         net = self._net.oldest_held() if self._net.held_calls else None

@@ -88,13 +88,14 @@ def test_broadcast(name, size):
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_ring_halves_with_uneven_chunks(family, name, size):
     # chunks of different sizes, some empty: rank r owns r % 3 * 2 elements
-    sizes = [r % 3 * 2 for r in range(size)]
-    chunks, start = [], 0
-    for n in sizes:
-        chunks.append((start, n))
-        start += n
-    total = start
-    algorithm = CHOICES[family][name]
+    check_uneven_chunks(family, CHOICES[family][name], [r % 3 * 2 for r in range(size)],
+                        lambda rank_fn: ranks(name, size, rank_fn))
+
+
+def check_uneven_chunks(family, algorithm, sizes, run):
+    """``algorithm`` of ``family`` (allgather or reduce_scatter) with rank r
+    owning ``sizes[r]`` elements, run by ``run(rank_fn)``, against NumPy."""
+    chunks, total = chunk_list(sizes), sum(sizes)
 
     def rank_fn(comm):
         if family == "allgather":
@@ -108,13 +109,13 @@ def test_ring_halves_with_uneven_chunks(family, name, size):
         s, n = chunks[comm.rank]
         return buf[s:s + n]
 
-    results = ranks(name, size, rank_fn)
+    results = run(rank_fn)
     if family == "allgather":
         expected = np.concatenate([data(r, n) for r, n in enumerate(sizes)])
         for got in results:
             np.testing.assert_array_equal(got, expected)
     else:
-        whole = sum(data(r, total) for r in range(size))
+        whole = sum(data(r, total) for r in range(len(sizes)))
         for r, got in enumerate(results):
             s, n = chunks[r]
             np.testing.assert_array_equal(got, whole[s:s + n])

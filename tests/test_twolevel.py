@@ -11,6 +11,8 @@ from numcoll.algorithms import CHOICES, TWO_LEVEL
 from numcoll.memory.host import HostBuffer
 from numcoll.testing import run_ranks
 
+from test_algorithms import add, check_uneven_chunks, data
+
 pytestmark = pytest.mark.timeout(120)
 
 LAYOUTS = [
@@ -30,14 +32,6 @@ IDS = ["x".join(str(len(h)) for h in layout) + ("i" if sorted(sum(layout, [])) !
        for layout in LAYOUTS]
 SEGMENT = 3
 SLOT = 64  # bytes: 8 float64 per arena round
-
-
-def data(rank, count):
-    return (np.arange(count, dtype=np.int64) * 7 + rank * 1000 + 1).astype(np.float64)
-
-
-def add(acc, x):
-    np.add(acc, x, out=acc)
 
 
 def run(layout, fn, segment=SEGMENT):
@@ -87,46 +81,14 @@ def test_reduce_and_broadcast(name, layout):
             np.testing.assert_array_equal(out, data(root, count))
 
 
-def chunk_list(sizes):
-    out, start = [], 0
-    for n in sizes:
-        out.append((start, n))
-        start += n
-    return out
-
-
 @pytest.mark.parametrize("family", ["allgather", "reduce_scatter"])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_allgather_and_reduce_scatter_with_uneven_chunks(family, name, layout):
     size = sum(len(h) for h in layout)
-    algorithm = CHOICES[family][name]
     for sizes in ([r % 3 * 5 for r in range(size)], [11] * size, [0] * size):
-        chunks = chunk_list(sizes)
-        total = sum(sizes)
-
-        def rank_fn(comm):
-            if family == "allgather":
-                buf = np.zeros(total)
-                s, n = chunks[comm.rank]
-                buf[s:s + n] = data(comm.rank, n)
-                algorithm(comm, HostBuffer(buf), chunks, SEGMENT)
-                return buf
-            buf = data(comm.rank, total)
-            algorithm(comm, HostBuffer(buf, add), chunks, SEGMENT)
-            s, n = chunks[comm.rank]
-            return buf[s:s + n]
-
-        results, _ = run(layout, rank_fn)
-        if family == "allgather":
-            expected = np.concatenate([data(r, n) for r, n in enumerate(sizes)])
-            for got in results:
-                np.testing.assert_array_equal(got, expected)
-        else:
-            whole = sum(data(r, total) for r in range(size))
-            for r, got in enumerate(results):
-                s, n = chunks[r]
-                np.testing.assert_array_equal(got, whole[s:s + n])
+        check_uneven_chunks(family, CHOICES[family][name], sizes,
+                            lambda rank_fn: run(layout, rank_fn)[0])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)

@@ -79,11 +79,8 @@ class SubComm:
         self.parent.wait_all(pendings)
 
     def sendrecv(self, send_peer: int, recv_peer: int, step: int, send_buf, recv_buf=None):
-        r = self.irecv(recv_peer, step, recv_buf)
-        s = self.isend(send_peer, step, send_buf)
-        data = self.wait(r)
-        self.wait(s)
-        return data
+        return self.parent.sendrecv(self.ranks[send_peer], self.ranks[recv_peer],
+                                    self._base + step, send_buf, recv_buf)
 
     @property
     def arena_slot_nbytes(self) -> int:

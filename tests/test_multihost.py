@@ -471,16 +471,29 @@ LAUNCHED_HIER = textwrap.dedent("""
     work.wait()
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, socket.gethostname())
-    line = "sum %d %s %s %s %s\\n" % (int(x[0]), pg.transport_kind, work.call.algorithm,
-                                    os.environ["LOCAL_RANK"], names)
+    # torch.distributed with numcoll's backend, in the same job: its group
+    # learns the hosts too.
+    import torch
+    import torch.distributed as tdist
+    import numcoll.torch
+
+    tdist.init_process_group("numcoll")
+    t = torch.full((1 << 20,), float(tdist.get_rank()))
+    tdist.all_reduce(t)
+    inner = tdist.group.WORLD._pg   # the numcoll ProcessGroup under torch's
+    line = "sum %d %d %s %s %s %s %s\\n" % (
+        int(x[0]), int(t[0]), pg.transport_kind, work.call.algorithm, inner.transport_kind,
+        os.environ["LOCAL_RANK"], names)
     os.write(1, line.encode())   # one write: the ranks share the launcher's pipe
+    tdist.destroy_process_group()
     dist.destroy_process_group()
 """)
 
 
 def test_torchrun_across_hosts(hosts, tmp_path):
     """The same job under torchrun on each of 2 hosts (2 ranks each): its
-    agent's store, the hier transport, the two-level allreduce."""
+    agent's store, the hier transport, the two-level allreduce; and
+    torch.distributed with numcoll's backend in the same job, over hier too."""
     pytest.importorskip("torch")
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED_HIER)
@@ -494,6 +507,6 @@ def test_torchrun_across_hosts(hosts, tmp_path):
     for node, (code, out, err) in enumerate(results):
         assert code == 0, f"node {node}: {out}\n{err}"
         lines = sorted(line for line in out.splitlines() if line.startswith("sum"))
-        assert lines == [f"sum 6 hier twolevel_lanes {local} {names}"
+        assert lines == [f"sum 6 6 hier twolevel_lanes hier {local} {names}"
                          for local in (0, 1)], out
     _nothing_left(hosts, procs)

@@ -39,10 +39,13 @@ class Choice(NamedTuple):
 #: The families with two-level algorithms (chosen automatically over hosts).
 TWO_LEVEL_FAMILIES = frozenset(f for f, names in CHOICES.items() if TWO_LEVEL & set(names))
 #: The two-level variant chosen automatically: ``twolevel_lanes`` (every rank
-#: of a host carries a share between hosts) rather than ``twolevel`` (one
-#: leader per host): as fast or faster in every measurement (the README's
-#: "Many hosts"), and it spreads the combining over the host's cores. The
-#: barrier has the one variant, ``twolevel``.
+#: of a host carries a share between hosts and combines a share) rather than
+#: ``twolevel`` (one leader per host does both). On a limited cable they tie
+#: (within 2 %: the README's "Many hosts"); where the cable is fast, one
+#: leader's combining of every slot is what the call waits for, and lanes
+#: spread it over the host's cores (on the 2-core VM, with more ranks than
+#: cores, that could not show: leader and lanes traded places). The barrier
+#: has the one variant, ``twolevel``.
 TWO_LEVEL_DEFAULT = "twolevel_lanes"
 
 

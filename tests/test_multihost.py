@@ -510,3 +510,25 @@ def test_torchrun_across_hosts(hosts, tmp_path):
         assert lines == [f"sum 6 6 hier twolevel_lanes hier {local} {names}"
                          for local in (0, 1)], out
     _nothing_left(hosts, procs)
+
+
+def test_the_cable_bench_measures_bytes_and_limits_the_cable(hosts):
+    """``python -m numcoll.bench.cable`` at 2x2 with a 1 MiB allreduce (one
+    iteration, no gloo: a smoke run of what the README's cable table comes
+    from): the counters give two-level 1x the payload each way, the flat
+    ring 1.5x, and the token bucket on the cable holds (``hosts``: only for
+    its skip)."""
+    from numcoll.bench.cable import _layout, measure
+
+    assert _layout("2x3") == [0, 0, 0, 1, 1, 1] and _layout("3+1") == [0, 0, 0, 1]
+    found = measure([0, 0, 1, 1], nbytes=1 << 20, iterations=2,
+                    methods=("twolevel_lanes", "ring"), rate="200mbit", port=PORT + 50)
+    assert found["transport"] == "hier"
+    for method, ratio in (("twolevel_lanes", 1.0), ("ring", 1.5)):
+        row = found[method]
+        assert ratio * 0.99 < row["tx"] < ratio * 1.1 and ratio * 0.99 < row["rx"] < \
+            ratio * 1.1, (method, row)
+        # 200 Mbit/s: at least the bytes' time on the cable, less what the
+        # bucket lets through at once (its 512 KiB burst).
+        floor_ms = (ratio * (1 << 20) - (512 << 10)) * 8 / 200e6 * 1e3
+        assert row["min_ms"] >= floor_ms, (method, row, floor_ms)

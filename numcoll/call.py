@@ -24,9 +24,12 @@ import numpy as np
 
 from .dtypes import SUPPORTED_DTYPES, dtype_name
 
-__all__ = ["Call", "describe_stamp", "stamp_settings", "COLLECTIVES", "ALGORITHMS",
+__all__ = ["Call", "describe_stamp", "stamp_settings", "SEQ_MASK", "COLLECTIVES", "ALGORITHMS",
            "TORCH_NAMES", "shapes", "nbytes_of", "op_fields"]
 
+#: A collective's number as its messages' tags carry it (``tag >> CALL_SHIFT``):
+#: numbers wrap at 2**31.
+SEQ_MASK = (1 << 31) - 1
 #: Names of the calls, in a fixed order: a call's index is its code in the stamp.
 #: Append only (codes travel between processes of possibly different versions).
 COLLECTIVES = (

@@ -14,7 +14,6 @@ turn, failure handling and poisoning are in one place.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import threading
@@ -27,13 +26,14 @@ from transports.endpoint import forget
 
 from . import config as _config
 from .algorithms import SHARED
-from .call import Call
+from .call import SEQ_MASK, Call
 from .collectives import movement, p2p, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import SEQ_MASK, AbortNotes, Comm, Finished
+from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
+from .diagnostics.mismatch import Finished
 from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
 from .bootstrap.store import PrefixStore, Store
@@ -66,19 +66,7 @@ class ProcessGroup:
 
     def __init__(self, store: Store, rank: int, world_size: int,
                  options: GroupOptions | None = None):
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
-        # A copy: set_timeout() must not change other groups made with the same options.
-        self.options = dataclasses.replace(options) if options is not None else GroupOptions()
-        opts = self.options
-        if opts.threads < 1:
-            raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")
-        if not (opts.transport is None or callable(opts.transport)
-                or opts.transport in transports.KINDS):
-            raise ValueError(f"ProcessGroup: transport must be one of {transports.KINDS}, a "
-                             f"transport factory, or None, got {opts.transport!r}")
+        self.options = opts = (options or GroupOptions()).checked(rank, world_size)
         self._rank, self._size = rank, world_size
         cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
         check_forced(cfg)

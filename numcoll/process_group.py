@@ -28,7 +28,7 @@ from transports.endpoint import forget
 from . import config as _config
 from .algorithms import SHARED
 from .call import Call
-from .collectives import movement, p2p, reductions
+from .collectives import movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
@@ -49,7 +49,7 @@ _SHUTDOWN = object()
 _SHUTDOWN_DRAIN_S = 2.0
 
 
-class ProcessGroup:
+class ProcessGroup(persistent.InitMethods):
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
     Parameters
@@ -59,8 +59,9 @@ class ProcessGroup:
     options : :class:`ProcessGroup.Options`.
 
     Every collective returns a :class:`~numcoll.Work`; results are written into
-    the caller's arrays and are also the future's value. Use as a context
-    manager, or call :meth:`shutdown`.
+    the caller's arrays and are also the future's value; the persistent ones
+    (``allreduce_init`` ...) are :class:`~numcoll.collectives.persistent.InitMethods`.
+    Use as a context manager, or call :meth:`shutdown`.
     """
 
     Options = GroupOptions
@@ -105,8 +106,7 @@ class ProcessGroup:
                 shm_slot_nbytes=max(cfg.segment_nbytes, cfg.allreduce_small_nbytes,
                                     cfg.broadcast_small_nbytes),
                 arena_slot_nbytes=cfg.arena_slot_nbytes))
-        if self._transport.arena is None and cfg.arena_slot_nbytes:
-            self.context.disable_arena()  # no shared memory between these ranks
+        self.context.attach(self._transport)  # its shared arena and memory, if any
         self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
@@ -280,7 +280,8 @@ class ProcessGroup:
         return self.submit(*p2p.monitored_barrier(self.context, timeout, wait_all_ranks))
 
     # -- running calls ----------------------------------------------------------------
-    def submit(self, call: Call, run: Callable, blocking: bool = False) -> Work | None:
+    def submit(self, call: Call, run: Callable, blocking: bool = False,
+               publish: Callable | None = None) -> Work | None:
         """Number ``call`` and run ``run(comm, work)`` for it; its return value
         becomes the future's value.
 
@@ -298,7 +299,9 @@ class ProcessGroup:
         this one in flight and is queued behind it. The caller would block
         anyway and is not one of the group's workers, so running here holds
         up nothing the queued path would not: it skips the queue and the
-        worker wake-up.
+        worker wake-up. ``publish(comm)``, a call's first half that never
+        blocks (a persistent start's), runs here too when nothing is in
+        flight; its Work is then *held* (queued nowhere) until ``wait()``.
         """
         with self._lock:
             if self._poisoned is not None or self._closed:
@@ -309,9 +312,10 @@ class ProcessGroup:
                 self._next_seq = seq + 1
             work = Work(call.name, seq, call=call)
             here = blocking and not self._inflight
+            held = publish is not None and not self._inflight
             if self._recorder is not None:
                 work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call,
-                                                    started=here)
+                                                    started=here or held)
             work.order = order = self._order
             self._order = order + 1
             # Registered either way: a barrier or shutdown() on another thread
@@ -321,7 +325,12 @@ class ProcessGroup:
                 self._arena_order.ticket(work, queued=not here)
             if not here:
                 work._queued(self._execute, run)
-                self._queue.put((work, run))
+                if not held:
+                    self._queue.put((work, run))
+        if held:
+            comm = Comm(self._transport, seq, call, self._notes, work.record)
+            work._run = persistent.first_half(publish, comm, run)
+            return work
         if here:
             error = self._execute(work, run)
             if error is not None:
@@ -397,6 +406,8 @@ class ProcessGroup:
         with self._lock:
             earlier = [w for k, w in self._inflight.items() if k < work.order]
         for w in earlier:
+            if w._claim_lock is not None and w._claim():
+                w._execute(w, w._run)  # no thread has run it yet (a held start, say)
             try:
                 w.future.wait(max(0.0, deadline - time.monotonic()))
             except FutureTimeoutError:
@@ -469,6 +480,9 @@ class ProcessGroup:
             if self._closed:
                 return
             pending = list(self._inflight.values())
+            for w in pending:  # held starts (see submit) are on no queue: a worker runs them
+                if w._claim_lock is not None:
+                    self._queue.put((w, w._run))
         drain_deadline = time.monotonic() + min(self.context.timeout_s, _SHUTDOWN_DRAIN_S)
         for w in pending:
             remaining = drain_deadline - time.monotonic()

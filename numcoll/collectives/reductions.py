@@ -18,6 +18,7 @@ from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
 from .context import GroupContext, cached, check_options
+from . import shared_arrays
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
@@ -47,6 +48,9 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
     outs = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
     arrays, xp = uniform_arrays(arrays, name)
     first = arrays[0]
+    if ctx.shared_memory is not None and first.nbytes >= ctx.cfg.shared_arrays_min_nbytes \
+            and (found := shared_arrays.allreduce(ctx, arrays, outs, reduce_op, opts)):
+        return found
     # Everything below follows from these (the checks above made every array
     # alike), so a repeated call reuses it: the plan, algorithm and call
     # descriptor are most of a small call's cost.
@@ -159,6 +163,9 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
     is_root = ctx.rank == root_rank
     if is_root:
         check_writable(arrays, name)
+    if ctx.shared_memory is not None and arr.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.reduce(ctx, arrays, outs, reduce_op, root_rank, opts)):
+        return found
     key = (name, arr.dtype, arr.shape, xp.is_device, root_rank,
            getattr(reduce_op, "_key", None), opts.algorithm, opts.timeout)
     red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_plan, ctx, name,
@@ -264,6 +271,11 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
     check_writable(outputs, name)
     share = sum(o.size for o in outputs)
     chunks = [(r * share, share) for r in range(size)]
+    if single and ctx.shared_memory is not None and \
+            inputs[0].nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.reduce_scatter_tensor(ctx, outputs[0], inputs[0], [outs],
+                                                          opts.reduce_op, opts)):
+        return found
     key = (name, outputs[0].dtype, shapes(inputs), shapes(outputs), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
     red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_scatter_plan, ctx,

@@ -56,6 +56,8 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 #: version, collective, dtype, op, root (-1: none), element count.
 _STAMP = struct.Struct("<BBBBiQ")
 _STAMP_VERSION = 1
+#: Set in the collective's code for a call on shared arrays (``Call.shared_arrays``).
+_SHARED_ARRAYS = 0x80
 
 
 class Call:
@@ -76,25 +78,30 @@ class Call:
 
     __slots__ = ("name", "timeout_s", "dtype", "count", "op", "root", "algorithm",
                  "input_sizes", "output_sizes", "nbytes", "custom_op", "collective",
-                 "after_earlier", "stamp")
+                 "after_earlier", "shared_arrays", "stamp")
 
     def __init__(self, name: str, timeout_s: float, dtype: np.dtype | None = None,
                  count: int = 0, op: str | None = None, root: int = -1, algorithm: str = "",
                  input_sizes: tuple = (), output_sizes: tuple = (), nbytes: int = 0,
                  custom_op: bool = False, collective: bool = True,
-                 after_earlier: bool = False):
+                 after_earlier: bool = False, shared_arrays: bool = False):
         self.name, self.timeout_s, self.dtype, self.count = name, timeout_s, dtype, count
         self.op, self.root, self.algorithm = op, root, algorithm
         self.input_sizes, self.output_sizes, self.nbytes = input_sizes, output_sizes, nbytes
         self.custom_op, self.collective, self.after_earlier = custom_op, collective, after_earlier
+        #: Whether the ranks read each other's arrays in place (``nc.empty_shared``):
+        #: a rank that passed plain arrays runs another call, and must be told so.
+        self.shared_arrays = shared_arrays
         code = _DTYPE_CODE.get(dtype, _NO_DTYPE) if dtype is not None else _NO_DTYPE
         op_code = _CUSTOM_OP if custom_op else _OP_CODE.get(op or "", 0)
+        name_code = _CODE[name] | (_SHARED_ARRAYS if shared_arrays else 0)
         #: The bytes every message of this call carries (see :func:`describe_stamp`).
-        self.stamp = _STAMP.pack(_STAMP_VERSION, _CODE[name], code, op_code, root, count)
+        self.stamp = _STAMP.pack(_STAMP_VERSION, name_code, code, op_code, root, count)
 
     def summary(self, seq: int | None = None) -> str:
         """``allreduce(float32, 4 elements, SUM) #12``: how messages name the call."""
-        return _render(self.name, self.dtype, self.count, self.op, self.root, seq)
+        return _render(self.name, self.dtype, self.count, self.op, self.root, seq,
+                       self.shared_arrays)
 
     def __repr__(self) -> str:
         return f"<Call {self.summary()} algorithm={self.algorithm or '-'}>"
@@ -106,15 +113,15 @@ def describe_stamp(stamp: bytes, seq: int | None = None) -> str:
         version, code, dtype, op, root, count = _STAMP.unpack(stamp)
         if version != _STAMP_VERSION:
             raise ValueError
-        name = COLLECTIVES[code]
+        name = COLLECTIVES[code & ~_SHARED_ARRAYS]
     except (struct.error, ValueError, IndexError):
         return f"an unknown call (stamp {stamp.hex()})"
     dt = SUPPORTED_DTYPES[dtype] if dtype < len(SUPPORTED_DTYPES) else None
     op_name = "custom" if op == _CUSTOM_OP else (_OPS[op] if op < len(_OPS) else "?") or None
-    return _render(name, dt, count, op_name, root, seq)
+    return _render(name, dt, count, op_name, root, seq, bool(code & _SHARED_ARRAYS))
 
 
-def _render(name, dtype, count, op, root, seq) -> str:
+def _render(name, dtype, count, op, root, seq, shared_arrays=False) -> str:
     parts = []
     if dtype is not None:
         parts.append(dtype_name(dtype))
@@ -124,6 +131,8 @@ def _render(name, dtype, count, op, root, seq) -> str:
         parts.append(op)
     if root >= 0:
         parts.append(f"root {root}")
+    if shared_arrays:
+        parts.append("shared arrays")
     text = f"{name}({', '.join(parts)})"
     return text if seq is None else f"{text} #{seq}"
 

@@ -230,9 +230,15 @@ class Comm:
         None, the ``nbytes`` already written into ``arena.mine(arena.next_step)``)
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
-        step = self.shared_publish(payload, nbytes)
-        self.shared_wait(step)
-        return step
+        record = self._record
+        if record is not None:
+            record.waiting_for, record.waiting_op = None, "arena"
+        try:
+            # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
+            return self.transport.arena.step(payload, self.seq, self.stamp, self.deadline,
+                                             self.seq & _SEQ_MASK, nbytes)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
 
     def shared_publish(self, payload=None, nbytes: int | None = None) -> int:
         """The first half of :meth:`shared_step`: publish this rank's part of

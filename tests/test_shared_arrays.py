@@ -237,7 +237,7 @@ def test_a_shared_array_on_one_rank_and_a_plain_one_on_the_other_fails_on_both()
 
         on_ranks(pgs, body)
         assert len(errors) == 2, errors
-        assert any("not a shared array" in e for e in errors), errors
+        assert all("Detected mismatch" in e and "shared arrays)" in e for e in errors), errors
     finally:
         close(pgs)
 

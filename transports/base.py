@@ -165,6 +165,12 @@ class Arena(Protocol):
         running another call through point-to-point messages."""
         ...
 
+    def step(self, payload, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None, nbytes: int | None = None) -> int:
+        """:meth:`put` then :meth:`wait` (one compiled call where it can).
+        Returns the step."""
+        ...
+
     def nbytes(self, step: int, rank: int) -> int:
         """The payload size ``rank`` published for ``step``."""
         ...

@@ -25,7 +25,7 @@ What a request holds fixed
     result written to memory the array no longer owns. Contents may change
     freely between a :meth:`~PersistentRequest.wait` and the next start, not
     while a start is in flight (as with MPI).
-Small allreduces on the shared arena (:class:`ArenaAllreduce`)
+Small allreduces on the shared arena (:class:`HeldAllreduce`)
     A message that fits one arena slot runs as one step: ``start()``
     publishes the array -- copied into this rank's slot, announced with a
     release store (one compiled call) -- on the caller's thread when the
@@ -48,9 +48,10 @@ from ..call import Call
 from ..memory.arrays import as_array
 from ..options import AllreduceOptions, ReduceOptions
 from . import movement, p2p, reductions
+from .arena_step import ArenaStep
 from .context import GroupContext
 
-__all__ = ["PersistentRequest", "Plan", "Guard", "ArenaAllreduce", "InitMethods",
+__all__ = ["PersistentRequest", "Plan", "Guard", "HeldAllreduce", "InitMethods",
            "first_half", "allreduce", "broadcast", "reduce", "allgather_into_tensor",
            "reduce_scatter_tensor", "alltoall_base", "barrier"]
 
@@ -185,52 +186,26 @@ class PersistentRequest:
         return f"<numcoll.PersistentRequest {self._plan.call!r}>"
 
 
-class ArenaAllreduce:
-    """The run of a persistent allreduce that fits one arena slot (see the
-    module docstring): :meth:`publish` is the eager first half, :meth:`run`
-    the rest (or the whole, when the group queued the start)."""
+class HeldAllreduce:
+    """A persistent allreduce that is one arena step (:class:`.arena_step.ArenaStep`):
+    :meth:`publish` is the held start's first half, :meth:`run` the rest --
+    or the whole, when the group queued the start behind other calls."""
 
-    __slots__ = ("flat", "payload", "kernel", "finish", "rank", "size", "outs", "step",
-                 "slots", "nbytes")
+    __slots__ = ("step", "flat", "outs", "published")
 
-    def __init__(self, flat: np.ndarray, red, rank: int, size: int, outs: list):
-        self.flat = flat
-        self.payload = flat.view(np.uint8)
-        self.nbytes = self.payload.size
-        # The kernel's entry point without its argument checks: the operands
-        # are this request's own flat array and the arena's 64-byte-aligned
-        # slots, of its dtype and length (the stamp fixes every rank's count).
-        self.kernel = red.kernel.unchecked or red.kernel
-        self.finish = red.host_steps.finish if red.divisor is not None else None  # AVG
-        self.rank, self.size, self.outs = rank, size, outs
-        self.step = -1  # published by the eager start, not yet waited for
-        self.slots = None  # [set][rank]: the arena's slots as typed arrays, made once
+    def __init__(self, step: ArenaStep, flat: np.ndarray, outs: list):
+        self.step, self.flat, self.outs = step, flat, outs
+        self.published = -1  # the step published by the held start, not yet completed
 
     def publish(self, comm) -> None:
-        self.step = comm.shared_publish(self.payload)
+        self.published = self.step.publish(comm, self.flat)
 
     def run(self, comm, work):
-        step = self.step
+        step = self.published
         if step < 0:  # queued behind other calls: nothing published yet
-            step = comm.shared_publish(self.payload)
-        self.step = -1
-        comm.shared_wait(step)
-        slots = self.slots
-        if slots is None:
-            slots = self.slots = [[s[:self.nbytes].view(self.flat.dtype) for s in both]
-                                  for both in comm.shared_slots()]
-        theirs, x, kernel = slots[step & 1], self.flat, self.kernel
-        if self.size == 2:
-            # op(mine, peer's) on both ranks: bitwise equal for commutative ops.
-            kernel(x, theirs[1 - self.rank])
-        else:
-            # In rank order, so that every rank computes the same bits.
-            if self.rank:
-                np.copyto(x, theirs[0])
-            for q in range(1, self.size):
-                kernel(x, theirs[q])
-        if self.finish is not None:
-            self.finish(x)
+            step = self.step.publish(comm, self.flat)
+        self.published = -1
+        self.step.complete(comm, step, self.flat)
         return self.outs
 
 
@@ -238,29 +213,25 @@ class ArenaAllreduce:
 def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, *,
               op=None) -> Plan:
     """Arguments as ``ProcessGroup.allreduce``; on a group with a shared arena,
-    a message that fits a slot runs as one step (:class:`ArenaAllreduce`)."""
+    a message that fits a slot runs as one step (:class:`HeldAllreduce`)."""
     name = "allreduce_init"
     call, run = reductions.allreduce(ctx, arrays, opts, op)
     objects = arrays if isinstance(arrays, (list, tuple)) else [arrays]
-    fast = _arena_allreduce(ctx, call, objects, opts or _ALLREDUCE_DEFAULTS, op)
+    fast = _held_allreduce(ctx, call, objects, opts or _ALLREDUCE_DEFAULTS, op)
     if fast is not None:
         return Plan(call, fast.run, fast.publish, Guard(name, objects))
     return Plan(call, run, None, Guard(name, objects))
 
 
-def _arena_allreduce(ctx, call, objects, opts, op) -> ArenaAllreduce | None:
-    """The one-step run for an allreduce of one NumPy array that fits an arena
-    slot, travels as it is (no float16 widening, no premul factor), or None."""
-    if call.algorithm != "shared" or ctx.size == 1 or len(objects) != 1:
-        return None
-    arr = objects[0]
-    if type(arr) is not np.ndarray or not arr.flags.c_contiguous \
-            or arr.nbytes > ctx.cfg.arena_slot_nbytes:
+def _held_allreduce(ctx, call, objects, opts, op) -> HeldAllreduce | None:
+    """The one-step run for an allreduce of one contiguous NumPy array that
+    fits an arena slot (see :meth:`ArenaStep.plan`), or None."""
+    arr = objects[0] if len(objects) == 1 else None
+    if type(arr) is not np.ndarray or not arr.flags.c_contiguous:
         return None
     red = ctx.reduction(opts.reduce_op if op is None else op, arr.dtype, "allreduce", False)
-    if red.widen or red.factor is not None:
-        return None
-    return ArenaAllreduce(arr.reshape(-1), red, ctx.rank, ctx.size, list(objects))
+    step = ArenaStep.plan(ctx, call.algorithm, red, arr, 1)
+    return None if step is None else HeldAllreduce(step, arr.reshape(-1), list(objects))
 
 
 def broadcast(ctx: GroupContext, arrays, opts=None, *, root=None) -> Plan:

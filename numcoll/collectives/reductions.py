@@ -19,6 +19,7 @@ from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same
                      originals)
 from .context import GroupContext, cached, check_options
 from . import shared_arrays
+from .arena_step import ArenaStep
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
@@ -65,7 +66,15 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
         plan = ctx.keep(key, _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts))
     else:
         ctx.plans.move_to_end(key)
-    red, algorithm, seg, call = plan
+    red, algorithm, seg, call, one = plan
+    if one is not None and first.flags.c_contiguous:  # one arena step: see .arena_step
+        flat = first if first.ndim == 1 else first.reshape(-1)
+
+        def run_one(comm, work):
+            one.run(comm, flat)
+            return outs
+
+        return call, run_one
     steps = red.host_steps if xp is HOST else xp.steps(red)
 
     def run(comm, work):
@@ -88,7 +97,8 @@ def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
     call = Call(name, ctx.timeout_for(opts, name), first.dtype, first.size, root=-1,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes, **op_fields(reduce_op))
-    return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
+    one = ArenaStep.plan(ctx, algorithm.name, red, first, len(arrays))
+    return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call, one
 
 
 def allreduce_coalesced(ctx: GroupContext, arrays, opts: AllreduceCoalescedOptions | None = None):

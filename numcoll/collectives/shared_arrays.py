@@ -59,7 +59,7 @@ def _reduction(ctx, op, dtype, name):
 def _call(ctx, name, opts, dtype, count, inputs, outputs, nbytes, root=-1, op=None) -> Call:
     return Call(name, ctx.timeout_for(opts, name), dtype, count, root=root,
                 algorithm=ALGORITHM, input_sizes=shapes(inputs), output_sizes=shapes(outputs),
-                nbytes=nbytes, **(op_fields(op) if op is not None else {}))
+                nbytes=nbytes, shared_arrays=True, **(op_fields(op) if op is not None else {}))
 
 
 def _block(ctx, itemsize: int) -> int:
@@ -190,7 +190,7 @@ def alltoall_base(ctx: GroupContext, output, input, send_chunks, recv_chunks, va
     direct = not HOST.overlaps(flat_out, flat_in)
     call = Call("alltoall_base", ctx.timeout_for(opts, "alltoall_base"), input.dtype,
                 algorithm=ALGORITHM, input_sizes=shapes([input]),
-                output_sizes=shapes([output]), nbytes=nbytes_of([input]))
+                output_sizes=shapes([output]), nbytes=nbytes_of([input]), shared_arrays=True)
 
     def run(comm, work):
         out = flat_out if direct else np.empty_like(flat_out)

@@ -36,17 +36,28 @@ from ..memory.host import HOST, HostBuffer
 from ..memory.shared import locate
 from .context import GroupContext
 
-__all__ = ["allreduce", "broadcast", "reduce", "allgather_into_tensor", "reduce_scatter_tensor",
-           "alltoall_base"]
+__all__ = ["applies", "allreduce", "broadcast", "reduce", "allgather_into_tensor",
+           "reduce_scatter_tensor", "alltoall_base"]
 
 ALGORITHM = "shared_arrays"
+
+
+def applies(cfg, size: int, family: str, nbytes: int, requested: str | None) -> bool:
+    """Whether a call of ``family`` (a key of :data:`numcoll.algorithms.CHOICES`)
+    whose shared array holds ``nbytes`` takes the shared-array path on a group
+    of ``size`` configured as ``cfg`` (``requested``: the algorithm the call
+    asks for): more than one rank, an arena, no algorithm forced, at least
+    ``shared_arrays_min_nbytes``. (A call on float16 widened to float32, or
+    with PREMUL_SUM's factor, does not either.)"""
+    return (size > 1 and cfg.arena_slot_nbytes > 0 and requested is None
+            and nbytes >= cfg.shared_arrays_min_nbytes and forced_algorithm(cfg, family) is None)
 
 
 def _where(ctx: GroupContext, family: str, arr, opts) -> tuple[int, int] | None:
     """Where ``arr`` lies in the group's shared memory, if this call takes the
     shared-array path (see the module docstring)."""
-    if opts.algorithm is not None or forced_algorithm(ctx.cfg, family) is not None \
-            or type(arr) is not np.ndarray or ctx.size == 1:
+    if type(arr) is not np.ndarray or \
+            not applies(ctx.cfg, ctx.size, family, arr.nbytes, opts.algorithm):
         return None
     return locate(ctx.shared_memory, arr)
 

@@ -60,7 +60,7 @@ class Config:
     #: Collectives on shared arrays reduce and copy in blocks of this many
     #: bytes (each block of a rank's share taken from every peer in turn
     #: while it is in cache).
-    shared_arrays_block_nbytes: int = 256 << 10
+    shared_arrays_block_nbytes: int = 1 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.

@@ -221,7 +221,12 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
     return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 
-def _numcoll_session(plans: list[Plan], reporter: Reporter | None) -> list[dict]:
+def _numcoll_session(plans: list[Plan], reporter: Reporter | None,
+                     bind: bool = False) -> list[dict]:
+    if bind:
+        from .forms import bind_to_core
+
+        bind_to_core()
     firsts = _first_cases(plans)
     return [numcoll_rank(plan, reporter, first) for plan, first in zip(plans, firsts)]
 
@@ -376,7 +381,8 @@ def run_plans(plans: list[Plan], *, backend: str = "numcoll", mode: str = "proce
         raise ValueError(f"unknown backend {backend!r}; choose 'numcoll' or 'torch'")
     with ProgressDisplay(sum(len(p.cases) for p in plans), progress) as reporter:
         if backend == "numcoll":
-            per_rank = launch(_numcoll_session, world_size, args=(plans, reporter), mode=mode,
+            per_rank = launch(_numcoll_session, world_size,
+                              args=(plans, reporter, mode == "process"), mode=mode,
                               transport=transport, timeout=timeout_s)
         else:
             per_rank = launch(_torch_session, world_size, args=(plans, timeout_s, reporter),

@@ -13,23 +13,12 @@ from numcoll.algorithms.shared_arrays import (allgather_shared_arrays, allreduce
 from numcoll.memory.host import HostBuffer
 from numcoll.testing import run_ranks
 
+from test_algorithms import WORLD_SIZES, add, counts, data
+
 pytestmark = pytest.mark.timeout(180)
 
-WORLD_SIZES = list(range(1, 34))
 BLOCK = 3  # elements: every share of more than 3 elements takes several steps
 KEY = 7
-
-
-def data(rank, count):
-    return (np.arange(count, dtype=np.int64) * 7 + rank * 1000 + 1).astype(np.float64)
-
-
-def add(acc, x):
-    np.add(acc, x, out=acc)
-
-
-def counts(size):
-    return sorted({0, 1, size - 1 if size > 1 else 2, 2 * size + 3})
 
 
 def shared(arrays):

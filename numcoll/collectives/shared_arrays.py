@@ -77,16 +77,21 @@ def _block(ctx, itemsize: int) -> int:
     return max(1, ctx.cfg.shared_arrays_block_nbytes // itemsize)
 
 
+def _reducing(ctx, family: str, arrays, op, opts):
+    """(array, where, reduction, flat view, block) of a reducing call on one
+    shared array, or None where the path is not taken."""
+    arr = arrays[0]
+    where = len(arrays) == 1 and _where(ctx, family, arr, opts)
+    red = where and _reduction(ctx, op, arr.dtype, family)
+    return (arr, where, red, arr.reshape(-1), _block(ctx, arr.itemsize)) if red else None
+
+
 def allreduce(ctx: GroupContext, arrays, outs, op, opts):
     """One shared array, reduced in place on every rank."""
-    if len(arrays) != 1:
+    found = _reducing(ctx, "allreduce", arrays, op, opts)
+    if found is None:
         return None
-    arr = arrays[0]
-    where = _where(ctx, "allreduce", arr, opts)
-    red = where and _reduction(ctx, op, arr.dtype, "allreduce")
-    if not red:
-        return None
-    flat, block = arr.reshape(-1), _block(ctx, arr.itemsize)
+    arr, where, red, flat, block = found
     call = _call(ctx, "allreduce", opts, arr.dtype, arr.size, arrays, arrays, arr.nbytes, op=op)
 
     def run(comm, work):
@@ -118,12 +123,10 @@ def broadcast(ctx: GroupContext, arrays, outs, root: int, opts):
 
 def reduce(ctx: GroupContext, arrays, outs, op, root: int, opts):
     """One shared array: every rank's, reduced into the root's."""
-    arr = arrays[0]
-    where = _where(ctx, "reduce", arr, opts)
-    red = where and _reduction(ctx, op, arr.dtype, "reduce")
-    if not red:
+    found = _reducing(ctx, "reduce", arrays, op, opts)
+    if found is None:
         return None
-    flat, block = arr.reshape(-1), _block(ctx, arr.itemsize)
+    arr, where, red, flat, block = found
     is_root = ctx.rank == root
     call = _call(ctx, "reduce", opts, arr.dtype, arr.size, arrays,
                  arrays if is_root else (), arr.nbytes, root=root, op=op)

@@ -224,12 +224,7 @@ class SharedArena:
         step = self._step
         if self._region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
-        if payload is not None:
-            nbytes = payload.size
-        elif nbytes is None:
-            nbytes = 0
-        if nbytes > self.slot_nbytes:
-            raise ValueError(f"shared arena: {nbytes} bytes exceed the {self.slot_nbytes}-byte slot")
+        nbytes = self._nbytes_of(payload, nbytes)
         s0, s1 = _stamp_words(stamp)
         header = self._first_header[step & 1] + self.rank * self._stride
         _put(self._region, self._ctrl, self.rank, step, header, seq, s0, s1,
@@ -269,12 +264,7 @@ class SharedArena:
         region, ctrl = self._region, self._ctrl
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
-        if payload is not None:
-            nbytes = payload.size
-        elif nbytes is None:
-            nbytes = 0
-        if nbytes > self.slot_nbytes:
-            raise ValueError(f"shared arena: {nbytes} bytes exceed the {self.slot_nbytes}-byte slot")
+        nbytes = self._nbytes_of(payload, nbytes)
         s0, s1 = _stamp_cache.get(stamp) or _stamp_words(stamp)
         first = self._first_header[step & 1]
         spin_until = time.monotonic_ns() + self._spin_ns
@@ -288,6 +278,17 @@ class SharedArena:
         if got != -1:
             self._wait_slowly(got, step, seq, stamp, deadline, call)
         return step
+
+    def _nbytes_of(self, payload: np.ndarray | None, nbytes: int | None) -> int:
+        """The bytes a step publishes: ``payload``'s, else ``nbytes`` (default 0),
+        at most a slot."""
+        if payload is not None:
+            nbytes = payload.size
+        elif nbytes is None:
+            nbytes = 0
+        if nbytes > self.slot_nbytes:
+            raise ValueError(f"shared arena: {nbytes} bytes exceed the {self.slot_nbytes}-byte slot")
+        return nbytes
 
     def _spin_deadlines(self, deadline: float | None) -> tuple[int, int]:
         """(end of the busy spin, end of the yield phase), in monotonic ns."""

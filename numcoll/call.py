@@ -7,10 +7,12 @@ collective's own parameters:
 
 - the messages' **stamp** (:attr:`Call.stamp`): every message of a collective
   carries the fields that all ranks must agree on (collective, dtype, op,
-  root, element count), and a receiver compares them with its own before
-  touching the data, so ranks that disagree fail instead of exchanging
-  wrong bytes (:func:`describe_stamp` renders the other side's call for the
-  error message);
+  root, element count, the algorithm, and a fingerprint of the settings that
+  decide which messages a call sends: :data:`numcoll.config.AGREED`), and a
+  receiver compares them with its own before touching the data, so ranks
+  that disagree fail instead of exchanging wrong bytes or waiting for
+  messages that never come (:func:`describe_stamp` renders the other side's
+  call for the error message);
 - timeout and mismatch messages (:meth:`Call.summary`);
 - the flight recorder (:mod:`numcoll.diagnostics.flight_recorder`).
 """
@@ -22,8 +24,8 @@ import numpy as np
 
 from .dtypes import SUPPORTED_DTYPES, dtype_name
 
-__all__ = ["Call", "describe_stamp", "COLLECTIVES", "TORCH_NAMES", "shapes", "nbytes_of",
-           "op_fields"]
+__all__ = ["Call", "describe_stamp", "stamp_settings", "COLLECTIVES", "ALGORITHMS",
+           "TORCH_NAMES", "shapes", "nbytes_of", "op_fields"]
 
 #: Names of the calls, in a fixed order: a call's index is its code in the stamp.
 #: Append only (codes travel between processes of possibly different versions).
@@ -53,9 +55,19 @@ _OP_CODE = {name: i for i, name in enumerate(_OPS)}
 _CUSTOM_OP = 255
 _NO_DTYPE = 255
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
-#: version, collective, dtype, op, root (-1: none), element count.
-_STAMP = struct.Struct("<BBBBiQ")
-_STAMP_VERSION = 1
+#: The algorithms' names, in a fixed order: an algorithm's index is its code in
+#: the stamp (255: one not listed). Append only, as :data:`COLLECTIVES`.
+ALGORITHMS = ("", "ring", "recursive_doubling", "shared", "shared_split", "binomial", "chain",
+              "direct", "pairwise", "dissemination", "gather_release", "allgather_coalesce",
+              "shared_arrays")
+_ALGORITHM_CODE = {name: i for i, name in enumerate(ALGORITHMS)}
+_OTHER_ALGORITHM = 255
+#: version, collective, dtype, op, algorithm, settings fingerprint, then root + 1
+#: (3 bytes; 0: none) and the element count (6 bytes): 16 bytes, what the
+#: shared arena's slot header holds (transports.shm.arena.STAMP_NBYTES).
+_STAMP = struct.Struct("<BBBBBH")
+_STAMP_NBYTES = 16
+_STAMP_VERSION = 2
 #: Set in the collective's code for a call on shared arrays (``Call.shared_arrays``).
 _SHARED_ARRAYS = 0x80
 
@@ -67,6 +79,7 @@ class Call:
     ``dtype`` the element type; ``count`` the elements per rank that every
     rank must agree on (0 where ranks may legitimately differ, e.g. alltoall);
     ``root`` the root rank (-1 if none); ``algorithm`` the algorithm chosen;
+    ``settings`` the group's :func:`numcoll.config.fingerprint` (0: none);
     ``timeout_s`` its deadline in seconds. ``input_sizes``/``output_sizes``
     (shapes) and ``nbytes`` (bytes this rank contributes) are for the flight
     recorder. Two flags are for the group that runs it: ``collective``
@@ -78,17 +91,19 @@ class Call:
 
     __slots__ = ("name", "timeout_s", "dtype", "count", "op", "root", "algorithm",
                  "input_sizes", "output_sizes", "nbytes", "custom_op", "collective",
-                 "after_earlier", "shared_arrays", "stamp")
+                 "after_earlier", "settings", "shared_arrays", "stamp")
 
     def __init__(self, name: str, timeout_s: float, dtype: np.dtype | None = None,
                  count: int = 0, op: str | None = None, root: int = -1, algorithm: str = "",
                  input_sizes: tuple = (), output_sizes: tuple = (), nbytes: int = 0,
                  custom_op: bool = False, collective: bool = True,
-                 after_earlier: bool = False, shared_arrays: bool = False):
+                 after_earlier: bool = False, settings: int = 0,
+                 shared_arrays: bool = False):
         self.name, self.timeout_s, self.dtype, self.count = name, timeout_s, dtype, count
         self.op, self.root, self.algorithm = op, root, algorithm
         self.input_sizes, self.output_sizes, self.nbytes = input_sizes, output_sizes, nbytes
         self.custom_op, self.collective, self.after_earlier = custom_op, collective, after_earlier
+        self.settings = settings
         #: Whether the ranks read each other's arrays in place (``nc.empty_shared``):
         #: a rank that passed plain arrays runs another call, and must be told so.
         self.shared_arrays = shared_arrays
@@ -96,32 +111,53 @@ class Call:
         op_code = _CUSTOM_OP if custom_op else _OP_CODE.get(op or "", 0)
         name_code = _CODE[name] | (_SHARED_ARRAYS if shared_arrays else 0)
         #: The bytes every message of this call carries (see :func:`describe_stamp`).
-        self.stamp = _STAMP.pack(_STAMP_VERSION, name_code, code, op_code, root, count)
+        self.stamp = (_STAMP.pack(_STAMP_VERSION, name_code, code, op_code,
+                                  _ALGORITHM_CODE.get(algorithm, _OTHER_ALGORITHM),
+                                  settings & 0xFFFF)
+                      + ((root + 1) & 0xFFFFFF).to_bytes(3, "little")
+                      + (count & 0xFFFF_FFFF_FFFF).to_bytes(6, "little"))
 
-    def summary(self, seq: int | None = None) -> str:
-        """``allreduce(float32, 4 elements, SUM) #12``: how messages name the call."""
-        return _render(self.name, self.dtype, self.count, self.op, self.root, seq,
+    def summary(self, seq: int | None = None, detail: bool = False) -> str:
+        """``allreduce(float32, 4 elements, SUM) #12``: how messages name the call
+        (with ``detail``, also its algorithm and settings: ``... via ring,
+        settings 3fa2``, as :func:`describe_stamp` renders a stamp)."""
+        extra = (self.algorithm, self.settings) if detail else None
+        return _render(self.name, self.dtype, self.count, self.op, self.root, seq, extra,
                        self.shared_arrays)
 
     def __repr__(self) -> str:
         return f"<Call {self.summary()} algorithm={self.algorithm or '-'}>"
 
 
-def describe_stamp(stamp: bytes, seq: int | None = None) -> str:
-    """Render a stamp received from another rank as :meth:`Call.summary` would."""
+def describe_stamp(stamp: bytes, seq: int | None = None, detail: bool = True) -> str:
+    """Render a stamp received from another rank as :meth:`Call.summary` would
+    (with ``detail``: also the algorithm and the settings fingerprint, where set)."""
     try:
-        version, code, dtype, op, root, count = _STAMP.unpack(stamp)
+        if len(stamp) != _STAMP_NBYTES:
+            raise ValueError
+        version, code, dtype, op, algorithm, settings = _STAMP.unpack_from(stamp)
         if version != _STAMP_VERSION:
             raise ValueError
         name = COLLECTIVES[code & ~_SHARED_ARRAYS]
     except (struct.error, ValueError, IndexError):
         return f"an unknown call (stamp {stamp.hex()})"
+    root = int.from_bytes(stamp[_STAMP.size:_STAMP.size + 3], "little") - 1
+    count = int.from_bytes(stamp[_STAMP.size + 3:], "little")
     dt = SUPPORTED_DTYPES[dtype] if dtype < len(SUPPORTED_DTYPES) else None
     op_name = "custom" if op == _CUSTOM_OP else (_OPS[op] if op < len(_OPS) else "?") or None
-    return _render(name, dt, count, op_name, root, seq, bool(code & _SHARED_ARRAYS))
+    algorithm_name = ALGORITHMS[algorithm] if algorithm < len(ALGORITHMS) else "another"
+    extra = (algorithm_name, settings) if detail else None
+    return _render(name, dt, count, op_name, root, seq, extra, bool(code & _SHARED_ARRAYS))
 
 
-def _render(name, dtype, count, op, root, seq, shared_arrays=False) -> str:
+def stamp_settings(stamp: bytes) -> int | None:
+    """The settings fingerprint a stamp carries (None if it is not a stamp of this version)."""
+    if len(stamp) != _STAMP_NBYTES or stamp[0] != _STAMP_VERSION:
+        return None
+    return _STAMP.unpack_from(stamp)[5]
+
+
+def _render(name, dtype, count, op, root, seq, extra=None, shared_arrays=False) -> str:
     parts = []
     if dtype is not None:
         parts.append(dtype_name(dtype))
@@ -134,7 +170,12 @@ def _render(name, dtype, count, op, root, seq, shared_arrays=False) -> str:
     if shared_arrays:
         parts.append("shared arrays")
     text = f"{name}({', '.join(parts)})"
-    return text if seq is None else f"{text} #{seq}"
+    if seq is not None:
+        text += f" #{seq}"
+    algorithm, settings = extra or ("", 0)
+    more = ([f"via {algorithm}"] if algorithm else []) + \
+        ([f"settings {settings:04x}"] if settings else [])
+    return f"{text} {', '.join(more)}" if more else text
 
 
 def shapes(arrays) -> tuple:

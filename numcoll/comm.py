@@ -23,16 +23,19 @@ from transports import (
     TransportTimeout,
 )
 
-from .call import Call, describe_stamp
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
+from .call import Call, describe_stamp, stamp_settings
+from .config import AGREED
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
+                     NumcollError, PeerError)
 
-__all__ = ["Comm", "AbortNotes", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
-           "MAX_USER_TAG"]
+__all__ = ["Comm", "AbortNotes", "Finished", "collective_tag", "p2p_tag", "abort_note",
+           "leftover_error", "MAX_STEP", "MAX_USER_TAG", "SEQ_MASK"]
 
 _SEQ_BITS = 31
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
-_SEQ_MASK = (1 << _SEQ_BITS) - 1
+#: A collective's number as its messages' tags carry it (``tag >> CALL_SHIFT``).
+SEQ_MASK = (1 << _SEQ_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
 
@@ -41,7 +44,7 @@ def collective_tag(seq: int, step: int) -> int:
     """Tag of message ``step`` of collective number ``seq`` (seq wraps at 2**31)."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step {step} out of range")
-    return ((seq & _SEQ_MASK) << _STEP_BITS) | step
+    return ((seq & SEQ_MASK) << _STEP_BITS) | step
 
 
 def p2p_tag(user_tag: int) -> int:
@@ -161,6 +164,16 @@ class Comm:
         self.stamp = call.stamp
         self._notes = notes
         self._record = record  # the flight recorder's entry: waiting_for is kept current
+        #: Whether the call has posted a message or taken an arena step: until
+        #: then nothing left this rank, and a failure concerns this rank alone.
+        self.started = False
+
+    def alone(self, exc: BaseException) -> bool:
+        """Whether ``exc`` concerns this rank alone: raised before anything left
+        it (a MemoryError while the call prepared its buffers, say), so ranks
+        that all fail alike are still in step and the group need not be poisoned."""
+        return not self.started and isinstance(exc, Exception) \
+            and not isinstance(exc, NumcollError)
 
     # -- posting ----------------------------------------------------------------
     def isend(self, peer: int, step: int, buf) -> Pending:
@@ -168,6 +181,7 @@ class Comm:
                           "send", step)
 
     def irecv(self, peer: int, step: int, buf=None) -> Pending:
+        self.started = True
         try:
             request = self.transport.irecv(peer, collective_tag(self.seq, step), buf,
                                            self.stamp, True)
@@ -182,6 +196,7 @@ class Comm:
         return self._post(self.transport.irecv, peer, tag, buf, "recv", None)
 
     def _post(self, fn, peer, tag, buf, what, step) -> Pending:
+        self.started = True
         try:
             return Pending(fn(peer, tag, buf, self.stamp), peer, what, step)
         except TransportError as exc:
@@ -222,6 +237,7 @@ class Comm:
     def next_slot(self):
         """This rank's slot (a uint8 array) for the arena's next step, to write
         a payload in place before :meth:`shared_step` publishes it."""
+        self.started = True
         arena = self.transport.arena
         return arena.mine(arena.next_step)
 
@@ -230,13 +246,14 @@ class Comm:
         None, the ``nbytes`` already written into ``arena.mine(arena.next_step)``)
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
+        self.started = True
         record = self._record
         if record is not None:
             record.waiting_for, record.waiting_op = None, "arena"
         try:
             # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
             return self.transport.arena.step(payload, self.seq, self.stamp, self.deadline,
-                                             self.seq & _SEQ_MASK, nbytes)
+                                             self.seq & SEQ_MASK, nbytes)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
 
@@ -244,6 +261,7 @@ class Comm:
         """The first half of :meth:`shared_step`: publish this rank's part of
         the next step, without waiting for the others (it never blocks).
         Returns the step, for :meth:`shared_wait`."""
+        self.started = True
         try:
             return self.transport.arena.put(payload, self.seq, self.stamp, nbytes)
         except TransportError as exc:
@@ -252,22 +270,20 @@ class Comm:
     def shared_wait(self, step: int) -> None:
         """The second half of :meth:`shared_step`: wait until every rank has
         published ``step`` of this call (the call's deadline bounds it)."""
+        self.started = True
         record = self._record
         if record is not None:
             record.waiting_for, record.waiting_op = None, "arena"
         try:
-            # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
             self.transport.arena.wait(step, self.seq, self.stamp, self.deadline,
-                                      self.seq & _SEQ_MASK)
+                                      self.seq & SEQ_MASK)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
 
     def shared_slots(self) -> list:
-        """Every rank's whole payload slot in each of the arena's two sets
-        (``[set][rank]``, uint8 views, set ``step % 2`` for a step), for a
-        caller that reads the same slots call after call (a persistent
-        request) and has checked the published sizes once: a step's header
-        names the call, whose stamp fixes every rank's byte count."""
+        """Every rank's whole slot in each of the arena's two sets (``[set][rank]``,
+        uint8; set ``step % 2`` for a step), to read call after call (a persistent
+        request): a step's stamp fixes every rank's byte count."""
         arena = self.transport.arena
         try:
             return [[arena.view(s, r) for r in range(self.size)] for s in (0, 1)]
@@ -346,15 +362,13 @@ class Comm:
         waited = (f"rank {peer} did not publish its part of a shared-arena step"
                   if what == "arena" else f"{what} {direction} rank {peer} did not complete")
         if isinstance(exc, StampMismatch):
-            mine = self.call.summary(self.seq)
             remote_seq = getattr(exc, "remote_seq", None)
-            theirs = describe_stamp(exc.remote_stamp,
-                                    self.seq if remote_seq is None else remote_seq)
+            mine, theirs = _both_calls(self.call, self.seq, exc.remote_stamp,
+                                       self.seq if remote_seq is None else remote_seq)
             return CollectiveMismatchError(
                 f"Detected mismatch between collectives on ranks. Rank {self.rank} is running "
-                f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. Every "
-                "rank must call the same collectives, in the same order, with the same dtype, "
-                "element count, op and root", peer=peer)
+                f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. "
+                f"{_AGREE}" + _settings_hint(self.call.stamp, exc.remote_stamp), peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
             culprit, reason = self._stall_behind(peer)
@@ -374,6 +388,11 @@ class Comm:
         if isinstance(exc, PeerClosed):
             note = self._notes.read(peer) if self._notes and peer is not None else None
             culprit, reason = _read_note(note)
+            if culprit == self.rank:  # the peer aborted because of this rank (a mismatch)
+                err = PeerError(f"{where}: rank {peer} aborted the group because of this "
+                                f"rank: {reason}", peer=peer)
+                err.root_reason = reason
+                return err
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.
                 err = PeerError(f"{where}: rank {culprit} left or failed, and rank {peer} "
@@ -390,3 +409,110 @@ class Comm:
                 f"{where}: message {direction} rank {peer} has the wrong size ({exc}); "
                 "ranks passed arrays of different sizes or dtypes", peer=peer)
         return NumcollError(f"{where}: transport error with rank {peer}: {exc}")
+
+
+_AGREE = ("Every rank must call the same collectives, in the same order, with the same dtype, "
+          "element count, op and root")
+
+
+def _both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None):
+    """This rank's call and the other rank's (from its stamp), in words; with the
+    algorithm and settings where those are all that differ."""
+    mine, theirs = call.summary(seq), describe_stamp(stamp, their_seq, detail=False)
+    if mine == theirs:
+        mine, theirs = call.summary(seq, detail=True), describe_stamp(stamp, their_seq)
+    return mine, theirs
+
+
+def _settings_hint(stamp: bytes, theirs: bytes) -> str:
+    """What to do when two stamps differ in their settings fingerprint."""
+    a, b = stamp_settings(stamp), stamp_settings(theirs)
+    if a is None or b is None or a == b:
+        return ""
+    names = ", ".join(f"NUMCOLL_{name.upper()}" for name in AGREED)
+    return (f". The ranks' settings differ (fingerprints {a:04x} and {b:04x}): every rank "
+            f"must use the same {names} (and ProcessGroup.Options(algorithm=...))")
+
+
+def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
+                   mine: Call | None) -> CollectiveMismatchError:
+    """The error for a message of call ``seq`` from ``peer`` that no call on this
+    rank took though this rank finished its call ``seq`` (``mine``, if known):
+    the two ranks ran different calls without noticing (both roots of a
+    broadcast, say, each sending and neither receiving)."""
+    if mine is not None:
+        ours, theirs = _both_calls(mine, seq, stamp, seq)
+        hint = _settings_hint(mine.stamp, stamp)
+    else:
+        ours, theirs, hint = f"collective #{seq}", describe_stamp(stamp, seq), ""
+    return CollectiveMismatchError(
+        f"Detected mismatch between collectives on ranks. Rank {rank} ran {ours}, but rank "
+        f"{peer} ran {theirs}: rank {peer} sent rank {rank} a message of that call which no "
+        f"call on rank {rank} received, so the two calls did not exchange what they should "
+        f"have (their results are not valid). {_AGREE}{hint}", peer=peer)
+
+
+
+class _NoMailbox:
+    held_calls = 0
+
+    @staticmethod
+    def oldest_held():
+        return None
+
+
+_NO_MAILBOX = _NoMailbox()
+
+
+class Finished:
+    """Tells a message that arrived early from one that no call will ever take:
+    a message held for a collective this rank has finished proves that its
+    sender ran another call (two roots of one broadcast each send, neither
+    receives, and both go on). :meth:`check` is asked only while the mailbox
+    holds a stamped message (``mailbox.held_calls``), so it costs nothing
+    otherwise; the group supplies ``lowest_in_flight()``, the lowest number of
+    a collective it has not finished, and its flight recorder, to name this
+    rank's side of a finished call."""
+
+    __slots__ = ("mailbox", "rank", "_lowest_in_flight", "_recorder", "_pg_id")
+
+    def __init__(self, mailbox, rank: int, lowest_in_flight, recorder=None, pg_id: int = -1):
+        # A transport without a mailbox (one of the caller's own) holds nothing.
+        self.mailbox = mailbox if mailbox is not None else _NO_MAILBOX
+        self.rank, self._lowest_in_flight = rank, lowest_in_flight
+        self._recorder, self._pg_id = recorder, pg_id
+
+    def check(self, seq: int, call: Call, finished: bool) -> None:
+        """Raise :class:`CollectiveMismatchError` if the mailbox holds a message
+        of a finished collective (``seq`` itself once ``finished``)."""
+        error = self._unclaimed(seq, call, finished)
+        if error is not None:
+            raise error
+
+    def explain(self, seq: int, call: Call, exc: BaseException) -> BaseException:
+        """``exc``, or the mismatch that explains it (a peer that found it first
+        and left, say), caused by it."""
+        if not self.mailbox.held_calls or isinstance(exc, (CollectiveMismatchError,
+                                                          GroupPoisonedError)):
+            return exc
+        error = self._unclaimed(seq, call, False)
+        if error is None:
+            return exc
+        error.__cause__ = exc
+        return error
+
+    def _unclaimed(self, seq, call, finished) -> CollectiveMismatchError | None:
+        # In this order: a message still held after its call had finished (it
+        # may have been held for a call in flight a moment ago, and been taken).
+        below = self._lowest_in_flight()
+        found = self.mailbox.oldest_held()
+        if found is None:
+            return None
+        key, peer, stamp = found
+        if not (finished and seq > 0 and key == seq & SEQ_MASK):
+            if key >= below & SEQ_MASK:  # (point-to-point tags are above every collective's)
+                return None
+            seq = below - (below & SEQ_MASK) + key
+            rec = self._recorder.find(self._pg_id, seq) if self._recorder is not None else None
+            call = rec.call if rec is not None else None
+        return leftover_error(self.rank, peer, seq, stamp, call)

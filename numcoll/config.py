@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import zlib
 
-__all__ = ["Config", "current", "get", "replace"]
+__all__ = ["Config", "current", "get", "replace", "AGREED", "fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,22 @@ class Config:
     #: descriptor of a repeated call): one per shape, dtype and op in use,
     #: the least recently used dropped beyond this.
     call_plans_kept: int = 256
+
+
+#: The settings that decide which messages a call sends (its algorithm, how
+#: it cuts the data): ranks whose values differ would exchange messages that do
+#: not match, or wait for ones that never come. Every message carries their
+#: :func:`fingerprint`, so such ranks fail at their first call naming these.
+AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
+          "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
+          "sparse_dense_ratio")
+
+
+def fingerprint(cfg: Config) -> int:
+    """16 bits that tell two configurations' :data:`AGREED` settings apart
+    (a different value gives another fingerprint but once in 65,535); never 0."""
+    text = repr(tuple(getattr(cfg, name) for name in AGREED))
+    return zlib.crc32(text.encode()) % 0xFFFF + 1
 
 
 _INT_FIELDS = {f.name for f in dataclasses.fields(Config) if f.type in ("int", int)}

@@ -32,13 +32,12 @@ from .collectives import movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import AbortNotes, Comm
+from .comm import AbortNotes, Comm, Finished
 from .diagnostics import flight_recorder
-from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
-from .futures import FutureTimeoutError
+from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
 from .bootstrap.store import PrefixStore, Store
-from .work import ArenaOrder, Work
+from .work import ArenaOrder, Work, wait_for_earlier
 
 __all__ = ["ProcessGroup"]
 
@@ -59,9 +58,8 @@ class ProcessGroup(persistent.InitMethods):
     options : :class:`ProcessGroup.Options`.
 
     Every collective returns a :class:`~numcoll.Work`; results are written into
-    the caller's arrays and are also the future's value; the persistent ones
-    (``allreduce_init`` ...) are :class:`~numcoll.collectives.persistent.InitMethods`.
-    Use as a context manager, or call :meth:`shutdown`.
+    the caller's arrays and are also the future's value (``*_init``: persistent
+    twins). Use as a context manager, or call :meth:`shutdown`.
     """
 
     Options = GroupOptions
@@ -117,13 +115,15 @@ class ProcessGroup(persistent.InitMethods):
         self._arena_order = ArenaOrder(rank)  # the shared arena's calls run in submission order
         self._poisoned: str | None = None
         self._closed = False
-        self._global_rank = rank  # in the default group: see _set_global_ranks
+        self._global_rank = rank  # in the default group: see set_global_ranks
         fr = flight_recorder.recorder()
         self._recorder = fr
         self._pg_id = (fr.register_group(f"{opts.group_name}/{generation}",
                                          f"{self.transport_kind} group of {world_size}",
                                          list(range(world_size)))
                        if fr is not None else -1)
+        self._done = Finished(getattr(self._transport, "mailbox", None), rank,
+                              self._lowest_in_flight, fr, self._pg_id)  # mismatches found late
         self._workers = [
             threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
             for i in range(opts.threads)
@@ -165,7 +165,7 @@ class ProcessGroup(persistent.InitMethods):
                 forget(self._store, key)
         return transports.choose_kind(here, places)
 
-    def _set_global_ranks(self, ranks: list[int]) -> None:
+    def set_global_ranks(self, ranks: list[int]) -> None:
         """The default group's ranks of this group's ranks (``new_group`` tells
         them), for the flight recorder's records and configuration."""
         self._global_rank = ranks[self._rank]
@@ -173,115 +173,136 @@ class ProcessGroup(persistent.InitMethods):
             self._recorder.set_group_ranks(self._pg_id, ranks)
 
     # -- the collectives: each checks on this thread, then submit() -----------------
-    def allreduce(self, arrays, opts=None, *, op=None):
+    def allreduce(self, arrays, opts=None, *, op=None, blocking: bool = False):
         """Reduce ``arrays`` (one array, or same-shape arrays reduced locally
         first) across ranks; every array of every rank gets the result."""
-        return self.submit(*reductions.allreduce(self.context, arrays, opts, op))
+        call, run = reductions.allreduce(self.context, arrays, opts, op)
+        return self.submit(call, run, blocking)
 
-    def allreduce_coalesced(self, arrays, opts=None):
+    def allreduce_coalesced(self, arrays, opts=None, *, blocking: bool = False):
         """Allreduce a list of arrays of one dtype and any shapes as one message."""
-        return self.submit(*reductions.allreduce_coalesced(self.context, arrays, opts))
+        call, run = reductions.allreduce_coalesced(self.context, arrays, opts)
+        return self.submit(call, run, blocking)
 
-    def reduce(self, arrays, opts=None, *, op=None, root=None):
+    def reduce(self, arrays, opts=None, *, op=None, root=None, blocking: bool = False):
         """Reduce into ``arrays[opts.root_tensor]`` of rank ``opts.root_rank``
         (``root`` overrides it); other ranks' arrays are left unchanged."""
-        return self.submit(*reductions.reduce(self.context, arrays, opts, op, root))
+        call, run = reductions.reduce(self.context, arrays, opts, op, root)
+        return self.submit(call, run, blocking)
 
-    def reduce_scatter(self, output_list, input_lists, opts=None):
+    def reduce_scatter(self, output_list, input_lists, opts=None, *, blocking: bool = False):
         """Rank r gets the reduction over ranks of ``input_lists[0][r]`` in ``output_list[0]``."""
-        return self.submit(*reductions.reduce_scatter(self.context, output_list, input_lists,
-                                                      opts))
+        call, run = reductions.reduce_scatter(self.context, output_list, input_lists, opts)
+        return self.submit(call, run, blocking)
 
-    def reduce_scatter_tensor(self, output, input, opts=None):
+    def reduce_scatter_tensor(self, output, input, opts=None, *, blocking: bool = False):
         """Rank r gets the reduction of the r-th of ``world_size`` equal slices
         of every rank's ``input`` (``input.size == output.size * world_size``)."""
-        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
-            self.context, output, input, opts, name="reduce_scatter_tensor"))
+        call, run = reductions.reduce_scatter_tensor_coalesced(self.context, output, input,
+                                                               opts, name="reduce_scatter_tensor")
+        return self.submit(call, run, blocking)
 
     _reduce_scatter_base = reduce_scatter_tensor  # torch's older name
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None, *,
+                                        blocking: bool = False):
         """``reduce_scatter_tensor`` for several (output, input) pairs in one ring."""
-        return self.submit(*reductions.reduce_scatter_tensor_coalesced(
-            self.context, outputs, inputs, opts))
+        call, run = reductions.reduce_scatter_tensor_coalesced(self.context, outputs,
+                                                               inputs, opts)
+        return self.submit(call, run, blocking)
 
-    def broadcast(self, arrays, opts=None, *, root=None):
+    def broadcast(self, arrays, opts=None, *, root=None, blocking: bool = False):
         """Copy ``arrays[opts.root_tensor]`` of rank ``opts.root_rank`` (``root``
         overrides it) into every array on every rank."""
-        return self.submit(*movement.broadcast(self.context, arrays, opts, root))
+        call, run = movement.broadcast(self.context, arrays, opts, root)
+        return self.submit(call, run, blocking)
 
-    def allgather(self, output_lists, input_list, opts=None):
+    def allgather(self, output_lists, input_list, opts=None, *, blocking: bool = False):
         """Every rank's inputs, in rank order, into every output list (n inputs:
         each of the n output lists holds n * world_size arrays)."""
-        return self.submit(*movement.allgather(self.context, output_lists, input_list, opts))
+        call, run = movement.allgather(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def allgather_coalesced(self, output_lists, input_list, opts=None):
+    def allgather_coalesced(self, output_lists, input_list, opts=None, *,
+                            blocking: bool = False):
         """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (any shapes, one dtype)."""
-        return self.submit(*movement.allgather_coalesced(self.context, output_lists,
-                                                         input_list, opts))
+        call, run = movement.allgather_coalesced(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def allgather_into_tensor(self, output, input, opts=None):
+    def allgather_into_tensor(self, output, input, opts=None, *, blocking: bool = False):
         """``output`` (``world_size`` times ``input``'s size) gets every rank's
         ``input`` back to back, in rank order."""
-        return self.submit(*movement.allgather_into_tensor_coalesced(
-            self.context, output, input, opts, name="allgather_into_tensor"))
+        call, run = movement.allgather_into_tensor_coalesced(self.context, output, input,
+                                                             opts, name="allgather_into_tensor")
+        return self.submit(call, run, blocking)
 
     _allgather_base = allgather_into_tensor  # torch's older name
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None, *,
+                                        blocking: bool = False):
         """``allgather_into_tensor`` for several (output, input) pairs in one ring."""
-        return self.submit(*movement.allgather_into_tensor_coalesced(self.context, outputs,
-                                                                     inputs, opts))
+        call, run = movement.allgather_into_tensor_coalesced(self.context, outputs, inputs,
+                                                             opts)
+        return self.submit(call, run, blocking)
 
-    def gather(self, output_lists, input_list, opts=None):
+    def gather(self, output_lists, input_list, opts=None, *, blocking: bool = False):
         """The root's ``output_lists[0][r]`` receives rank r's ``input_list[0]``
         (non-roots pass ``[]``)."""
-        return self.submit(*movement.gather(self.context, output_lists, input_list, opts))
+        call, run = movement.gather(self.context, output_lists, input_list, opts)
+        return self.submit(call, run, blocking)
 
-    def scatter(self, output_list, input_lists, opts=None):
+    def scatter(self, output_list, input_lists, opts=None, *, blocking: bool = False):
         """Rank r's ``output_list[0]`` receives the root's ``input_lists[0][r]``
         (non-roots pass ``[]``)."""
-        return self.submit(*movement.scatter(self.context, output_list, input_lists, opts))
+        call, run = movement.scatter(self.context, output_list, input_lists, opts)
+        return self.submit(call, run, blocking)
 
-    def alltoall(self, output_list, input_list, opts=None):
+    def alltoall(self, output_list, input_list, opts=None, *, blocking: bool = False):
         """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
-        return self.submit(*movement.alltoall(self.context, output_list, input_list, opts))
+        call, run = movement.alltoall(self.context, output_list, input_list, opts)
+        return self.submit(call, run, blocking)
 
     def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
-                      opts=None):
+                      opts=None, *, blocking: bool = False):
         """``input`` split along dim 0 (equally or by ``input_split_sizes``):
         block q to rank q; rank r's block lands in ``output``'s r-th block."""
-        return self.submit(*movement.alltoall_base(self.context, output, input,
-                                                   output_split_sizes, input_split_sizes,
-                                                   opts))
+        call, run = movement.alltoall_base(self.context, output, input, output_split_sizes,
+                                           input_split_sizes, opts)
+        return self.submit(call, run, blocking)
 
-    def send(self, arrays, dst: int, tag: int = 0):
+    def send(self, arrays, dst: int, tag: int = 0, *, blocking: bool = False):
         """Send one array to rank ``dst``, matched by the receiver's (source, tag)."""
-        return self.submit(*p2p.send(self.context, arrays, dst, tag))
+        call, run = p2p.send(self.context, arrays, dst, tag)
+        return self.submit(call, run, blocking)
 
-    def recv(self, arrays, src: int, tag: int = 0):
+    def recv(self, arrays, src: int, tag: int = 0, *, blocking: bool = False):
         """Receive one array from rank ``src`` into ``arrays``."""
-        return self.submit(*p2p.recv(self.context, arrays, src, tag))
+        call, run = p2p.recv(self.context, arrays, src, tag)
+        return self.submit(call, run, blocking)
 
-    def recv_anysource(self, arrays, tag: int = 0):
+    def recv_anysource(self, arrays, tag: int = 0, *, blocking: bool = False):
         """Receive one array from whichever rank sends with ``tag`` first;
         ``work.source_rank()`` tells which."""
-        return self.submit(*p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
-                                     name="recv_anysource"))
+        call, run = p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
+                             name="recv_anysource")
+        return self.submit(call, run, blocking)
 
-    def barrier(self, opts=None):
+    def barrier(self, opts=None, *, blocking: bool = False):
         """Complete once every rank has entered the barrier and every call this
         rank submitted before it has completed. The future's value is ``[]``."""
-        return self.submit(*p2p.barrier(self.context, opts))
+        call, run = p2p.barrier(self.context, opts)
+        return self.submit(call, run, blocking)
 
-    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False):
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False, *, blocking: bool = False):
         """A barrier where rank 0 names the ranks that did not arrive within
         ``timeout`` (all of them with ``wait_all_ranks``)."""
-        return self.submit(*p2p.monitored_barrier(self.context, timeout, wait_all_ranks))
+        call, run = p2p.monitored_barrier(self.context, timeout, wait_all_ranks)
+        return self.submit(call, run, blocking)
 
     # -- running calls ----------------------------------------------------------------
     def submit(self, call: Call, run: Callable, blocking: bool = False,
-               publish: Callable | None = None) -> Work | None:
+               publish: Callable | None = None) -> Work:
         """Number ``call`` and run ``run(comm, work)`` for it; its return value
         becomes the future's value.
 
@@ -290,18 +311,18 @@ class ProcessGroup(persistent.InitMethods):
         receives (``call.collective`` false) are matched by tag and take none.
 
         ``blocking=False`` returns the :class:`Work` at once. ``blocking=True``
-        returns None once the call has completed (raising its error, as
+        returns it once the call has completed (raising its error, as
         ``Work.wait()`` would), and runs it right here when the group has
-        nothing in flight. That keeps each rank's order: nothing in flight
+        nothing in flight (every collective method takes ``blocking=``, for a
+        caller that will wait at once: the module API, the torch backend). That keeps each rank's order: nothing in flight
         means every earlier call of this group on this rank has completed, so
         this one overtakes nothing, and the check is made under the lock that
         hands out sequence numbers, so a later call from another thread finds
         this one in flight and is queued behind it. The caller would block
         anyway and is not one of the group's workers, so running here holds
         up nothing the queued path would not: it skips the queue and the
-        worker wake-up. ``publish(comm)``, a call's first half that never
-        blocks (a persistent start's), runs here too when nothing is in
-        flight; its Work is then *held* (queued nowhere) until ``wait()``.
+        worker wake-up. A persistent start's ``publish(comm)`` runs here when
+        nothing is in flight; its Work is then *held* (on no queue) until ``wait()``.
         """
         with self._lock:
             if self._poisoned is not None or self._closed:
@@ -330,15 +351,12 @@ class ProcessGroup(persistent.InitMethods):
         if held:
             comm = Comm(self._transport, seq, call, self._notes, work.record)
             work._run = persistent.first_half(publish, comm, run)
-            return work
-        if here:
+        elif here:
             error = self._execute(work, run)
             if error is not None:
                 raise error
-            return None
-        if blocking:
+        elif blocking:
             work.wait()
-            return None
         return work
 
     def _usable(self) -> str | None:
@@ -367,8 +385,8 @@ class ProcessGroup(persistent.InitMethods):
         """Run one work and complete its future (returning its error, if any):
         the one place work runs, on a worker, on a caller waiting for it, or
         on a blocking caller."""
-        record, call = work.record, work.call
-        error = result = None
+        record, call, done = work.record, work.call, self._done
+        error = result = comm = None
         try:
             if self._poisoned is not None:
                 raise GroupPoisonedError(
@@ -377,15 +395,23 @@ class ProcessGroup(persistent.InitMethods):
             if self._closed:
                 raise NumcollError(f"{work.op_name} on rank {self._rank}: the process "
                                    "group was shut down before it ran")
-            if call.after_earlier:
-                self._wait_for_earlier(work)
+            if call.after_earlier:  # a barrier
+                with self._lock:
+                    earlier = [w for k, w in self._inflight.items() if k < work.order]
+                wait_for_earlier(work, earlier, self._rank)
             if work.arena_ticket >= 0:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
-            result = run(Comm(self._transport, work.seq, call, self._notes, record), work)
+            comm = Comm(self._transport, work.seq, call, self._notes, record)
+            if done.mailbox.held_calls:  # messages no call took yet: any of a finished call?
+                done.check(work.seq, call, finished=False)
+            result = run(comm, work)
+            if done.mailbox.held_calls:
+                done.check(work.seq, call, finished=True)
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
-            error = self._fail(work, exc)
+            alone = comm is not None and comm.alone(exc)  # then the group is not poisoned
+            error = exc if alone else self._fail(work, done.explain(work.seq, call, exc))
         if work.arena_ticket >= 0:
             self._arena_order.end_turn(work)
         if record is not None:
@@ -399,25 +425,10 @@ class ProcessGroup(persistent.InitMethods):
             future.set_exception(error)
         return error
 
-    def _wait_for_earlier(self, work: Work) -> None:
-        """A barrier's rule: every call submitted before it has finished
-        (each has its own deadline; its failure is its own)."""
-        deadline = time.monotonic() + work.call.timeout_s
+    def _lowest_in_flight(self) -> int:
+        """The lowest number of a collective not finished here (``_inflight`` is in order)."""
         with self._lock:
-            earlier = [w for k, w in self._inflight.items() if k < work.order]
-        for w in earlier:
-            if w._claim_lock is not None and w._claim():
-                w._execute(w, w._run)  # no thread has run it yet (a held start, say)
-            try:
-                w.future.wait(max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError:
-                raise CollectiveTimeoutError(
-                    f"Timed out waiting {round(work.call.timeout_s * 1000)}ms for "
-                    f"{work.op_name} (collective #{work.seq}) on rank {self._rank}: "
-                    f"{w.op_name} (collective #{w.seq}), submitted before it, did not "
-                    "finish") from None
-            except Exception:  # noqa: BLE001 - reported by that call's own Work
-                pass
+            return next((w.seq for w in self._inflight.values() if w.seq > 0), self._next_seq)
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.
@@ -441,21 +452,13 @@ class ProcessGroup(persistent.InitMethods):
             peer = getattr(exc, "peer", None)
             culprit = peer if peer is not None else self._rank
             self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit)
-            self._dump_flight_recorder()
+            flight_recorder.dump_on_failure(self._recorder, self._global_rank)
             return exc
         poisoned = GroupPoisonedError(
             f"{work.op_name} (collective #{work.seq}) on rank {self._rank} did not complete "
             f"because {self._poisoned} (its own error: {exc})")
         poisoned.__cause__ = exc
         return poisoned
-
-    def _dump_flight_recorder(self) -> None:
-        directory = _config.get("fr_dump_dir")
-        if directory and self._recorder is not None:
-            try:
-                self._recorder.dump_to_dir(directory, self._global_rank)
-            except OSError:  # noqa: PERF203 - a diagnostic must never mask the failure
-                pass
 
     def _abort(self, reason: str, culprit: int) -> None:
         self._notes.publish(culprit, reason)

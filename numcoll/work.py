@@ -13,10 +13,10 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
-from .errors import GroupPoisonedError, NumcollError
-from .futures import Future
+from .errors import CollectiveTimeoutError, GroupPoisonedError, NumcollError
+from .futures import Future, FutureTimeoutError
 
-__all__ = ["Work", "ArenaOrder"]
+__all__ = ["Work", "ArenaOrder", "wait_for_earlier"]
 
 
 class Work:
@@ -194,3 +194,22 @@ class ArenaOrder:
         """Wake every waiting thread (the group was aborted or shut down)."""
         with self._cond:
             self._cond.notify_all()
+
+
+def wait_for_earlier(work: Work, earlier: list[Work], rank: int) -> None:
+    """A barrier's rule: every call submitted before ``work`` (``earlier``) has
+    finished. Each has its own deadline and its failure is its own; this waits
+    at most ``work``'s deadline in all."""
+    deadline = time.monotonic() + work.call.timeout_s
+    for w in earlier:
+        if w._claim_lock is not None and w._claim():
+            w._execute(w, w._run)  # no thread has run it yet (a held persistent start, say)
+        try:
+            w.future.wait(max(0.0, deadline - time.monotonic()))
+        except FutureTimeoutError:
+            raise CollectiveTimeoutError(
+                f"Timed out waiting {round(work.call.timeout_s * 1000)}ms for {work.op_name} "
+                f"(collective #{work.seq}) on rank {rank}: {w.op_name} (collective "
+                f"#{w.seq}), submitted before it, did not finish") from None
+        except Exception:  # noqa: BLE001 - reported by that call's own Work
+            pass

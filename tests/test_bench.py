@@ -229,6 +229,59 @@ def test_wrong_counts_a_corrupted_allreduce(monkeypatch, tmp_path, capsys):
     assert [r["wrong"] for r in json.loads(path.read_text())["rows"]] == [3, 3]
 
 
+@pytest.mark.timeout(90)
+def test_save_and_baseline_add_a_delta_column_and_nccl_tests_closing_lines(tmp_path, capsys):
+    from numcoll import bench
+
+    common = ["--mode", "thread", "-n", "2", "--iters", "3", "--warmup", "1", "--quiet",
+              "--storage", str(tmp_path)]
+    assert bench.main(["--sizes", "64,4K", "--save", "main", *common]) == 0
+    first = capsys.readouterr().out
+    saved = json.loads((tmp_path / "main.json").read_text())
+    assert [r["size"] for r in saved["rows"]] == [64, 4096]
+    avg = sum(r["busbw_gbps"] for r in saved["rows"]) / 2
+    assert "# Out of bounds values : 0 OK" in first
+    assert f"# Avg bus bandwidth    : {avg:g}" in first.splitlines()
+
+    assert bench.main(["--sizes", "64,4K,16K", "--baseline", "main", *common]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("baseline=main")
+    header, *rows = [ln.split() for ln in out.splitlines()[1:] if not ln.startswith("#")]
+    assert header[-2:] == ["base(us)", "delta"]
+    for row, base in zip(rows, saved["rows"]):
+        assert float(row[-2]) == pytest.approx(base["time_us"], abs=0.06)
+        change = (float(row[5]) / base["time_us"] - 1) * 100
+        assert float(row[-1].rstrip("%")) == pytest.approx(change, abs=0.2)
+    assert rows[2][-2:] == ["-", "-"]  # 16 KiB is not in the baseline
+    closing = [ln for ln in out.splitlines() if ln.startswith("# Avg bus bandwidth")][0]
+    assert "(baseline main over the 2 rows both have: " in closing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--baseline", "nope"], "no saved run 'nope'"),
+    (["--op", "broadcast", "--baseline", "main"], "measured op 'allreduce', this run 'broadcast'"),
+    (["-n", "3", "--baseline", "main"], "measured world_size 2, this run 3"),
+])
+@pytest.mark.timeout(60)
+def test_a_baseline_that_does_not_fit_is_refused_before_measuring(tmp_path, capsys, args,
+                                                                    message):
+    from numcoll.bench import saved
+
+    saved.save_run("main", {"op": "allreduce", "world_size": 2, "dtype": "float32"}, [],
+                   str(tmp_path))
+    status = bench_main(["--mode", "thread", "--sizes", "8", "--storage", str(tmp_path),
+                         *args])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("numcoll-bench: error: --baseline: ")
+
+
+def bench_main(argv):
+    from numcoll import bench
+
+    return bench.main(argv)
+
+
 @pytest.mark.timeout(60)
 def test_wrong_counts_blocks_in_the_wrong_place(monkeypatch):
     """An allgather that delivers every block, but rotated by one rank, is
@@ -263,17 +316,19 @@ def _table_line(stdout: str, name: str, source: str = "") -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_benchmark_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
-    """--quick runs every suite in seconds (timing on), and the tables show
-    each case's bandwidth computed from its own median, in a run and in a
-    --benchmark-compare against a saved run."""
+def test_exploration_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
+    """An exploration suite named with --quick runs in seconds (timing on), and
+    the tables show each case's bandwidth computed from its own median, in a
+    run and in a --benchmark-compare against a saved run. (The gate's own
+    suite: tests/test_bench_gate.py.)"""
     storage = f"--benchmark-storage=file://{tmp_path / 'storage'}"
     started = time.monotonic()
-    out = _pytest("benchmarks", "--quick", f"--benchmark-json={tmp_path / 'run.json'}",
+    out = _pytest("benchmarks/bench_collectives.py", "benchmarks/bench_kernels.py", "--quick",
+                  f"--benchmark-json={tmp_path / 'run.json'}",
                   "--benchmark-columns=median", "--benchmark-autosave", storage, timeout=190)
     elapsed = time.monotonic() - started
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    # well under 30 s on an idle 2-core machine; the bound leaves room for a busy one
+    # under 15 s on an idle 2-core machine; the bound leaves room for a busy one
     assert elapsed < 60, f"quick benchmarks took {elapsed:.0f} s"
     doc = json.loads((tmp_path / "run.json").read_text())
     runs = doc["benchmarks"]

@@ -41,6 +41,33 @@ def test_algorithm_choice_reports_where_the_automatic_choice_was_slower():
     c = findings.algorithm_choice(auto, {"ring": ring, "recursive_doubling": rd})
     assert c["agree"] == [8, 1024, 1 << 20]
     assert c["disagree"] == [(65536, "recursive_doubling", "ring", 45 / 40)]
+    assert findings.choice_sentence("allreduce", c) == (
+        "numcoll's automatic allreduce choice was the fastest measured at 3 of 4 sizes; "
+        "slower at 64 KiB (recursive_doubling took 12% longer than ring).")
+
+
+def test_a_choice_never_measured_is_not_counted_as_agreeing():
+    # issue 18: "picked the faster at 13 of 13 sizes" while the chosen algorithm
+    # (shared) was never measured
+    ring, rd = rows([50, 50, 40, 100]), rows([20, 25, 45, 300])
+    auto = dict.fromkeys((8, 1024, 65536, 1 << 20), "shared")
+    c = findings.algorithm_choice(auto, {"ring": ring, "recursive_doubling": rd})
+    assert c["sizes"] == c["agree"] == [] and len(c["unmeasured"]) == 4
+    assert findings.choice_sentence("allreduce", c).startswith(
+        "numcoll's allreduce choice: nothing to compare")
+    # measured, but alone: still nothing to compare
+    c = findings.algorithm_choice(auto, {"shared": rows([5, 5, 5, 5])})
+    assert c["sizes"] == [] and len(c["unmeasured"]) == 4
+
+
+def test_a_choice_within_the_tolerance_is_said_so():
+    shared, ring = rows([10, 10, 10, 10]), rows([10.5, 9.5, 20, 5])
+    c = findings.algorithm_choice(dict.fromkeys((8, 1024, 65536, 1 << 20), "shared"),
+                                  {"shared": shared, "ring": ring})
+    assert c["agree"] == [8, 65536]
+    text = findings.choice_sentence("allreduce", c)
+    assert "fastest measured at 2 of 4 sizes and within 10% of it at 1 more" in text
+    assert "1 MiB (shared took 100% longer than ring)" in text
 
 
 def test_noise_stragglers_and_peak():

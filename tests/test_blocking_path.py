@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import numcoll as nc
+from numcoll.comm import Comm
 from numcoll.memory.host import HostSteps
 from numcoll.diagnostics import flight_recorder as fr
 from numcoll.process_group import ProcessGroup
@@ -132,6 +133,10 @@ def _failing_run(monkeypatch):
         raise RuntimeError("boom while running")
 
     monkeypatch.setattr(HostSteps, "work_buffer", boom)
+    # As a failure after messages left the rank: in a world of one nothing
+    # leaves, and a failure before anything left the rank does not poison the
+    # group (ranks that all fail alike are still in step: test_mismatch_hidden).
+    monkeypatch.setattr(Comm, "alone", lambda self, exc: False)
 
 
 def _fail_once(call):

@@ -707,3 +707,33 @@ def test_torch_cuda_tensors_are_reduced_in_their_own_memory(monkeypatch):
 
     for memory in _run(body, world_size):
         np.testing.assert_array_equal(memory, np.full(5, 3.0, np.float32))
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm"])
+def test_device_views_that_share_memory(transport):
+    """numcoll.memory.overlap on CUDA arrays: an output that is a view of the
+    input other than this rank's share gets what separate arrays would get;
+    torch's in-place forms run in place; outputs that overlap are refused."""
+    world_size, n = 2, 4
+
+    def body():
+        pg, rank = nc.get_default_group(), nc.get_rank()
+        got = {}
+        for lo in (0, 2, 4):
+            y = to_device(np.arange(2 * n, dtype=np.float32) + 10 * rank)
+            pg.reduce_scatter_tensor(y[lo:lo + n], y).wait()
+            got[lo] = host(y)[lo:lo + n].tolist()
+        out = to_device(np.zeros(2 * n, np.float32))
+        out[rank * n:(rank + 1) * n] = to_device(np.full(n, rank + 1.0, np.float32))
+        pg.allgather_into_tensor(out, out[rank * n:(rank + 1) * n]).wait()
+        got["gathered"] = host(out).tolist()
+        with pytest.raises(ValueError, match="outputs 0 and 1 refer to the same memory"):
+            pg.allgather([[out[0:n], out[2:2 + n]]], [out[n:]])
+        return got
+
+    for rank, got in enumerate(nc.launch(body, world_size, mode="thread",
+                                         transport=transport, timeout=150)):
+        expect = (np.arange(2 * n, dtype=np.float32) * 2 + 10)[rank * n:(rank + 1) * n]
+        for lo in (0, 2, 4):
+            assert got[lo] == expect.tolist(), (rank, lo, got)
+        assert got["gathered"] == [1.0] * n + [2.0] * n

@@ -158,7 +158,7 @@ def test_a_port_that_is_not_a_store_fails_fast(clean_env, reply):
     try:
         with pytest.raises(StoreConnectionError, match="did not answer like a numcoll TCPStore"):
             next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=60))
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 20  # the 0.5 s probe, far from the 60 s timeout
     finally:
         server.close()
         for c in conns:

@@ -1,11 +1,15 @@
 """Fault injection on 4 process ranks (issue 9): a rank SIGKILLed in the middle
 of 16 MiB allreduces, a rank SIGSTOPped with a 2 s group timeout, a rank that
-returns early, strangers that connect and never speak plus 200 store clients at
-once, and a soak of 1,000 async + 10,000 back-to-back allreduces.
+returns early, mismatched calls, the store's host SIGKILLed, strangers that
+connect and never speak plus 200 store clients at once, and a soak of 1,000
+async + 10,000 back-to-back allreduces.
 
 Each scenario runs once (module fixtures, see :mod:`numcoll.bench.faults`); the tests
 assert on its figures: every survivor raises, promptly, nobody hangs, no wrong
-result, the error names the culprit, nothing is left behind.
+result, the error names the culprit, nothing is left behind. And the README's
+fault table is what ``python -m numcoll.faults --markdown`` prints for these
+figures (issue 21): numbers masked, since times, sizes and RSS change from run
+to run; every word compared.
 """
 
 import pytest
@@ -95,16 +99,110 @@ def test_a_sigkilled_rank_leaves_no_files(scenario, request):
     assert request.getfixturevalue(scenario).leftovers["files"] == []
 
 
-def test_strangers_that_never_speak_and_200_store_clients_do_not_disturb_the_ranks():
-    f = _faults().run_strangers(silent=2, crowd=200, rounds=10)
+@pytest.fixture(scope="module")
+def strangers():
+    return _faults().run_strangers(silent=2, crowd=200, rounds=10)
+
+
+@pytest.fixture(scope="module")
+def strangers_alone():
+    return _faults().run_strangers(silent=0, crowd=0, rounds=10)
+
+
+@pytest.fixture(scope="module")
+def soaked():
+    return _faults().soak(world_size=2, n_async=1000, n_sequential=10_000, threads=8)
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return _faults().run_mismatches(world_size=4)
+
+
+@pytest.fixture(scope="module")
+def store_gone():
+    return _faults().run_store_gone(world_size=4)
+
+
+def test_strangers_that_never_speak_and_200_store_clients_do_not_disturb_the_ranks(strangers):
+    f = strangers
     assert f.wrong_results == 0
     assert f.notes["crowd_count"] == 200  # every client's add() was served
     assert f.leftovers == {"shm": [], "files": [], "processes": []}
 
 
-def test_thousands_of_collectives_stay_correct_without_growing():
-    f = _faults().soak(world_size=2, n_async=1000, n_sequential=10_000, threads=8)
+def test_thousands_of_collectives_stay_correct_without_growing(soaked):
+    f = soaked
     assert f.wrong_results == 0
     for before, after_async, after_sequential in f.notes["rss"]:
         assert after_sequential - before < 32 << 20, f.notes["rss"]
     assert f.leftovers["processes"] == []
+
+
+def test_every_mismatch_is_raised_on_every_rank_at_the_call(mismatched):
+    f = mismatched
+    assert f.hung == [] and sorted(f.detect_s) == [0, 1, 2, 3]
+    assert max(f.detect_s.values()) < 2.0  # not the 30 s group timeout
+    for kind, messages in f.notes["kinds"].items():
+        assert sorted(messages) == [0, 1, 2, 3], kind
+        for rank, message in messages.items():
+            assert message.startswith("CollectiveMismatchError: Detected mismatch"), message
+            assert "no data was exchanged" in message
+    assert "float32, 4 elements" in f.notes["kinds"]["dtype"][0]
+    assert "float64, 4 elements" in f.notes["kinds"]["dtype"][0]
+    assert f.leftovers == {"shm": [], "files": [], "processes": []}
+
+
+def test_a_group_shuts_down_at_once_when_its_store_host_is_gone(store_gone):
+    f = store_gone
+    assert f.hung == [] and sorted(f.detect_s) == [1, 2, 3]
+    assert max(f.detect_s.values()) < 2.0, f.detect_s  # was 29.7 s (issue 9)
+    assert f.leftovers["processes"] == [] and f.leftovers["shm"] == []
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_fault_table_is_what_the_code_prints(killed, stopped, early, mismatched,
+                                                         store_gone, strangers,
+                                                         strangers_alone, soaked):
+    import pathlib
+
+    from numcoll.bench import fault_table
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    theirs = fault_table.readme_table(readme)
+    assert theirs is not None, f"README.md: no {fault_table.BEGIN} ... {fault_table.END}"
+    ours = fault_table.markdown(fault_table.rows({
+        "kill": killed, "stop": stopped, "early": early, "mismatch": mismatched,
+        "store": store_gone, "strangers": strangers, "strangers_alone": strangers_alone,
+        "soak": soaked}))
+    theirs_lines = fault_table.masked(theirs).splitlines()
+    ours_lines = fault_table.masked(ours).splitlines()
+    assert len(theirs_lines) == len(ours_lines), (theirs, ours)
+    for readme_line, code_line in zip(theirs_lines, ours_lines):
+        assert readme_line == code_line, (
+            "the README's fault table differs from what the code prints; rerun "
+            "python -m numcoll.faults --update-readme README.md\nREADME: "
+            + readme_line + "\ncode:   " + code_line)
+
+
+def test_the_command_line_answers_help_at_once():
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "numcoll.faults", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and time.monotonic() - started < 20
+    for option in ("--faults", "--world-size", "--transport", "--markdown", "--update-readme"):
+        assert option in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "numcoll.faults", "--faults", "kil"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown fault 'kil'" in bad.stderr
+
+
+def test_masking_keeps_the_words_and_drops_the_numbers():
+    from numcoll.bench.fault_table import masked
+
+    assert masked("0.02 / 0.31 s, 1,000 async; rank 3 (collective #3)") == \
+        "N / N s, N async; rank N (collective #N)"

@@ -144,7 +144,7 @@ def test_thread_launch_timeout_says_what_ranks_were_blocked_on(no_leaked_threads
     assert "allreduce (collective #1) waiting to recv from rank 1" in info.value.blocked[0], message
     assert "all_reduce() called from _late_rank" in info.value.blocked[0], message
     assert "_late_rank (test_launch.py" in info.value.blocked[1], message
-    assert time.monotonic() - started < 1.5 + 2.0
+    assert time.monotonic() - started < 1.5 + 10  # the deadline, then a bounded report
 
 
 def test_thread_group_timeout_is_the_collectives_deadline(no_leaked_threads):
@@ -178,7 +178,7 @@ def test_process_launch_timeout_says_what_ranks_were_blocked_on():
     assert info.value.ranks == [0, 1]
     assert "allreduce (collective #2) waiting to recv from rank 1" in info.value.blocked[0], message
     assert "_sleepy_rank (test_launch.py" in info.value.blocked[1], message
-    assert elapsed < 8.0 + 4.0
+    assert elapsed < 8.0 + 10  # the deadline, then a bounded report (ranks sleep 30 s)
 
 
 # -- ranks that cannot start: one clear error, or none at all -----------------------------
@@ -253,11 +253,14 @@ def _stalls(_):
 
 
 @pytest.mark.slow
-def test_a_stalled_rank_is_named_not_the_rank_that_timed_out_waiting_for_it(monkeypatch):
-    monkeypatch.setattr(sys.modules["numcoll.launcher.processes"], "_FAILURE_GRACE_S", 1.0)
+def test_a_stalled_rank_is_named_not_the_rank_that_timed_out_waiting_for_it():
     with pytest.raises(nc.RankFailedError) as info:
         nc.launch(_stalls, 2, args=(None,), timeout=60, group_timeout=1.0, transport="tcp")
     assert info.value.rank == 1, info.value
-    assert str(info.value).startswith("rank 1 failed (ranks [0] failed too): terminated: "
-                                      "still running 1s after another rank failed")
+    # named first, and the precise timeout that found it leads the message
+    assert str(info.value).startswith("rank 1 stalled (ranks [0] failed too): "
+                                      "CollectiveTimeoutError: Timed out waiting 1000ms for "
+                                      "allreduce (collective #1) on rank 0"), info.value
+    assert "\n  rank 1: stopped: still running 3.0s after rank 0 failed; no answer" \
+        in str(info.value), info.value
     assert "Timed out waiting 1000ms for allreduce" in info.value.failures[0]

@@ -1,18 +1,23 @@
 """The notebooks run headless at small sizes (as a user's "Run all" would, in a
-fresh kernel), show progress, save their figures, and print conclusions that
-match the numbers they measured.
+fresh kernel), show progress that ends complete, draw every chart inline, print
+conclusions that match the numbers they measured, and change no file of the
+checkout.
 
 ``NUMCOLL_NOTEBOOK_MAX_NBYTES`` and ``NUMCOLL_NOTEBOOK_ITERS`` keep them small;
-``NUMCOLL_NOTEBOOK_FIGURES`` sends their PNGs (and the rows behind them) to a
-temporary folder instead of ``notebooks/figures``.
+``NUMCOLL_NOTEBOOK_FIGURES`` (only when set) has them write their PNGs (and the
+rows behind them) to a folder: a temporary one here, ``notebooks/figures``
+when the README's figures are remade. ``history.ipynb`` reads the gate's saved
+runs from ``NUMCOLL_HISTORY_STORAGE``: runs this test saves.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import time
 
@@ -20,6 +25,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+#: What the README lists; a notebook added without it fails here.
+NAMES = {"performance", "timeline", "data_parallel", "history"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: What a CI-sized run of one notebook may take here (2 shared cores); all of
 #: them together are meant to stay under a minute on an idle machine.
@@ -64,7 +71,7 @@ def kernel_name(tmp_path_factory):
 def test_there_are_notebooks_and_they_are_saved_without_outputs():
     import nbformat
 
-    assert NOTEBOOKS, "notebooks/*.ipynb: none found"
+    assert {p.stem for p in NOTEBOOKS} == NAMES
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
@@ -73,15 +80,33 @@ def test_there_are_notebooks_and_they_are_saved_without_outputs():
                     f"{path.name}: clear the outputs before saving"
 
 
-def execute(path: pathlib.Path, kernel_name: str, figures: pathlib.Path, monkeypatch):
-    """Run every cell of ``path`` in a fresh kernel; return the executed notebook."""
+def _checkout_state() -> dict[str, str]:
+    """Every file under notebooks/ (and the README's figures) with a hash of its
+    bytes: a notebook that writes into the checkout changes this."""
+    state = {}
+    for path in sorted((ROOT / "notebooks").rglob("*")):
+        if path.is_file() and ".ipynb_checkpoints" not in path.parts:
+            state[str(path.relative_to(ROOT))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return state
+
+
+def execute(path: pathlib.Path, kernel_name: str, figures: pathlib.Path | None, monkeypatch):
+    """Run every cell of ``path`` in a fresh kernel; return the executed notebook.
+    ``figures``: where it may write its PNGs (None: nowhere, as by default)."""
     import nbformat
     from nbclient import NotebookClient
 
     monkeypatch.setenv("NUMCOLL_NOTEBOOK_MAX_NBYTES", "65536")
     monkeypatch.setenv("NUMCOLL_NOTEBOOK_ITERS", "20")
-    monkeypatch.setenv("NUMCOLL_NOTEBOOK_FIGURES", str(figures))
+    # The kernel runs in notebooks/: the numcoll under test is this checkout's.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    if figures is None:
+        monkeypatch.delenv("NUMCOLL_NOTEBOOK_FIGURES", raising=False)
+    else:
+        monkeypatch.setenv("NUMCOLL_NOTEBOOK_FIGURES", str(figures))
     nb = nbformat.read(path, as_version=4)
+    before = _checkout_state()
     started = time.monotonic()
     # A failing cell raises CellExecutionError naming the cell and the error.
     NotebookClient(nb, kernel_name=kernel_name, timeout=300,
@@ -90,8 +115,18 @@ def execute(path: pathlib.Path, kernel_name: str, figures: pathlib.Path, monkeyp
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors, errors
+    assert _checkout_state() == before, f"running {path.name} changed files in notebooks/"
     assert elapsed < NOTEBOOK_BUDGET_S, f"{path.name} took {elapsed:.0f} s at CI size"
+    for cell in nb.cells:  # every chart is drawn in the notebook, not only saved
+        if cell.cell_type == "code" and "plt.show()" in cell.source \
+                and "nothing to plot" not in text_of(cell):
+            assert images(cell), f"{path.name}: no inline chart from:\n{cell.source[:200]}"
     return nb
+
+
+def images(cell) -> list[str]:
+    return [o["data"]["image/png"] for o in cell.outputs
+            if o.output_type == "display_data" and "image/png" in o.get("data", {})]
 
 
 def text_of(cell) -> str:
@@ -113,43 +148,59 @@ def assert_png(path: pathlib.Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_performance_notebook(kernel_name, tmp_path, monkeypatch):
+    import numpy as np
+
     from numcoll import bench
     from numcoll.bench import findings
 
     nb = execute(ROOT / "notebooks" / "performance.ipynb", kernel_name, tmp_path, monkeypatch)
-    # progress while the ranks run: a widget where ipywidgets is, else a text bar
+    # progress while the ranks run, ending complete in the saved output
     sweep = cell_with(nb, "bench.run_plans(list(plans.values())")
-    widgets = [o for o in sweep.outputs if "application/vnd.jupyter.widget-view+json"
-               in o.get("data", {})]
-    assert widgets or "100%" in "".join(o.get("text", "") for o in sweep.outputs
-                                         if o.get("name") == "stderr"), sweep.outputs
+    progress = "".join(o.get("text", "") for o in sweep.outputs if o.get("name") == "stderr")
+    # what a saved notebook shows: each line's last state (a text bar redraws after "\r")
+    states = [line.split("\r")[-1] for line in progress.split("\n") if "sizes" in line]
+    assert states and "100%" in states[-1], progress[-300:]
     for name in ("busbw.png", "per_rank.png"):
         assert_png(tmp_path / name)
     saved = json.loads((tmp_path / "performance.json").read_text())
     results, world_size = saved["results"], saved["world_size"]
-    rows = [r for series in (results, saved["torch_results"]) for rs in series.values()
-            for r in rs]
+    anchors, notes = saved["anchors"], saved["anchor_notes"]
+    rows = [r for series in [results, *anchors.values()] for rs in series.values() for r in rs
+            if r.get("wrong") is not None]
     assert rows and all(r["wrong"] == 0 for r in rows)
     assert max(r["size"] for r in rows) == 65536
     for r in rows:
         assert r["time_us_min"] <= r["time_us_p10"] <= r["time_us"] <= r["time_us_p90"] \
             <= r["time_us_max"]
         assert len(r["rank_time_us"]) == world_size
-    # the conclusions are the ones these rows give, and the notebook printed them
-    ring, rd = results["allreduce ring"], results["allreduce recursive_doubling"]
+    # numcoll's own choice was measured (not only forced alternatives) ...
+    auto = results["allreduce (auto)"]
+    chosen = {r["size"]: r["algorithm"] for r in auto}
+    alternatives = {label.split()[1]: rs for label, rs in results.items()
+                    if label.startswith("allreduce ") and "(auto)" not in label}
+    assert set(chosen.values()) <= set(alternatives), (chosen, list(alternatives))
+    # ... and the conclusions are the ones these rows give, printed as computed
     conclusions = saved["conclusions"]
-    assert conclusions[0] == findings.faster_sentence("The ring allreduce", ring,
-                                                      "recursive doubling", rd, world_size)
-    auto_plan = bench.make_plan("allreduce", [r["size"] for r in ring], world_size=world_size)
-    auto = {c.nbytes: bench.algorithm_name(auto_plan, c) for c in auto_plan.cases}
-    choice = findings.algorithm_choice(auto, {"ring": ring, "recursive_doubling": rd})
-    assert f"at {len(choice['agree'])} of {len(choice['sizes'])} sizes" in conclusions[1]
+    choice = findings.algorithm_choice(chosen, alternatives)
+    assert choice["sizes"] and not choice["unmeasured"]
+    assert conclusions[0] == findings.choice_sentence("allreduce", choice)
+    same = [a["time_us"] / f["time_us"] for a in auto for f in alternatives[a["algorithm"]]
+            if f["size"] == a["size"]]
+    assert conclusions[1].startswith(f"nc.all_reduce(x) took {np.median(same):.2f}x the time")
     printed = text_of(cell_with(nb, "conclusions = ["))
     assert printed.splitlines() == [f"* {c}" for c in conclusions]
-    if saved["torch_results"]:
-        gloo = findings.faster_sentence("numcoll's allreduce ring", ring, "gloo allreduce",
-                                        saved["torch_results"]["gloo allreduce"], world_size)
-        assert gloo in conclusions
+    for name in ("gloo", "MPI"):
+        if anchors[name]:
+            label = "allreduce (auto)"
+            assert findings.faster_sentence(f"numcoll's {label}", auto, f"{name} allreduce",
+                                            anchors[name][label], world_size) in conclusions
+        else:
+            assert f"numcoll against {name}: nothing to compare ({notes[name]})." \
+                in conclusions
+    if bench.torch_available() and not notes.get("gloo"):
+        assert anchors["gloo"], "torch is installed: gloo must have been measured"
+    # the prose states no transport: the run prints the one it used
+    assert f"numcoll over {saved['transport']}:" in text_of(sweep)
 
 
 @pytest.mark.slow
@@ -169,6 +220,44 @@ def test_timeline_notebook(kernel_name, tmp_path, monkeypatch):
     assert len(findings.splitlines()) == 3, findings
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_data_parallel_notebook_draws_its_chart(kernel_name, monkeypatch):
+    nb = execute(ROOT / "notebooks" / "data_parallel.ipynb", kernel_name, None, monkeypatch)
+    chart = cell_with(nb, "overlapped fraction")
+    assert images(chart) and "buckets; mean overlap" in text_of(chart)
+
+
+#: Gate rows that run in the test process only (no rank processes): quick to save.
+LOCAL_ROWS = "reduce_into or ref-memcpy or ref-numpy-add or PackPlan"
+
+
+def _save_gate_run(storage: pathlib.Path, *extra: str) -> None:
+    subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--quick", "-q",
+                    "-p", "no:cacheprovider", "-k", LOCAL_ROWS, "--benchmark-autosave",
+                    f"--benchmark-storage={storage}", *extra],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_history_notebook(kernel_name, tmp_path, monkeypatch):
+    storage = tmp_path / "storage"
+    _save_gate_run(storage)
+    _save_gate_run(storage)
+    _save_gate_run(storage, "--benchmark-compare")  # judged against the second
+    monkeypatch.setenv("NUMCOLL_HISTORY_STORAGE", str(storage))
+    nb = execute(ROOT / "notebooks" / "history.ipynb", kernel_name, None, monkeypatch)
+    listing = text_of(cell_with(nb, "gate.saved_runs(STORAGE)"))
+    assert listing.startswith(f"3 saved runs with gate rows under {storage}"), listing
+    assert images(cell_with(nb, "fill_between"))
+    summary = text_of(cell_with(nb, "summary = []"))
+    assert "reduce_into SUM float32 1MiB" in summary and "ref: memcpy 1MiB" in summary
+    assert "* 3 runs, " in summary
+    assert "* The gate flagged " in summary and "rows in the latest run" in summary
+
+
 def test_the_extras_install_what_notebooks_and_benchmarks_use():
     import re
     import tomllib
@@ -181,7 +270,7 @@ def test_the_extras_install_what_notebooks_and_benchmarks_use():
 
     assert {"jupyter", "nbconvert", "nbclient", "nbformat", "ipykernel", "matplotlib",
             "tqdm"} <= names("notebook")
-    assert {"pytest-benchmark", "tqdm"} <= names("bench")
+    assert {"pytest-benchmark", "pytest-timeout", "tqdm", "matplotlib"} <= names("bench")
     # what this suite runs: the notebooks, the progress bar, the benchmark suites
     assert {"nbclient", "nbformat", "ipykernel", "matplotlib", "tqdm",
             "pytest-benchmark"} <= names("test")

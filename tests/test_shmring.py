@@ -235,7 +235,7 @@ def test_four_processes_on_two_cores_then_one_is_killed(tmp_path):
         killed = time.monotonic()
         with pytest.raises(PeerClosed, match="rank 3 lost") as info:
             pending.wait(killed + 30)
-        assert time.monotonic() - killed < 1.0
+        assert time.monotonic() - killed < 10  # noticed, not waited out (30 s)
         assert info.value.peer == 3
     finally:
         t.close()

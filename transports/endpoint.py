@@ -271,6 +271,13 @@ class MailboxTransport:
     #: Why this transport takes no more sends (set when it closes); None while open.
     _closed_why: str | None = None
 
+    @property
+    def mailbox(self) -> Mailbox:
+        """The matching engine, to read (never to post to): what arrived that no
+        receive has taken yet -- a message of a call its receiver has finished
+        proves that the two ranks ran different calls."""
+        return self._mailbox
+
     # --- the Transport interface ------------------------------------------------------
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> PendingRequest:

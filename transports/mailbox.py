@@ -16,6 +16,7 @@ out of order and wait here legitimately; the cap is far above what they hold.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 from collections import deque
@@ -67,6 +68,11 @@ class Mailbox:
         # (see CALL_SHIFT): a message of another call from the same peer fails them.
         self._calls_posted: dict[tuple[int, int], list[PendingRequest]] = {}
         self._calls_held: dict[tuple[int, int], dict[bytes, int]] = {}
+        #: Stamped messages held for receives not posted yet: while 0,
+        #: :meth:`oldest_held` has nothing to find (a plain attribute, so that a
+        #: caller's check costs nothing then).
+        self.held_calls = 0
+        self._held_order: list[int] = []  # their calls (tag >> CALL_SHIFT): a lazy heap
         #: peer -> why it left (read it, never write it: :meth:`peer_gone` does).
         self.gone: dict[int, str] = {}
         self._closed: str | None = None
@@ -109,6 +115,19 @@ class Mailbox:
             for held in self._calls_held.get((peer, call)) or ():
                 if held and held != stamp:
                     return held
+        return None
+
+    def oldest_held(self) -> tuple[int, int, bytes] | None:
+        """``(call, src, stamp)`` of a held stamped message of the lowest call
+        (``tag >> CALL_SHIFT``) any is held for, or None: a caller that has
+        finished that call knows that no receive will ever take it."""
+        with self._lock:
+            while self._held_order:
+                call = self._held_order[0]
+                for (src, c), stamps in self._calls_held.items():
+                    if c == call and stamps:
+                        return call, src, next(iter(stamps))
+                heapq.heappop(self._held_order)
         return None
 
     def gone_reason(self, peer: int) -> str | None:
@@ -224,6 +243,7 @@ class Mailbox:
             self._held_nbytes = [0] * self.size
             self._calls_posted.clear()
             self._calls_held.clear()
+            self.held_calls, self._held_order = 0, []
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
@@ -304,6 +324,8 @@ class Mailbox:
         if stamp:
             stamps = self._calls_held.setdefault((src, tag >> CALL_SHIFT), {})
             stamps[stamp] = stamps.get(stamp, 0) + 1
+            self.held_calls += 1
+            heapq.heappush(self._held_order, tag >> CALL_SHIFT)
         return True
 
     def _overflowed(self, src: int) -> None:
@@ -344,6 +366,9 @@ class Mailbox:
                 del stamps[stamp]
                 if not stamps:
                     del self._calls_held[key]
+            self.held_calls -= 1
+            if not self.held_calls:
+                self._held_order.clear()
         return peer, payload, stamp
 
     def _refusal(self, req: PendingRequest) -> TransportError | None:

@@ -75,7 +75,8 @@ def collective(body):
             raise TypeError(f"group must be a ProcessGroup (from new_group), None or "
                             f"GroupMember.NON_GROUP_MEMBER, got {type(group).__name__}")
         call, run = body(pg, *args, **kwargs)
-        return pg.submit(call, run, blocking=not async_op)
+        work = pg.submit(call, run, not async_op)
+        return work if async_op else None
 
     run_collective.__signature__ = signature.replace(parameters=params)
     # Frames of this wrapper carry the collective's name, not "run_collective":

@@ -109,7 +109,7 @@ def _make_group(ranks: list[int], timeout, name: str) -> ProcessGroup:
                                 host=default.options.host,
                                 group_name=f"{default.options.group_name}/{name}")
     pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts)
-    pg._set_global_ranks(ranks)
+    pg.set_global_ranks(ranks)
     world.groups[pg] = ranks
     _log.debug("group %s ready: global ranks %s, this rank is %d in it", opts.group_name,
                ranks, pg.rank())

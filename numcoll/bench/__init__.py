@@ -15,7 +15,14 @@ bar shows in a notebook or on a terminal). Or launch the rank function
 yourself: ``nc.launch(bench.numcoll_rank, 2, args=(plan,))`` then
 ``bench.summarize(plan, [r["times"] for r in results])``.
 ``bench.timeline`` draws the flight recorder's records as a per-rank Gantt chart;
-``bench.findings`` turns rows into sentences (crossovers, stragglers, noise).
+``bench.findings`` turns rows into sentences (crossovers, stragglers, noise);
+``bench.saved`` keeps runs for ``numcoll-bench --save/--baseline``.
+
+The regression gate (``python -m pytest benchmarks --quick --benchmark-compare``):
+``bench.rows`` (what it times), ``bench.schedule`` (interleaved, quiet rounds on
+rank processes kept between rounds), ``bench.gate`` (the limits, and saved runs
+for ``notebooks/history.ipynb``). Faults: ``python -m numcoll.faults``
+(``bench.faults``, ``bench.fault_table``).
 """
 
 from .check import count_wrong, expected, fill

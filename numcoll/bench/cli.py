@@ -8,7 +8,14 @@ import sys
 import transports
 
 from .forms import describe
-from .report import compare_rows, format_mpi_table, format_table, join_anchor, ratio
+from .report import (
+    compare_rows,
+    format_footer,
+    format_mpi_table,
+    format_table,
+    join_anchor,
+    ratio,
+)
 from .runners import (
     DEFAULT_TIMEOUT_S,
     TorchUnavailableError,
@@ -16,6 +23,7 @@ from .runners import (
     torch_available,
     torch_version,
 )
+from .saved import DEFAULT_STORAGE, check_comparable, load_run, save_run, with_baseline
 from .sweep import (
     OPS,
     PLACEMENTS,
@@ -31,7 +39,7 @@ from .sweep import (
     write_json,
 )
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "add_rank_arguments", "check_rank_arguments"]
 
 _EPILOG = """\
 size is the per-rank buffer as nccl-tests define it (allgather: the output;
@@ -46,7 +54,18 @@ size, inputs are filled with rank-dependent values, the collective runs once
 more, and the result elements that differ from the expected ones are counted
 over all ranks (0 is the only right answer; the exit status is 1 otherwise).
 With --compare torch: "busbw x" = numcoll/gloo busbw (>1: numcoll faster),
-"time x" = numcoll/gloo time (<1: numcoll faster).
+"time x" = numcoll/gloo time (<1: numcoll faster). The table ends as
+nccl-tests' does: "# Out of bounds values" (the #wrong total) and
+"# Avg bus bandwidth" (the mean busbw of every row, GB/s).
+
+--save NAME keeps the run (as --json writes it) in --storage (default
+{storage}/NAME.json; a NAME with a / or ending in .json is a path);
+--baseline NAME adds the saved run's time ("base(us)") and this run's change
+against it ("delta": +10.0% is 10% slower) to each row of the same size and
+placement, and its Avg bus bandwidth to this one's. The baseline must be the
+same op, world size and dtype. One run is one measurement: rerun before
+trusting a delta of a few percent (python -m pytest benchmarks --quick
+--benchmark-compare is the gate that knows the noise).
 
 Each iteration is one blocking call, as a user makes it: numcoll's module-level
 function on the default group (nc.all_reduce(x), nc.barrier(), ...) beside
@@ -69,6 +88,8 @@ examples:
   python -m numcoll.bench --op barrier -n 4 --compare torch,mpi4py
   python -m numcoll.bench --op allreduce --sweep latency --persistent --compare mpi4py
   python -m numcoll.bench --op allreduce --sizes 1M,16M --shared-arrays --compare mpi4py
+  python -m numcoll.bench --sizes 8,1M,16M --save main     # on main
+  python -m numcoll.bench --sizes 8,1M,16M --baseline main # on a branch
 """
 
 
@@ -110,19 +131,34 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="numcoll-bench", description="nccl-tests-style sweeps of numcoll collectives "
-        "on local ranks, optionally beside torch.distributed's gloo backend.",
-        epilog=_EPILOG.format(sweeps=_describe_sweeps()),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
-    p.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
+def add_rank_arguments(p: argparse.ArgumentParser, world_size: int) -> None:
+    """``--world-size/-n``, ``--mode`` and ``--transport``: how the local ranks run
+    (numcoll-bench and the demo alike; :func:`check_rank_arguments` after parsing)."""
+    p.add_argument("--world-size", "-n", type=int, default=world_size,
+                   help=f"ranks (default {world_size})")
     p.add_argument("--mode", choices=("process", "thread"), default="process",
                    help="ranks as processes (default) or threads of one process")
     p.add_argument("--transport", choices=transports.KINDS, default=None,
                    help="numcoll transport (default: numcoll chooses; shm for local processes "
                         "on Linux, ipc elsewhere, inproc for threads)")
+
+
+def check_rank_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through ``parser.error`` on ranks that cannot run as asked."""
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {args.world_size}")
+    if args.mode == "process" and args.transport == "inproc":
+        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="numcoll-bench", description="nccl-tests-style sweeps of numcoll collectives "
+        "on local ranks, optionally beside torch.distributed's gloo backend.",
+        epilog=_EPILOG.format(sweeps=_describe_sweeps(), storage=DEFAULT_STORAGE),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
+    add_rank_arguments(p, world_size=2)
     p.add_argument("--dtype", default=None, help="element type (default float32)")
     p.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
                    help="a named size range, with iterations to suit it (see below; "
@@ -169,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated anchors run on the same sizes in the same "
                         "invocation: torch (torch.distributed, backend gloo), mpi4py (Open "
                         "MPI via mpirun); e.g. --compare torch,mpi4py")
+    p.add_argument("--save", metavar="NAME", default=None,
+                   help="keep this run as NAME (in --storage) for a later --baseline NAME")
+    p.add_argument("--baseline", metavar="NAME", default=None,
+                   help="compare with the run saved as NAME: its time and a delta column "
+                        "per row, its Avg bus bandwidth beside this one's")
+    p.add_argument("--storage", metavar="DIR", default=DEFAULT_STORAGE,
+                   help=f"where --save and --baseline keep runs (default {DEFAULT_STORAGE})")
     p.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline of each sweep in seconds (default {DEFAULT_TIMEOUT_S:.0f})")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
@@ -183,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``numcoll-bench``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {args.world_size}")
-    if args.mode == "process" and args.transport == "inproc":
-        parser.error("--transport inproc needs --mode thread (ranks in one process)")
+    check_rank_arguments(parser, args)
     if args.iters is not None and args.iters < 1:
         parser.error(f"--iters must be at least 1, got {args.iters}")
     if args.warmup is not None and args.warmup < 0:
@@ -197,6 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     progress = "none" if args.quiet else args.progress
     plan = plans[0]
+    baseline = None
+    if args.baseline is not None:  # read (and checked) before minutes of measuring
+        try:
+            baseline = load_run(args.baseline, args.storage)
+            check_comparable({"op": plan.op, "world_size": plan.world_size,
+                              "dtype": plan.dtype if plan.moves_data else None},
+                             baseline["metadata"], args.baseline)
+        except (OSError, ValueError) as exc:
+            print(f"numcoll-bench: error: --baseline: {exc}", file=sys.stderr)
+            return 2
     if "torch" in args.compare:
         if not torch_available():
             print("numcoll-bench: error: --compare torch needs PyTorch, which is not importable "
@@ -246,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     transport_used=info.get("transport"), compare=",".join(args.compare) or None,
                     torch_version=torch_version(), sweep=args.sweep)
     meta["placements"] = [p.placement for p in plans]
+    if baseline is not None:
+        rows = with_baseline(rows, baseline["rows"])
+        meta["baseline"] = {"name": args.baseline, "path": baseline["path"],
+                            "started_at": baseline["metadata"].get("started_at")}
 
     if args.json != "-":
         title = (f"# numcoll {plan.op}: world_size={plan.world_size} mode={args.mode} "
@@ -254,13 +308,25 @@ def main(argv: list[str] | None = None) -> int:
                  + (f" sweep={args.sweep}" if args.sweep else "")
                  + (f" algorithm={plan.algorithm}" if plan.algorithm else "")
                  + (f" form={describe(plan)}" if describe(plan) else "")
+                 + (f" baseline={args.baseline}" if baseline is not None else "")
                  + (f"  vs torch {meta['torch_version']} gloo (processes, 1 thread/rank)"
                     if torch_rows is not None else ""))
         print(format_table(rows, title=title), flush=True)
+        print(format_footer(rows, baseline=None if baseline is None else
+                            (args.baseline, baseline["rows"])), flush=True)
         if mpi_rows is not None:
             print(format_mpi_table(rows), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows)
+    if args.save is not None:
+        try:
+            path = save_run(args.save, meta, rows, args.storage)
+        except (OSError, ValueError) as exc:
+            print(f"numcoll-bench: error: --save: {exc}", file=sys.stderr)
+            status = status or 2
+        else:
+            if not args.quiet:
+                print(f"numcoll-bench: saved as {args.save!r} ({path})", file=sys.stderr)
     wrong = sum((r["wrong"] or 0) + (r.get("torch_wrong") or 0) + (r.get("mpi_wrong") or 0)
                 for r in rows)
     if wrong:

@@ -1,18 +1,30 @@
-"""A short multi-rank demo: ``python -m numcoll.bench.demo [--world-size 4] [--mode process]``.
+"""A short multi-rank demo: ``python -m numcoll.demo [--world-size 4] [--mode process]
+[--transport shm]``.
 
 Starts local ranks, runs each kind of collective once, checks every result
-against the expected value and prints what happened, then times a few
-allreduce sizes.
+against the expected value and prints what happened, then times allreduce at
+8 B, 1 MiB and 16 MiB warm: after a few untimed calls, each timed call is the
+slowest rank's, and the figure is the median over the calls (as
+``numcoll-bench`` times them).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 import numcoll as nc
+
+from .cli import add_rank_arguments, check_rank_arguments
+from .runners import numcoll_rank
+from .sweep import format_nbytes, make_plan, summarize
+
+#: Timed sizes and the calls timed at each (after WARMUP untimed ones).
+TIMED = ((8, 200), (1 << 20, 40), (16 << 20, 10))
+WARMUP = 5
 
 
 def _collectives_tour() -> list[str]:
@@ -52,42 +64,57 @@ def _collectives_tour() -> list[str]:
 
     nc.barrier()
     lines.append(f"{'barrier':<24} ok")
-
-    timings = []
-    for nbytes in (8, 1 << 20, 16 << 20):
-        a = np.ones(nbytes // 4, np.float32)
-        nc.all_reduce(a)  # warm-up
-        reps = 5
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            nc.all_reduce(a)
-        timings.append((nbytes, (time.perf_counter() - t0) / reps))
+    timings = [numcoll_rank(plan) for plan in _timing_plans(size)]
     return lines, timings, nc.get_default_group().transport_kind
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--mode", choices=("process", "thread"), default="process")
-    parser.add_argument("--transport", choices=("tcp", "ipc", "inproc"), default=None)
+def _timing_plans(world_size: int) -> list:
+    """One plan per timed size (each with its own number of calls)."""
+    return [make_plan("allreduce", [nbytes], world_size=world_size, iters=iters,
+                      warmup=WARMUP) for nbytes, iters in TIMED]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m numcoll.demo",
+                                     description=__doc__.splitlines()[0])
+    add_rank_arguments(parser, world_size=4)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of ``numcoll-demo`` / ``python -m numcoll.demo``."""
+    parser = build_parser()
     ns = parser.parse_args(argv)
+    check_rank_arguments(parser, ns)
     print(f"numcoll {nc.__version__}: starting {ns.world_size} ranks as {ns.mode}es "
           f"(transport: {ns.transport or 'automatic'})")
     t0 = time.perf_counter()
     results = nc.launch(_collectives_tour, ns.world_size, mode=ns.mode, transport=ns.transport,
-                        timeout=120)
-    lines, timings, transport = results[0]
+                        timeout=300)
+    lines, _, transport = results[0]
     print(f"  transport in use: {transport}")
     for line in lines:
         print("  " + line)
     print(f"  every rank agreed ({ns.world_size} ranks checked their results)")
-    n = ns.world_size
-    print("  allreduce float32 timings on rank 0:")
-    for nbytes, seconds in timings:
-        busbw = nbytes / seconds * 2 * (n - 1) / n / 1e9 if n > 1 else 0.0
-        print(f"    {nbytes:>10,d} B  {seconds * 1e6:10.1f} us  busbw {busbw:6.2f} GB/s")
+    print(f"  allreduce float32, warm: median over the calls of the slowest rank's time "
+          f"({WARMUP} untimed calls first)")
+    wrong = 0
+    for i, plan in enumerate(_timing_plans(ns.world_size)):
+        row = summarize(plan, [r[1][i]["times"] for r in results],
+                        rank_wrong=[r[1][i]["wrong"] for r in results],
+                        algorithms=results[0][1][i]["algorithms"])[0]
+        wrong += row["wrong"] or 0
+        busbw = f"busbw {row['busbw_gbps']:6.2f} GB/s" if ns.world_size > 1 else ""
+        print(f"    {format_nbytes(row['size']):>7}  {row['time_us']:10.1f} us  "
+              f"(min {row['time_us_min']:.1f}, {plan.cases[0].iters} calls)  {busbw}  "
+              f"{row['algorithm']}")
+    if wrong:
+        print(f"numcoll demo: {wrong} wrong result elements in the timed allreduces",
+              file=sys.stderr)
+        return 1
     print(f"done in {time.perf_counter() - t0:.1f}s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

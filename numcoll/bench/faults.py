@@ -1,14 +1,16 @@
 """Fault injection: what the surviving ranks see when one rank dies, stalls or
-leaves early, when strangers connect and stay silent or crowd the store, and
-whether long runs of collectives stay correct without growing.
+leaves early, when ranks call mismatched collectives, when the store's host
+dies, when strangers connect and stay silent or crowd the store, and whether
+long runs of collectives stay correct without growing.
 
-``python -m numcoll.bench.faults`` runs every scenario on ranks launched as processes
-and prints the fault table (scenario, detection time, message, leftovers);
-``tests/test_faults.py`` runs the same scenarios and asserts on the figures.
+``python -m numcoll.faults`` (:mod:`numcoll.bench.fault_table`) runs the
+scenarios on ranks launched as processes and prints the fault table;
+``--markdown`` prints it as the README has it. ``tests/test_faults.py`` runs
+the same scenarios, asserts on the figures and checks the README's table.
 
 Detection time is measured from the fault (the culprit writes the time, from
-the system-wide monotonic clock, just before it kills, stops or returns) to the
-moment each survivor's collective raised.
+the system-wide monotonic clock, just before it kills, stops or returns; for a
+mismatch, the call) to the moment each survivor's call raised.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import numpy as np
 from .. import api as dist
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
 from ..bootstrap.tcpstore import TCPStore
+from ..ops import ReduceOp
 
-__all__ = ["Figures", "run_scenario", "SCENARIOS", "soak", "format_table", "main"]
+__all__ = ["Figures", "run_scenario", "run_strangers", "run_mismatches", "run_store_gone",
+           "SCENARIOS", "MISMATCHES", "soak", "main"]
 
+#: Ranks of the kill / stop / early scenarios by default; the culprit is the last.
 WORLD_SIZE = 4
-CULPRIT = WORLD_SIZE - 1
 BIG_COUNT = (16 << 20) // 4  # 16 MiB of float32
 _GROUP_KEYS = "numcoll/default/0/transport"  # where the default group's transport meets
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -90,14 +94,15 @@ def _mark(workdir: str, name: str, text: str = "") -> None:
 
 
 def _rank_in_fault(kind: str, workdir: str, rounds_before: int) -> dict:
-    """All ranks run 16 MiB allreduces; rank CULPRIT is killed ("kill"), stopped
+    """All ranks run 16 MiB allreduces; the last rank is killed ("kill"), stopped
     ("stop") or returns ("early") in the middle; the others report what they saw."""
-    rank = dist.get_rank()
+    rank, culprit = dist.get_rank(), dist.get_world_size() - 1
     x = np.empty(BIG_COUNT, np.float32)
     expected = float(sum(range(1, dist.get_world_size() + 1)))
     dist.barrier()
-    info = {"pid": os.getpid(), "artifacts": _artifacts() if rank == 0 else None}
-    if rank == CULPRIT:
+    info = {"pid": os.getpid(), "artifacts": _artifacts() if rank == 0 else None,
+            "transport": dist.get_default_group().transport_kind}
+    if rank == culprit:
         for _ in range(rounds_before):
             x.fill(rank + 1)
             dist.all_reduce(x)
@@ -270,18 +275,25 @@ def _reap_when_done(workdir: str, survivors: list[int], limit_s: float) -> threa
     return t
 
 
-def run_scenario(kind: str, *, group_timeout_s: float = 2.0,
+def run_scenario(kind: str, *, world_size: int = WORLD_SIZE, group_timeout_s: float = 2.0,
                  transport: str | None = None) -> Figures:
-    """Run one of :data:`SCENARIOS` on WORLD_SIZE process ranks; return its figures."""
-    survivors = [r for r in range(WORLD_SIZE) if r != CULPRIT]
+    """Run one of :data:`SCENARIOS` on ``world_size`` process ranks (the last is
+    the culprit); return its figures."""
+    if kind not in SCENARIOS:
+        raise ValueError(f"unknown scenario {kind!r}; choose one of {', '.join(SCENARIOS)}")
+    if world_size < 2:
+        raise ValueError(f"a fault needs a culprit and a survivor: world_size >= 2, "
+                         f"got {world_size}")
+    culprit = world_size - 1
+    survivors = list(range(culprit))
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="numcoll-faults-") as workdir:
         reaper = _reap_when_done(workdir, survivors, 60) if kind == "stop" else None
         try:
-            results = launch(_rank_in_fault, WORLD_SIZE, args=(kind, workdir, 2),
+            results = launch(_rank_in_fault, world_size, args=(kind, workdir, 2),
                              transport=transport, timeout=90, group_timeout=group_timeout_s)
         except (RankFailedError, LaunchTimeoutError) as exc:
-            results = getattr(exc, "results", None) or [None] * WORLD_SIZE
+            results = getattr(exc, "results", None) or [None] * world_size
         if reaper is not None:
             reaper.join()
         with open(os.path.join(workdir, "fault")) as f:
@@ -301,22 +313,29 @@ def run_scenario(kind: str, *, group_timeout_s: float = 2.0,
     pids = [int(culprit_pid)] + [res["pid"] for res in results if res]
     leftovers = _leftovers((results[0] or {}).get("artifacts"), pids)
     leftovers["processes"] += [str(p) for p in _child_pids()]
-    return Figures(kind, CULPRIT, detect, errors, named, hung, wrong, leftovers, wall)
+    return Figures(kind, culprit, detect, errors, named, hung, wrong, leftovers, wall,
+                   {"transport": _transport_used(results), "world_size": world_size,
+                    "group_timeout_s": group_timeout_s})
+
+
+def _transport_used(results) -> str | None:
+    return next((r.get("transport") for r in results if r and r.get("transport")), None)
 
 
 def run_strangers(silent: int = 2, crowd: int = 200, rounds: int = 10,
-                  transport: str = "tcp") -> Figures:
+                  transport: str = "tcp", world_size: int = WORLD_SIZE) -> Figures:
     """Strangers that connect and never speak, and a crowd of store clients,
     while the ranks work; every result checked."""
     started = time.monotonic()
-    results = launch(_rank_among_strangers, WORLD_SIZE, args=(silent, crowd, rounds),
+    results = launch(_rank_among_strangers, world_size, args=(silent, crowd, rounds),
                      transport=transport, timeout=90, group_timeout=30)
     wall = time.monotonic() - started
     info = results[0]
     leftovers = _leftovers(info["artifacts"], [r["pid"] for r in results])
     leftovers["processes"] += [str(p) for p in _child_pids()]
     notes = {"crowd_count": info["crowd_count"], "strangers_s": info["strangers_s"],
-             "collectives_s": max(r["collectives_s"] for r in results)}
+             "collectives_s": max(r["collectives_s"] for r in results), "crowd": crowd,
+             "silent": silent}
     return Figures(f"{silent} silent connections to the store and each {transport} endpoint, "
                    f"{crowd} store clients at once", None, {}, {}, {}, [],
                    sum(r["wrong"] for r in results), leftovers, wall, notes)
@@ -332,51 +351,147 @@ def soak(world_size: int = 2, n_async: int = 1000, n_sequential: int = 10_000,
     notes = {"rss": [r["rss"] for r in results],
              "async_s": max(r["async_s"] for r in results),
              "sequential_s": max(r["sequential_s"] for r in results)}
-    return Figures(f"soak {n_async} async on {threads} threads + {n_sequential} sequential",
+    return Figures(f"soak: {n_async:,} async allreduces on {threads} worker threads, then "
+                   f"{n_sequential:,} sequential, {world_size} ranks",
                    None, {}, {}, {}, [], sum(r["wrong"] for r in results),
                    {"processes": [str(p) for p in _child_pids()]},
                    time.monotonic() - started, notes)
 
 
+#: Mismatched calls, rank 0's beside the others': what differs -> (call, call).
+MISMATCHES = ("dtype", "count", "op", "collective", "root")
+
+
+def _mismatched_call(kind: str, rank: int):
+    x = np.zeros(4, np.float32)
+    if kind == "dtype":
+        return lambda: dist.all_reduce(x if rank == 0 else np.zeros(4, np.float64))
+    if kind == "count":
+        return lambda: dist.all_reduce(x if rank == 0 else np.zeros(5, np.float32))
+    if kind == "op":
+        return lambda: dist.all_reduce(
+            x, op=ReduceOp.SUM if rank == 0 else ReduceOp.MAX)
+    if kind == "collective":
+        return (lambda: dist.all_reduce(x)) if rank == 0 else (lambda: dist.broadcast(x, 0))
+    if kind == "root":
+        return lambda: dist.broadcast(x, src=0 if rank == 0 else 1)
+    raise ValueError(f"unknown mismatch {kind!r}")
+
+
+def _rank_mismatch(kind: str) -> dict:
+    """Rank 0 makes one call, every other rank another (see :data:`MISMATCHES`)."""
+    rank = dist.get_rank()
+    call = _mismatched_call(kind, rank)
+    dist.barrier()
+    started = time.monotonic()
+    info = {"pid": os.getpid(), "transport": dist.get_default_group().transport_kind}
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - what this scenario measures
+        info.update(t_error=time.monotonic() - started, error=f"{type(exc).__name__}: {exc}")
+    return info
+
+
+def run_mismatches(world_size: int = 2, transport: str | None = None,
+                   kinds=MISMATCHES, group_timeout_s: float = 30.0) -> Figures:
+    """Each of :data:`MISMATCHES` in a launch of its own (a mismatch poisons the
+    group); every rank must raise, long before ``group_timeout_s``. The figures
+    are per rank the slowest detection over the kinds and the message of the
+    first kind; ``notes["kinds"]`` has every kind's messages."""
+    started = time.monotonic()
+    detect, errors, named, hung, per_kind, pids = {}, {}, {}, set(), {}, []
+    transport_used = None
+    for kind in kinds:
+        try:
+            results = launch(_rank_mismatch, world_size, args=(kind,), transport=transport,
+                             timeout=90, group_timeout=group_timeout_s)
+        except (RankFailedError, LaunchTimeoutError) as exc:
+            results = getattr(exc, "results", None) or [None] * world_size
+        per_kind[kind] = {}
+        for rank, info in enumerate(results):
+            info = info or {}
+            pids.append(info.get("pid"))
+            transport_used = transport_used or info.get("transport")
+            if "t_error" not in info:
+                hung.add(rank)
+                continue
+            detect[rank] = max(detect.get(rank, 0.0), info["t_error"])
+            errors.setdefault(rank, info["error"])
+            named.setdefault(rank, _first_rank_named(info["error"], rank))
+            per_kind[kind][rank] = info["error"]
+    leftovers = _leftovers(None, [p for p in pids if p])
+    leftovers["processes"] += [str(p) for p in _child_pids()]
+    return Figures("mismatch", None, detect, errors, named, sorted(hung), 0, leftovers,
+                   time.monotonic() - started,
+                   {"kinds": per_kind, "transport": transport_used, "world_size": world_size,
+                    "group_timeout_s": group_timeout_s})
+
+
+def _rank_store_gone(workdir: str) -> dict:
+    """A group whose TCPStore rank 0 hosts (as ``init_method="tcp://..."`` makes
+    it); rank 0 is killed; every other rank then shuts the group down."""
+    from ..bootstrap.tcpstore import TCPStore as Store
+    from ..process_group import ProcessGroup
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    port = np.zeros(1, np.int64)
+    host = Store("127.0.0.1", 0, size, is_master=True, timeout=timedelta(seconds=30),
+                 wait_for_workers=False) if rank == 0 else None
+    if host is not None:
+        port[0] = host.port
+    dist.broadcast(port, src=0)
+    store = host or Store("127.0.0.1", int(port[0]), size, timeout=timedelta(seconds=30))
+    pg = ProcessGroup(store, rank, size, ProcessGroup.Options(timeout=timedelta(seconds=30)))
+    x = np.ones(4, np.float32)
+    pg.allreduce(x).wait()
+    dist.barrier()
+    if rank == 0:
+        _mark(workdir, "fault", f"{time.monotonic()} {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not os.path.exists(os.path.join(workdir, "fault")):
+        time.sleep(0.005)
+    time.sleep(0.2)  # the store's host is gone by now
+    started = time.monotonic()
+    pg.shutdown()
+    return {"pid": os.getpid(), "shutdown_s": time.monotonic() - started,
+            "transport": pg.transport_kind}
+
+
+def run_store_gone(world_size: int = 3, transport: str | None = None) -> Figures:
+    """How long the survivors' ``ProcessGroup.shutdown()`` (what
+    ``destroy_process_group()`` does) takes once the store's host is gone;
+    ``detect_s`` holds those times."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="numcoll-faults-") as workdir:
+        failure = None
+        try:
+            results = launch(_rank_store_gone, world_size, args=(workdir,),
+                             transport=transport, timeout=90, group_timeout=30)
+        except (RankFailedError, LaunchTimeoutError) as exc:
+            results, failure = getattr(exc, "results", None) or [None] * world_size, exc
+        try:
+            with open(os.path.join(workdir, "fault")) as f:
+                culprit_pid = int(f.read().split()[1])
+        except OSError:
+            raise RuntimeError(f"store-gone scenario: rank 0 never got to its fault: "
+                               f"{failure}") from failure
+    survivors = range(1, world_size)
+    done = {r: results[r]["shutdown_s"] for r in survivors if results[r]}
+    leftovers = _leftovers(None, [culprit_pid] + [r["pid"] for r in results if r])
+    leftovers["processes"] += [str(p) for p in _child_pids()]
+    return Figures("store gone", 0, done, {}, {}, [r for r in survivors if r not in done], 0,
+                   leftovers, time.monotonic() - started,
+                   {"transport": _transport_used(results), "world_size": world_size})
+
+
 SCENARIOS = ("kill", "stop", "early")
 
 
-def format_table(figures: list[Figures]) -> str:
-    rows = ["| scenario | detection (s, per survivor) | message (first survivor) | "
-            "names the culprit | leftovers |", "|---|---|---|---|---|"]
-    for f in figures:
-        detect = ", ".join(f"r{r} {t:.2f}" for r, t in sorted(f.detect_s.items())) or "—"
-        if f.hung:
-            detect += f"; ranks {f.hung} never raised"
-        first = min(f.errors) if f.errors else None
-        message = f.errors[first].splitlines()[0][:160] if first is not None else \
-            ", ".join(f"{k} {_fmt(v)}" for k, v in f.notes.items())
-        culprit = "—" if f.culprit is None else ", ".join(
-            f"r{r}{'✓' if n == f.culprit else f'→{n}'}" for r, n in sorted(f.named.items()))
-        left = "; ".join(f"{k}: {len(v)}" for k, v in f.leftovers.items() if v) or "none"
-        wrong = f" ({f.wrong_results} wrong results)" if f.wrong_results else ""
-        rows.append(f"| {f.scenario}{wrong} | {detect} | {message} | {culprit} | {left} |")
-    return "\n".join(rows)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.2f}s"
-    if isinstance(v, list) and v and isinstance(v[0], list):  # rss per rank
-        return "; ".join("→".join(f"{b / 2**20:.0f}MiB" for b in rank) for rank in v)
-    return str(v)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Print the fault table (takes a minute or so)."""
-    figures = [run_scenario(kind) for kind in SCENARIOS]
-    figures += [run_strangers(silent=0, crowd=0, transport="tcp"),  # the baseline
-                run_strangers(transport="tcp"), run_strangers(transport="ipc"), soak()]
-    print(format_table(figures))
-    for f in figures:
-        for r, e in sorted(f.errors.items()):
-            print(f"\n[{f.scenario}] rank {r}: {e}", file=sys.stderr)
-    return 0
+    """``python -m numcoll.faults``: see :mod:`numcoll.bench.fault_table`."""
+    from .fault_table import main as table_main
+
+    return table_main(argv)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from collections import Counter
 
 from .sweep import format_nbytes
 
-__all__ = ["faster_from", "faster_sentence", "algorithm_choice", "noisy_sizes",
-           "waited_for", "peak"]
+__all__ = ["faster_from", "faster_sentence", "algorithm_choice", "choice_sentence",
+           "noisy_sizes", "waited_for", "peak"]
 
 
 def _by_size(rows: list[dict]) -> dict[int, dict]:
@@ -61,24 +61,55 @@ def faster_sentence(label: str, rows: list[dict], other_label: str, other: list[
 def algorithm_choice(auto_algorithms: dict[int, str],
                      candidates: dict[str, list[dict]]) -> dict:
     """Whether numcoll's automatic choice picks the algorithm that measured
-    fastest: ``auto_algorithms[size]`` is the algorithm numcoll would choose,
-    ``candidates[algorithm]`` the rows measured with it forced.
+    fastest: ``auto_algorithms[size]`` is the algorithm numcoll chose (or would
+    choose), ``candidates[algorithm]`` the rows measured with it.
 
-    Returns ``{"sizes", "agree": sizes where the choice was the fastest,
-    "disagree": [(size, chosen, fastest, chosen time / fastest time)]}``.
+    Only sizes where the chosen algorithm *and* at least one other were
+    measured are judged; the others are listed in ``unmeasured``, never
+    counted as agreeing. Returns ``{"sizes": judged sizes, "agree": sizes where
+    the choice was the fastest, "disagree": [(size, chosen, fastest, chosen time
+    / fastest time)], "unmeasured": [(size, chosen)]}``.
     """
     by_alg = {alg: _by_size(rows) for alg, rows in candidates.items()}
-    sizes = sorted(set(auto_algorithms).intersection(*[set(b) for b in by_alg.values()]))
-    agree, disagree = [], []
-    for s in sizes:
-        fastest = min(by_alg, key=lambda a: by_alg[a][s]["time_us"])
+    sizes, agree, disagree, unmeasured = [], [], [], []
+    for s in sorted(auto_algorithms):
         chosen = auto_algorithms[s]
-        if chosen == fastest or chosen not in by_alg:
+        measured = [a for a in by_alg if s in by_alg[a]]
+        if chosen not in measured or len(measured) < 2:
+            unmeasured.append((s, chosen))
+            continue
+        sizes.append(s)
+        fastest = min(measured, key=lambda a: by_alg[a][s]["time_us"])
+        if chosen == fastest:
             agree.append(s)
         else:
             disagree.append((s, chosen, fastest,
                              by_alg[chosen][s]["time_us"] / by_alg[fastest][s]["time_us"]))
-    return {"sizes": sizes, "agree": agree, "disagree": disagree}
+    return {"sizes": sizes, "agree": agree, "disagree": disagree, "unmeasured": unmeasured}
+
+
+def choice_sentence(op: str, choice: dict, tolerance: float = 0.1) -> str:
+    """What :func:`algorithm_choice` found, as a sentence: where the automatic
+    choice was the fastest, where it was slower and by how much (within
+    ``tolerance``: "within noise"), and that nothing could be judged when no
+    alternative was measured."""
+    n = len(choice["sizes"])
+    if n == 0:
+        return (f"numcoll's {op} choice: nothing to compare (no size has the chosen "
+                "algorithm and another one measured).")
+    close = [d for d in choice["disagree"] if d[3] <= 1 + tolerance]
+    text = (f"numcoll's automatic {op} choice was the fastest measured at "
+            f"{len(choice['agree'])} of {n} sizes")
+    if close:
+        text += f" and within {tolerance:.0%} of it at {len(close)} more"
+    far = [d for d in choice["disagree"] if d[3] > 1 + tolerance]
+    if far:
+        text += "; slower at " + ", ".join(
+            f"{format_nbytes(s)} ({c} took {100 * (r - 1):.0f}% longer than {f})"
+            for s, c, f, r in far)
+    if choice["unmeasured"]:
+        text += f"; {len(choice['unmeasured'])} sizes not judged (no alternative measured)"
+    return text + "."
 
 
 def noisy_sizes(rows: list[dict], ratio: float = 2.0) -> list[int]:

@@ -2,9 +2,12 @@
 
 The ranks may be other processes (whose stderr a notebook never shows), so
 rank 0 does not draw anything: it appends short lines to a file, and a thread
-of the launching process reads them and draws a tqdm bar (a widget in a
-notebook when ipywidgets is there, text on a terminal) or, when stderr is not
-a terminal (a log, CI, a pipe), prints one plain line per size.
+of the launching process reads them and draws a tqdm text bar (on a terminal,
+and in a notebook, where it is the cell's stderr) or, when stderr is not a
+terminal (a log, CI, a pipe), prints one plain line per size. In a notebook
+the text bar is used rather than tqdm's widget: a saved notebook keeps a
+widget's plain-text fallback as it was drawn first ("0%"), while the text
+bar's last state is the saved output ("100%").
 
 Line format (tab-separated): ``C <case> <text>`` when case number ``case``
 (counted over every plan of the launch) starts, ``T <case> <fraction>`` as
@@ -78,13 +81,6 @@ def progress_style(requested: str | bool = "auto", stream: IO | None = None) -> 
 
 def _make_bar(total: int, stream: IO):
     fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total} sizes [{elapsed}<{remaining}]"
-    if _in_notebook():
-        try:
-            from tqdm.notebook import tqdm as notebook_tqdm
-
-            return notebook_tqdm(total=total, bar_format=fmt)
-        except ImportError:  # no ipywidgets: the text bar works in a notebook too
-            pass
     from tqdm import tqdm
 
     try:

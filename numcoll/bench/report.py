@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["compare_rows", "join_anchor", "ratio", "format_table", "format_mpi_table"]
+__all__ = ["compare_rows", "join_anchor", "ratio", "format_table", "format_footer",
+           "format_mpi_table"]
 
 
 def compare_rows(rows: list[dict], torch_rows: list[dict] | None) -> list[dict]:
@@ -53,6 +54,10 @@ _COLUMNS = [  # (key, header, format)
     ("busbw_gbps", "busbw(GB/s)", "{:>11.3f}"),
     ("wrong", "#wrong", "{:>7d}"),
 ]
+_BASELINE_COLUMNS = [
+    ("base_time_us", "base(us)", "{:>11.1f}"),
+    ("delta_pct", "delta", "{:>+7.1f}%"),
+]
 _TORCH_COLUMNS = [
     ("torch_time_us", "gloo(us)", "{:>11.1f}"),
     ("torch_busbw_gbps", "gloo busbw", "{:>11.3f}"),
@@ -67,11 +72,15 @@ def format_table(rows: list[dict], *, title: str | None = None) -> str:
 
     time = median over iterations of the slowest rank, min/max beside it;
     ``place`` is ``in`` or ``out`` (of place); ``#wrong`` counts the wrong
-    result elements over all ranks ("-": not checked). ``busbw x`` = numcoll
+    result elements over all ranks ("-": not checked). With a baseline
+    (:func:`numcoll.bench.saved.with_baseline`): its time and ``delta``, this
+    run's time against it (+10.0%: 10% slower). ``busbw x`` = numcoll
     busbw / gloo busbw (> 1: numcoll faster); ``time x`` = numcoll time / gloo
     time (< 1: numcoll faster).
     """
     columns = list(_COLUMNS)
+    if any("base_time_us" in r for r in rows):
+        columns += _BASELINE_COLUMNS
     if any("torch_time_us" in r for r in rows):
         columns += _TORCH_COLUMNS
     widths = [max(len(header), len(fmt.format(0 if "d}" in fmt else
@@ -87,6 +96,31 @@ def format_table(rows: list[dict], *, title: str | None = None) -> str:
                 value = _PLACE.get(value, value)
             cells.append("-".rjust(w) if value is None else fmt.format(value).rjust(w))
         lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def format_footer(rows: list[dict], *, baseline: tuple[str, list[dict]] | None = None) -> str:
+    """nccl-tests' closing lines: ``# Out of bounds values : 0 OK`` (the wrong
+    elements over every row) and ``# Avg bus bandwidth    : 4.52531`` (the mean
+    busbw over every row, in GB/s), with the baseline's beside it when given
+    as (name, rows)."""
+    from .saved import avg_busbw
+
+    wrong = sum(r.get("wrong") or 0 for r in rows)
+    lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"]
+    avg = avg_busbw(rows)
+    text = "-" if avg is None else f"{avg:g}"
+    if baseline is not None:
+        name, base_rows = baseline
+        keys = {(r["size"], r.get("placement")) for r in rows if "base_time_us" in r}
+        common = [r for r in rows if (r["size"], r.get("placement")) in keys]
+        now = avg_busbw(common)
+        base = avg_busbw([r for r in base_rows if (r["size"], r.get("placement")) in keys])
+        if base and now is not None:
+            scope = "" if len(common) == len(rows) else f" over the {len(common)} rows both have"
+            text += (f"  (baseline {name}{scope}: {base:g}"
+                     + (f" against {now:g}" if scope else "") + f", {(now / base - 1) * 100:+.1f}%)")
+    lines += [f"# Avg bus bandwidth    : {text}", "#"]
     return "\n".join(lines)
 
 

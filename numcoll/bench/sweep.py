@@ -223,9 +223,11 @@ class Plan:
 
     @property
     def label(self) -> str:
-        """``allreduce``, ``allgather in-place``: what a progress bar calls it."""
+        """``allreduce``, ``allgather in-place``, ``allreduce ring`` (forced): what a
+        progress bar calls it."""
         both = self.op in PLACEMENTS and len(PLACEMENTS[self.op]) > 1
         label = f"{self.op} {self.placement}" if both else self.op
+        label += f" {self.algorithm}" if self.algorithm else ""
         forms = [w for w, on in (("persistent", self.persistent),
                                  ("shared arrays", self.shared_arrays)) if on]
         return f"{label} ({', '.join(forms)})" if forms else label

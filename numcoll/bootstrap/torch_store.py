@@ -1,45 +1,61 @@
-"""A numcoll :class:`~numcoll.bootstrap.store.Store` over a torch ``TCPStore`` client.
+"""numcoll :class:`~numcoll.bootstrap.store.Store` views of torch.distributed stores.
 
-Under torchrun the agent serves a torch TCPStore at ``MASTER_ADDR:MASTER_PORT``
-and sets ``TORCHELASTIC_USE_AGENT_STORE=True``: every rank is meant to be a
-client of that store, which speaks torch's protocol, not numcoll's. This
-adapter lets numcoll's rendezvous and groups use it. torch is necessarily
-installed there (torchrun is part of it) and is imported only then.
+- :class:`TorchStore` wraps any torch ``Store`` object (``TCPStore``,
+  ``HashStore``, ``FileStore``, ``PrefixStore``...): the numcoll backend of
+  torch.distributed (:mod:`numcoll.torch`) is handed one by torch and builds
+  its numcoll group on it.
+- :class:`TorchAgentStore` is a client of the torch ``TCPStore`` that torchrun's
+  agent serves at ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``):
+  every rank is meant to be a client of that store, which speaks torch's
+  protocol. torch is necessarily installed there (torchrun is part of it).
+
+torch is imported only when one of them is made.
 """
 
 from __future__ import annotations
 
 import datetime
 
-from .store import Store, StoreTimeoutError
+from .store import Store, StoreTimeoutError, _ms
 
-__all__ = ["TorchAgentStore"]
+__all__ = ["TorchStore", "TorchAgentStore"]
 
 
-class TorchAgentStore(Store):
-    """A client of the torch TCPStore at ``host:port`` (never its server)."""
+class TorchStore(Store):
+    """A numcoll store over the torch store object ``store`` (used, never closed).
 
-    def __init__(self, host: str, port: int, timeout: datetime.timedelta):
-        super().__init__(timeout)
+    Parameters
+    ----------
+    store : torch.distributed.Store
+        Any torch store; keys and values pass through unchanged.
+    timeout : datetime.timedelta, optional
+        Default deadline of ``get``/``wait``; default: the torch store's own.
+    where : str, optional
+        How errors name the store (default: its repr).
+    """
+
+    def __init__(self, store, timeout: datetime.timedelta | None = None, where: str = ""):
         import torch.distributed as torch_dist
 
-        self._host, self._port = host, port
-        self._errors = tuple(e for e in (getattr(torch_dist, "DistStoreError", None),
-                                         RuntimeError) if e is not None)
-        self._store = torch_dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        super().__init__(timeout if timeout is not None else store.timeout)
+        self._store = store
+        self._where = where or f"torch {type(store).__name__}"
+        # A torch wait that passes its deadline raises DistStoreError (older
+        # versions: RuntimeError); anything else is the store's own failure.
+        self._timeout_errors = tuple(e for e in (getattr(torch_dist, "DistStoreError", None),)
+                                     if e is not None) or (RuntimeError,)
 
     @property
-    def host(self) -> str:
-        """The host of torchrun's store (MASTER_ADDR)."""
-        return self._host
+    def torch_store(self):
+        """The torch store this one reads and writes."""
+        return self._store
 
     def __repr__(self) -> str:
-        return f"TorchAgentStore({self._host}:{self._port})"
+        return f"TorchStore({self._where})"
 
-    def _timeout(self, keys, timeout, exc):
-        ms = int(timeout.total_seconds() * 1000)
-        return StoreTimeoutError(f"Timed out waiting {ms}ms for keys {keys} in torchrun's "
-                                 f"TCPStore at {self._host}:{self._port}: {exc}", keys, timeout)
+    def _timeout(self, keys, timeout, exc) -> StoreTimeoutError:
+        return StoreTimeoutError(f"Timed out waiting {_ms(timeout)}ms for keys {keys} in "
+                                 f"{self._where}: {exc}", keys, timeout)
 
     def _set(self, key, value):
         self._store.set(key, value)
@@ -57,7 +73,7 @@ class TorchAgentStore(Store):
     def _wait(self, keys, timeout):
         try:
             self._store.wait(keys, timeout)
-        except self._errors as exc:
+        except self._timeout_errors as exc:
             raise self._timeout(keys, timeout, exc) from None
 
     def _check(self, keys):
@@ -68,3 +84,22 @@ class TorchAgentStore(Store):
 
     def _num_keys(self):
         return int(self._store.num_keys())
+
+
+class TorchAgentStore(TorchStore):
+    """A client of the torch TCPStore at ``host:port`` (never its server)."""
+
+    def __init__(self, host: str, port: int, timeout: datetime.timedelta):
+        import torch.distributed as torch_dist
+
+        self._host, self._port = host, port
+        client = torch_dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        super().__init__(client, timeout, where=f"torchrun's TCPStore at {host}:{port}")
+
+    @property
+    def host(self) -> str:
+        """The host of torchrun's store (MASTER_ADDR)."""
+        return self._host
+
+    def __repr__(self) -> str:
+        return f"TorchAgentStore({self._host}:{self._port})"

@@ -46,13 +46,18 @@ __all__ = ["GroupContext", "cached", "check_options"]
 class GroupContext:
     """A group as its collectives see it: ``rank``, ``size``, ``cfg`` (the
     :class:`numcoll.config.Config` in force), ``timeout_s`` (the default
-    deadline) and the plan cache ``plans``. Owned by one ProcessGroup."""
+    deadline), ``settings`` (the configuration's fingerprint, which every
+    :class:`~numcoll.call.Call` stamps) and the plan cache ``plans``. Owned by
+    one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "shared_memory")
+                 "settings", "shared_memory")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
+        #: What every Call of this group stamps: ranks whose settings differ fail
+        #: at their first call (:func:`numcoll.config.fingerprint`).
+        self.settings = _config.fingerprint(cfg)
         #: The transport's ``shared_memory`` (:mod:`numcoll.memory.shared`), where
         #: the group also has a shared arena; else None (see :meth:`attach`).
         self.shared_memory = None
@@ -87,6 +92,7 @@ class GroupContext:
     def disable_arena(self) -> None:
         """This group's transport has no shared arena: no shared algorithms."""
         self.cfg = _config.replace(self.cfg, arena_slot_nbytes=0)
+        self.settings = _config.fingerprint(self.cfg)
         self.plans.clear()
 
     # -- what plans are made of ------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_same_type_and_size,
                              check_writable, memory_of, uniform_arrays)
+from ..memory.overlap import check_overlap, same_view, shares_memory
 from ..options import (AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions,
                        ScatterOptions)
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
@@ -64,7 +65,7 @@ def _broadcast_plan(ctx, name, arrays, root_rank, opts):
     algorithm = ctx.choose(name, opts.algorithm, nbytes)
     call = Call(name, ctx.timeout_for(opts, name), src.dtype, src.size, root=root_rank,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
-                output_sizes=shapes(arrays), nbytes=nbytes)
+                output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings)
     return algorithm, ctx.segment(src.dtype.itemsize), call
 
 
@@ -105,6 +106,9 @@ def allgather(ctx: GroupContext, output_lists, input_list,
     per_rank = sum(a.size for a in inputs)
     chunks = [(r * per_rank, per_rank) for r in range(size)]
     flat_outputs = [a for lst in outputs for a in lst]
+    # Inputs are packed into a buffer before anything is written: only
+    # outputs that overlap each other are wrong.
+    check_overlap(name, flat_outputs)
     algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, flat_outputs, per_rank)
 
     def run(comm, work):
@@ -156,6 +160,7 @@ def allgather_coalesced(ctx: GroupContext, output_lists, input_list,
     per_rank = sum(a.size for a in inputs)
     chunks = [(r * per_rank, per_rank) for r in range(size)]
     flat_outputs = [a for lst in outputs for a in lst]
+    check_overlap(name, flat_outputs)  # inputs are packed before anything is written
     algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, flat_outputs, per_rank)
 
     def run(comm, work):
@@ -186,10 +191,16 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
     check_writable(outputs, name)
     direct = len(outputs) == 1 and xp.contiguous(outputs[0])
     per_rank = sum(a.size for a in inputs)
+    # torch's in-place form: the input is exactly this rank's chunk of the output.
+    own_chunk = (direct and shares_memory(inputs[0], outputs[0]) and xp.contiguous(inputs[0])
+                 and same_view(inputs[0].reshape(-1),
+                               outputs[0].reshape(-1)[rank * per_rank:(rank + 1) * per_rank]))
+    aliased = check_overlap(name, outputs, inputs,
+                            in_place=[(inputs[0], outputs[0])] if own_chunk else ())
     if name == "allgather_into_tensor" and ctx.shared_memory is not None and \
             inputs[0].nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
             (found := shared_arrays.allgather_into_tensor(ctx, outputs[0], inputs[0], outs,
-                                                          opts)):
+                                                          aliased, opts)):
         return found
     chunks = [(r * per_rank, per_rank) for r in range(size)]
     algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, outputs, per_rank)
@@ -198,7 +209,8 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
         # One pair with a contiguous output: gather straight into it.
         buf = (xp.flat(outputs[0], copy_in=False) if direct
                else xp.empty(per_rank * size, inputs[0].dtype))
-        xp.pack(inputs, buf[rank * per_rank:])
+        if not own_chunk:
+            xp.pack(_snapshot(xp, inputs) if aliased else inputs, buf[rank * per_rank:])
         algorithm.run(comm, xp.buffer(buf), chunks, seg)
         if not direct:
             rows = buf.reshape(size, per_rank)
@@ -228,7 +240,8 @@ def _build_gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
     algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize)
     call = Call(name, ctx.timeout_for(opts, name), dtype, per_rank,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
-                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                settings=ctx.settings)
     return algorithm, ctx.segment(dtype.itemsize), call
 
 
@@ -261,14 +274,20 @@ def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | No
                          f"root {root})")
     else:
         xp = memory_of(name, inputs)
+    # The root's own slot may be its input; any other overlap: send from a copy
+    # (peers' arrays land in the outputs before the root copies its own).
+    own_slot = is_root and xp.contiguous(src) and same_view(src, outputs[root])
+    aliased = check_overlap(name, outputs, inputs, in_place=[(src, outputs[root])]
+                            if own_slot else ())
     algorithm, seg, call = _rooted_plan(ctx, name, opts, src, root, inputs, outputs)
 
     def run(comm, work):
-        send = xp.flat(src, copy_in=True)
+        send = _snapshot(xp, inputs)[0] if aliased else xp.flat(src, copy_in=True)
         targets = [xp.flat(o, copy_in=False) for o in outputs]
         algorithm.run(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
         if is_root:
-            xp.assign(targets[root], send)
+            if not own_slot:
+                xp.assign(targets[root], send)
             for o, t in zip(outputs, targets):
                 if not xp.contiguous(o):
                     xp.write(o, t)
@@ -304,14 +323,19 @@ def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | 
                          f"root {root})")
     else:
         xp = memory_of(name, outputs)
+    # The root's output may be its own input; any other overlap: send from copies.
+    own_slot = is_root and xp.contiguous(out) and same_view(inputs[root], out)
+    aliased = check_overlap(name, outputs, inputs, in_place=[(inputs[root], out)]
+                            if own_slot else ())
     algorithm, seg, call = _rooted_plan(ctx, name, opts, out, root, inputs, outputs)
 
     def run(comm, work):
         target = xp.flat(out, copy_in=False)
-        sources = [xp.flat(a, copy_in=True) for a in inputs]
+        sources = (_snapshot(xp, inputs) if aliased
+                   else [xp.flat(a, copy_in=True) for a in inputs])
         sends = [xp.buffer(a) for a in sources]
         algorithm.run(comm, sends, xp.buffer(target), root, seg)
-        if is_root:
+        if is_root and not own_slot:
             xp.assign(target, sources[root])
         if not xp.contiguous(out):
             xp.write(out, target)
@@ -333,7 +357,8 @@ def _build_rooted_plan(ctx, name, opts, share, root, inputs, outputs):
     algorithm = ctx.choose(name, opts.algorithm, share.size * share.dtype.itemsize)
     call = Call(name, ctx.timeout_for(opts, name), share.dtype, share.size, root=root,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
-                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs))
+                output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
+                settings=ctx.settings)
     return algorithm, ctx.segment(share.dtype.itemsize), call
 
 
@@ -363,6 +388,7 @@ def alltoall(ctx: GroupContext, output_list, input_list, opts: AllToAllOptions |
                 raise ValueError(f"{name}: invalid tensor size: {what} {i} has {a.size} "
                                  f"elements, output 0 has {outputs[0].size}")
     check_writable(outputs, name)
+    check_overlap(name, outputs)  # inputs are packed before anything is written
     send_chunks, recv_chunks = _bounds(inputs), _bounds(outputs)
     algorithm, seg, call = _alltoall_plan(ctx, name, opts, inputs, outputs)
 
@@ -406,15 +432,14 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
     if n != m:
         raise ValueError(f"{name}: invalid tensor size: rank {rank} sends itself "
                          f"{n} elements but expects {m}")
-    if ctx.shared_memory is not None and inp.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
-            (found := shared_arrays.alltoall_base(ctx, out, inp, send_chunks, recv_chunks,
-                                                  [output], opts)):
-        return found
-    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
-
     # The same memory as input and output: send from a copy, or blocks
     # received early would overwrite blocks not sent yet.
-    aliased = xp.overlaps(out, inp)
+    aliased = check_overlap(name, [out], [inp])
+    if ctx.shared_memory is not None and inp.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.alltoall_base(ctx, out, inp, send_chunks, recv_chunks,
+                                                  [output], aliased, opts)):
+        return found
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
 
     def run(comm, work):
         send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
@@ -444,8 +469,14 @@ def _build_alltoall_plan(ctx, name, opts, inputs, outputs):
     # no element count is stamped: each message's size is checked exactly instead.
     call = Call(name, ctx.timeout_for(opts, name), dtype, 0, algorithm=algorithm.name,
                 input_sizes=shapes(inputs), output_sizes=shapes(outputs),
-                nbytes=nbytes_of(inputs))
+                nbytes=nbytes_of(inputs), settings=ctx.settings)
     return algorithm, ctx.segment(dtype.itemsize), call
+
+
+def _snapshot(xp, arrays) -> list:
+    """Flat copies of ``arrays``, taken before anything is written: what a
+    call reads when its inputs share memory with its outputs."""
+    return [xp.copy(xp.flat(a, copy_in=True)) for a in arrays]
 
 
 def _unpack_like(buf, like):

@@ -40,7 +40,8 @@ def _p2p_call(ctx, name, arr) -> Call:
     return Call(name, ctx.timeout_s, arr.dtype, arr.size, root=-1,
                 input_sizes=shapes([arr]) if name == "send" else (),
                 output_sizes=shapes([arr]) if name != "send" else (),
-                nbytes=arr.size * arr.dtype.itemsize, collective=False)
+                nbytes=arr.size * arr.dtype.itemsize, collective=False,
+                settings=ctx.settings)
 
 
 def send(ctx: GroupContext, arrays, dst: int, tag: int = 0):
@@ -103,7 +104,7 @@ def barrier(ctx: GroupContext, opts: BarrierOptions | None = None):
     opts = opts or _BARRIER_DEFAULTS
     algorithm = ctx.choose("barrier", opts.algorithm, 0)
     call = Call("barrier", ctx.timeout_for(opts, "barrier"), algorithm=algorithm.name,
-                after_earlier=True)
+                after_earlier=True, settings=ctx.settings)
 
     def run(comm, work):
         algorithm.run(comm)
@@ -124,7 +125,7 @@ def monitored_barrier(ctx: GroupContext, timeout: timedelta | None = None,
     name = "monitored_barrier"
     size, rank = ctx.size, ctx.rank
     timeout_s = ctx.timeout_s if timeout is None else timeout_seconds(timeout, name)
-    call = Call(name, timeout_s, algorithm="gather_release")
+    call = Call(name, timeout_s, algorithm="gather_release", settings=ctx.settings)
     arrive, release = 0, 1
 
     def run(comm, work):

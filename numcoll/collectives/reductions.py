@@ -14,6 +14,7 @@ from ..algorithms import SHARED
 from ..kernels.pack_plan import PackPlan
 from ..memory.arrays import as_array_list, check_writable, memory_of, uniform_arrays
 from ..memory.host import HOST, ShareBuffer
+from ..memory.overlap import check_overlap, same_view, shares_memory
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
@@ -96,7 +97,8 @@ def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
     algorithm = ctx.choose(name, opts.algorithm, nbytes)
     call = Call(name, ctx.timeout_for(opts, name), first.dtype, first.size, root=-1,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
-                output_sizes=shapes(arrays), nbytes=nbytes, **op_fields(reduce_op))
+                output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings,
+                **op_fields(reduce_op))
     one = ArenaStep.plan(ctx, algorithm.name, red, first, len(arrays))
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call, one
 
@@ -113,6 +115,8 @@ def allreduce_coalesced(ctx: GroupContext, arrays, opts: AllreduceCoalescedOptio
     xp = memory_of(name, arrays)
     check_same_dtype(arrays, name)
     check_writable(arrays, name)
+    # Each array gets the reduction of itself: one passed twice gets one result twice.
+    check_overlap(name, arrays, same_result=True)
     total = sum(a.size for a in arrays)
     key = (name, arrays[0].dtype, shapes(arrays), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
@@ -148,7 +152,7 @@ def _coalesced_plan(ctx, name, arrays, xp, total, opts):
     call = Call(name, ctx.timeout_for(opts, name), arrays[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes_of(arrays),
-                **op_fields(opts.reduce_op))
+                **op_fields(opts.reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -202,7 +206,7 @@ def _reduce_plan(ctx, name, arrays, xp, reduce_op, root_rank, opts):
     call = Call(name, ctx.timeout_for(opts, name), arr.dtype, arr.size,
                 root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays) if is_root else (), nbytes=nbytes_of(arrays),
-                **op_fields(reduce_op))
+                **op_fields(reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -258,7 +262,7 @@ def _reduce_scatter_plan(ctx, name, inputs, outputs, total, xp, opts):
     call = Call(name, ctx.timeout_for(opts, name), outputs[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
-                **op_fields(opts.reduce_op))
+                **op_fields(opts.reduce_op), settings=ctx.settings)
     return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
@@ -281,10 +285,18 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
     check_writable(outputs, name)
     share = sum(o.size for o in outputs)
     chunks = [(r * share, share) for r in range(size)]
+    # torch's in-place form: the output is exactly this rank's share of the input.
+    own_share = (len(inputs) == 1 and shares_memory(inputs[0], outputs[0])
+                 and xp.contiguous(inputs[0]) and xp.contiguous(outputs[0])
+                 and same_view(outputs[0].reshape(-1),
+                               inputs[0].reshape(-1)[rank * share:(rank + 1) * share]))
+    # Any other overlap: the copying path below reads the input before writing.
+    aliased = check_overlap(name, outputs, inputs,
+                            in_place=[(inputs[0], outputs[0])] if own_share else ())
     if single and ctx.shared_memory is not None and \
             inputs[0].nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
             (found := shared_arrays.reduce_scatter_tensor(ctx, outputs[0], inputs[0], [outs],
-                                                          opts.reduce_op, opts)):
+                                                          opts.reduce_op, aliased, opts)):
         return found
     key = (name, outputs[0].dtype, shapes(inputs), shapes(outputs), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
@@ -293,8 +305,10 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
 
     # One host pair that travels as it is, on the shared arena: the
     # algorithm reads the input where it lies and writes only this rank's
-    # share, straight into the output (no copy of the whole input).
+    # share, straight into the output (no copy of the whole input) -- so
+    # not when the output overlaps the input elsewhere than that share.
     in_place_share = (algorithm.name in SHARED and len(inputs) == 1 and not xp.is_device
+                      and not aliased
                       and not red.widen and red.factor is None
                       and inputs[0].flags.c_contiguous and outputs[0].flags.c_contiguous)
 
@@ -302,9 +316,8 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
         steps = xp.steps(red)
         if in_place_share:
             whole, own = inputs[0].reshape(-1), outputs[0].reshape(-1)
-            mine = whole[rank * share:(rank + 1) * share]
-            if not xp.overlaps(own, mine):  # else the output is that share already
-                xp.assign(own, mine)
+            if not own_share:
+                xp.assign(own, whole[rank * share:(rank + 1) * share])
             algorithm.run(comm, ShareBuffer(whole, own, rank * share, steps.reduce),
                           chunks, seg)
             steps.finish(own)

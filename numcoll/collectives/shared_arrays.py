@@ -16,10 +16,15 @@ array there, or none: a rank that passes a plain one while the others pass
 shared ones fails with a mismatch error, no data exchanged. The path is not
 taken where an algorithm is forced (per call or per group), where the data
 must change on its way (float16 widened to float32, PREMUL_SUM's factor),
-or for several arrays at once; results land in each rank's own arrays, and
-an output that overlaps the shared input other than as torch's in-place
-form is written only once every rank has finished reading (via a scratch
-buffer).
+or for several arrays at once; results land in each rank's own arrays.
+
+Overlapping arrays follow :mod:`numcoll.memory.overlap`, whose rule the
+builder applies before it calls here: an output that overlaps itself or
+another output was refused; an output that overlaps the shared input other
+than as torch's in-place form (``aliased``, the rule's answer) cannot be
+written while the peers read that input, so it is written only once every
+rank has finished reading: the result goes to a scratch buffer, copied into
+the output after the last step.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from ..algorithms.shared_arrays import (WHERE_NBYTES, allgather_shared_arrays,
                                         reduce_shared_arrays)
 from ..call import Call, nbytes_of, op_fields, shapes
 from ..config import forced_algorithm
-from ..memory.host import HOST, HostBuffer
+from ..memory.host import HostBuffer
 from ..memory.shared import locate
 from .context import GroupContext
 
@@ -70,7 +75,8 @@ def _reduction(ctx, op, dtype, name):
 def _call(ctx, name, opts, dtype, count, inputs, outputs, nbytes, root=-1, op=None) -> Call:
     return Call(name, ctx.timeout_for(opts, name), dtype, count, root=root,
                 algorithm=ALGORITHM, input_sizes=shapes(inputs), output_sizes=shapes(outputs),
-                nbytes=nbytes, shared_arrays=True, **(op_fields(op) if op is not None else {}))
+                nbytes=nbytes, shared_arrays=True, settings=ctx.settings,
+                **(op_fields(op) if op is not None else {}))
 
 
 def _block(ctx, itemsize: int) -> int:
@@ -140,17 +146,17 @@ def reduce(ctx: GroupContext, arrays, outs, op, root: int, opts):
     return call, run
 
 
-def allgather_into_tensor(ctx: GroupContext, output, input, outs, opts):
-    """One pair, the input shared: every rank copies the others' inputs."""
+def allgather_into_tensor(ctx: GroupContext, output, input, outs, aliased: bool, opts):
+    """One pair, the input shared: every rank copies the others' inputs
+    (``aliased``: the output overlaps the input elsewhere than this rank's block)."""
     where = _where(ctx, "allgather", input, opts)
     if where is None or not output.flags.c_contiguous:
         return None
     size, rank, per = ctx.size, ctx.rank, input.size
     flat_in, flat_out = input.reshape(-1), output.reshape(-1)
-    mine = flat_out[rank * per:(rank + 1) * per]
     # The input is read by the peers until the last step: writing into an
     # output that overlaps it elsewhere than this rank's block must wait.
-    direct = not HOST.overlaps(flat_out, flat_in) or _same(mine, flat_in)
+    direct = not aliased
     call = _call(ctx, "allgather_into_tensor", opts, input.dtype, per, [input], [output],
                  input.nbytes)
 
@@ -166,8 +172,9 @@ def allgather_into_tensor(ctx: GroupContext, output, input, outs, opts):
     return call, run
 
 
-def reduce_scatter_tensor(ctx: GroupContext, output, input, value, op, opts):
-    """One pair, the input shared: rank r reduces share r of every input."""
+def reduce_scatter_tensor(ctx: GroupContext, output, input, value, op, aliased: bool, opts):
+    """One pair, the input shared: rank r reduces share r of every input
+    (``aliased``: the output overlaps the input elsewhere than share r)."""
     where = _where(ctx, "reduce_scatter", input, opts)
     red = where and output.flags.c_contiguous and \
         _reduction(ctx, op, output.dtype, "reduce_scatter_tensor")
@@ -176,7 +183,7 @@ def reduce_scatter_tensor(ctx: GroupContext, output, input, value, op, opts):
     size, rank, share = ctx.size, ctx.rank, output.size
     flat_in, flat_out = input.reshape(-1), output.reshape(-1)
     mine = flat_in[rank * share:(rank + 1) * share]
-    direct = not HOST.overlaps(flat_out, flat_in) or _same(flat_out, mine)
+    direct = not aliased
     block = _block(ctx, output.itemsize)
     call = _call(ctx, "reduce_scatter_tensor", opts, output.dtype, share * size, [input],
                  [output], input.nbytes, op=op)
@@ -194,17 +201,20 @@ def reduce_scatter_tensor(ctx: GroupContext, output, input, value, op, opts):
     return call, run
 
 
-def alltoall_base(ctx: GroupContext, output, input, send_chunks, recv_chunks, value, opts):
-    """The input shared: every rank copies its block out of every other's input."""
+def alltoall_base(ctx: GroupContext, output, input, send_chunks, recv_chunks, value,
+                  aliased: bool, opts):
+    """The input shared: every rank copies its block out of every other's input
+    (``aliased``: the output overlaps the input)."""
     where = _where(ctx, "alltoall", input, opts)
     if where is None or (WHERE_NBYTES + 16 * ctx.size) > ctx.cfg.arena_slot_nbytes:
         return None
     rank = ctx.rank
     flat_in, flat_out = input.reshape(-1), output.reshape(-1)
-    direct = not HOST.overlaps(flat_out, flat_in)
+    direct = not aliased
     call = Call("alltoall_base", ctx.timeout_for(opts, "alltoall_base"), input.dtype,
                 algorithm=ALGORITHM, input_sizes=shapes([input]),
-                output_sizes=shapes([output]), nbytes=nbytes_of([input]), shared_arrays=True)
+                output_sizes=shapes([output]), nbytes=nbytes_of([input]), shared_arrays=True,
+                settings=ctx.settings)
 
     def run(comm, work):
         out = flat_out if direct else np.empty_like(flat_out)

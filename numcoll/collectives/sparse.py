@@ -123,7 +123,8 @@ def allreduce_sparse(ctx, arrays, opts):
                 op="SUM", algorithm="allgather_coalesce",
                 input_sizes=tuple(tuple(a.shape) for a in inputs),
                 output_sizes=tuple(tuple(a.shape) for a in inputs),
-                nbytes=sum(int(a.values.nbytes) + int(a.indices.nbytes) for a in inputs))
+                nbytes=sum(int(a.values.nbytes) + int(a.indices.nbytes) for a in inputs),
+                settings=ctx.settings)
     return call, run
 
 

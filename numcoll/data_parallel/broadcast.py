@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..memory.arrays import as_array_list, check_writable
+from ..memory.overlap import check_overlap
 from .buckets import compute_bucket_assignment_by_size
 from ..kernels.pack_plan import PackPlan
 
@@ -48,6 +49,8 @@ def broadcast_coalesced(arrays, src: int = 0, buffer_size: int = 256 * 2**20,
     is_root = pg.rank() == root
     if not is_root:
         check_writable(arrays, name)
+    # Checked on every rank (the root only reads them), so that every rank refuses alike.
+    check_overlap(name, arrays, same_result=True)
     groups, _ = compute_bucket_assignment_by_size(arrays, [buffer_size])
     if all(on_device):
         from ..cuda.pack import DevicePackPlan as Plan  # lazy: loads numba.cuda

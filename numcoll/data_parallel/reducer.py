@@ -26,6 +26,7 @@ from datetime import timedelta
 import numpy as np
 
 from ..memory.arrays import as_array_list
+from ..memory.overlap import check_overlap
 from ..dtypes import dtype_name, is_half
 from ..futures import Future, FutureTimeoutError
 from ..kernels.cpu import scale_into
@@ -137,6 +138,9 @@ class Reducer:
         else:
             buckets = _check_bucket_indices(bucket_indices, arrays)
             self._rebuild_pending = False
+        # Results are unpacked into every gradient: two that share memory would
+        # overwrite each other's average.
+        check_overlap(name, arrays, what="gradient")
         self._hook = None
         self._hook_state = None
         self._sync = True

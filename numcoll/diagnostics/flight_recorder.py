@@ -189,6 +189,14 @@ class FlightRecorder:
             rec.state = "failed"
             rec.error = str(error)
 
+    def find(self, pg_id: int, seq: int) -> Record | None:
+        """The newest record of group ``pg_id``'s collective ``seq``, if the
+        ring still holds it (for error messages: a scan of the ring)."""
+        for rec in reversed(list(self._records)):
+            if rec.pg_id == pg_id and rec.seq == seq:
+                return rec
+        return None
+
     def waiting(self, rank: int) -> list[str]:
         """What global ``rank``'s collectives in progress are waiting for, newest first."""
         with self._lock:
@@ -215,6 +223,17 @@ class FlightRecorder:
         name = f"numcoll_fr_rank{rank}.json"
         write_private(directory, name, json.dumps(self.dump(rank)).encode())
         return os.path.join(directory, name)
+
+
+def dump_on_failure(recorder: FlightRecorder | None, rank: int) -> None:
+    """``recorder``'s records to ``NUMCOLL_FR_DUMP_DIR``, where that is set (a
+    group's first failure); never raises: a diagnostic must not mask the failure."""
+    directory = config.get("fr_dump_dir")
+    if directory and recorder is not None:
+        try:
+            recorder.dump_to_dir(directory, rank)
+        except OSError:
+            pass
 
 
 def write_private(directory: str, name: str, data: bytes) -> None:

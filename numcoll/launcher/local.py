@@ -36,11 +36,12 @@ from ..api import world as dist
 from ..bootstrap.store import HashStore
 from .outcomes import (LaunchError, LaunchTimeoutError, RankFailedError, _blocked_on,
                        _describe, _finished, _Outcomes, _timeout_message)
-from .processes import _STOP_GRACE_S, _launch_processes
+from .processes import _STOP_GRACE_S, _launch_processes, failure_grace_s
 
 __all__ = ["launch", "RankFailedError", "LaunchError", "LaunchTimeoutError"]
 
 DEFAULT_LAUNCH_TIMEOUT = timedelta(minutes=30)
+_POLL_S = 0.05
 DEFAULT_GROUP_TIMEOUT = dist.DEFAULT_TIMEOUT
 
 
@@ -67,6 +68,11 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, mode: str = "proc
     group_timeout : the default group's collective deadline (timedelta or
         seconds; default 30 minutes, as ``init_process_group``): a collective
         that waits longer fails with its own error naming the op and the peer.
+        Joining the group is bounded by ``timeout`` instead. Once a rank has
+        failed, the others get this deadline (at most 15 s) plus 2 s to end on
+        their own; then those still running are asked what they are doing and
+        stopped, and the error leads with the first rank's own failure (or,
+        when a rank stalled, with the timeout that found it).
     threads : worker threads of each rank's group.
 
     In process mode, ``fn`` and ``args`` must be picklable by cloudpickle
@@ -100,7 +106,7 @@ def _as_timedelta(name: str, value, default: timedelta) -> timedelta:
 
 # -- threads -----------------------------------------------------------------------------
 def _launch_threads(fn, world_size, args, transport, timeout, group_timeout, threads):
-    store = HashStore(group_timeout)
+    store = HashStore(timeout)  # joining: the launch's deadline (see processes.py)
     outcomes = _Outcomes(world_size)
     worlds: list = [None] * world_size
 
@@ -126,15 +132,31 @@ def _launch_threads(fn, world_size, args, transport, timeout, group_timeout, thr
     for w in workers:
         w.start()
     deadline = time.monotonic() + timeout.total_seconds()
-    for w in workers:
-        w.join(max(0.0, deadline - time.monotonic()))
+    grace_s, failed_at = failure_grace_s(group_timeout), None
+    # Until the deadline, or the grace after the first failure (see processes.py).
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        next(w for w in workers if w.is_alive()).join(_POLL_S)
+        if failed_at is None and outcomes.failures:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            break
     stuck = [r for r, w in enumerate(workers) if w.is_alive()]
     if stuck:
         blocked = {r: _blocked_on(workers[r].ident, r) for r in stuck}
-        _abort_groups([worlds[r] for r in stuck], f"launch timed out after {timeout}")
+        why = (f"launch timed out after {timeout}" if failed_at is None else
+               f"still running {grace_s:.1f}s after another rank failed")
+        _abort_groups([worlds[r] for r in stuck], why)
         for r in stuck:
             workers[r].join(_STOP_GRACE_S)
         alive = [r for r in stuck if workers[r].is_alive()]
+        if failed_at is not None:
+            first = min(outcomes.failures, key=lambda f: f[0])[1]
+            for r in alive:   # threads cannot be killed: they are left behind, said so
+                outcomes.fail(r, None, f"stopped waiting for it: still running {grace_s:.1f}s "
+                                       f"after rank {first} failed (a thread cannot be "
+                                       f"killed: it is left running); {blocked[r]}",
+                              stopped=True)
+            outcomes.raise_first()
         note = (f"; ranks {alive} are still running code outside numcoll (threads cannot "
                 "be killed)") if alive else "; their groups were aborted"
         raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked, note), stuck, blocked,

@@ -52,29 +52,43 @@ class LaunchTimeoutError(NumcollError, TimeoutError):
 class _Outcomes:
     def __init__(self, world_size: int):
         self.results: list[Any] = [None] * world_size
-        self.failures: list[tuple[float, int, BaseException | None, str]] = []
+        #: (when, rank, exception or None, text, stopped by the launcher)
+        self.failures: list[tuple[float, int, BaseException | None, str, bool]] = []
         self.lock = threading.Lock()
 
-    def fail(self, rank: int, exc: BaseException | None, text: str) -> None:
+    def fail(self, rank: int, exc: BaseException | None, text: str,
+             stopped: bool = False) -> None:
         with self.lock:
-            self.failures.append((time.monotonic(), rank, exc, text))
+            self.failures.append((time.monotonic(), rank, exc, text, stopped))
 
     def raise_first(self) -> None:
         if not self.failures:
             return
-        # A rank's own error, or its death or stall, explains the run; the
-        # errors of the ranks it left behind (its peer is gone, the group is
-        # poisoned, a wait for it timed out) do not, so they come last.
-        def consequence(f):
-            return isinstance(f[2], (PeerError, GroupPoisonedError, CollectiveTimeoutError))
+        # A rank's own error, or its death, explains the run; the errors of
+        # the ranks it left behind (its peer is gone, the group is poisoned, a
+        # wait for it timed out) come next, and last the ranks the launcher
+        # stopped (they raised nothing: they were still running).
+        def weight(f):
+            consequence = isinstance(f[2], (PeerError, GroupPoisonedError,
+                                            CollectiveTimeoutError))
+            return (2 if f[4] else 1 if consequence else 0), f[0]
 
-        _, rank, exc, text = min(self.failures, key=lambda f: (consequence(f), f[0]))
-        failed = {r: t for _, r, _, t in sorted(self.failures, key=lambda f: f[0])}
-        others = sorted(set(failed) - {rank})
+        _, rank, exc, text, _ = min(self.failures, key=weight)
+        ordered = sorted(self.failures, key=lambda f: f[0])
+        failed = {f[1]: f[3] for f in ordered}
+        stopped = {f[1]: f[3] for f in ordered if f[4]}
+        # A wait that timed out names the rank it waited for: if the launcher
+        # had to stop that rank, it is the one that stalled.
+        culprit = getattr(exc, "peer", None)
+        lead = culprit if culprit in stopped and culprit != rank else rank
+        others = sorted(set(failed) - {lead})
         also = f" (ranks {others} failed too)" if others else ""
+        head, _, rest = text.partition("\n")
+        what = "stalled" if lead != rank else "failed"
+        notes = "".join(f"\n  rank {r}: {t}" for r, t in stopped.items() if r != rank)
+        message = f"rank {lead} {what}{also}: {head}{notes}" + (f"\n{rest}" if rest else "")
         results = [None if r in failed else v for r, v in enumerate(self.results)]
-        err = RankFailedError(f"rank {rank} failed{also}: {text}", rank, results, failed)
-        raise err from exc
+        raise RankFailedError(message, lead, results, failed) from exc
 
 
 # Tracebacks name them as users import them: ``numcoll.LaunchError: ...``.

@@ -9,6 +9,7 @@ outcome. See :mod:`numcoll.launcher.local` for the guarantees.
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait as _wait_ready
 
@@ -28,9 +30,15 @@ from .outcomes import (_ROOT, LaunchError, LaunchTimeoutError, _blocked_on, _des
                        _finished, _Outcomes, _timeout_message)
 from .parent import die_with_parent
 
-#: How long stragglers get after the first failure (their collectives fail
-#: fast once the failed rank is gone) before they are stopped.
-_FAILURE_GRACE_S = 15.0
+#: After the first failure, how long the other ranks get to end on their own
+#: before they are stopped: a collective blocked on a rank that stalled fails
+#: at the group's deadline and then reports (following the peers' abort notes
+#: takes up to a second), so the grace is that deadline, at most
+#: _FAILURE_GRACE_MAX_S, plus _FAILURE_MARGIN_S; ranks whose peer is gone fail
+#: at once anyway. A rank stuck outside numcoll is asked what it is doing, then
+#: stopped.
+_FAILURE_GRACE_MAX_S = 15.0
+_FAILURE_MARGIN_S = 2.0
 #: How long ranks still running at the launch deadline get to say what they
 #: are blocked on, and how long stopped ranks get to exit before SIGKILL.
 _REPORT_S = 1.0
@@ -76,15 +84,19 @@ def _rank_entry(fd: int, parent_pid: int) -> None:
     start = conn.recv()  # from the parent, through the pipe it made
     sys.path[:] = start["sys_path"]
     rank = start["rank"]
+    for filename, lines in start["sources"].items():  # tracebacks show the caller's lines
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     channel = _RankChannel(conn, threading.get_ident(), rank)
     try:
         fn, args = cloudpickle.loads(start["payload"])
     except BaseException as exc:  # noqa: BLE001 - shipped to the parent
-        channel.send(("load-error", _describe(exc), traceback.format_exc()))
+        channel.send(("load-error", _describe(exc), _traceback(exc)))
         return
     group_timeout = timedelta(seconds=start["group_timeout_s"])
+    # Joining is bounded by the launch's deadline, not the collectives': fresh
+    # interpreters on a busy machine start seconds apart.
     store = TCPStore("127.0.0.1", start["port"], world_size=None, is_master=False,
-                     timeout=group_timeout)
+                     timeout=timedelta(seconds=start["join_timeout_s"]))
     try:
         dist.init_process_group(store=store, rank=rank, world_size=start["world_size"],
                                 timeout=group_timeout, transport=start["transport"],
@@ -98,7 +110,7 @@ def _rank_entry(fd: int, parent_pid: int) -> None:
             blob = cloudpickle.dumps(exc)
         except Exception:  # noqa: BLE001 - the text below still says what happened
             blob = None
-        outcome = ("err", blob, _describe(exc), traceback.format_exc())
+        outcome = ("err", blob, _describe(exc), _traceback(exc))
     else:
         try:
             outcome = ("ok", cloudpickle.dumps(value))
@@ -108,6 +120,45 @@ def _rank_entry(fd: int, parent_pid: int) -> None:
     finally:
         store.close()
     channel.send(outcome)
+
+
+def _traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the caller's function on (the frames of this
+    entry point say nothing the user wrote)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _sources(fn, args) -> dict[str, list[str]]:
+    """The source lines this process holds for code of ``fn`` and ``args`` that
+    is in no file the ranks could read -- notebook cells, ``exec``'d code,
+    ``python -c`` -- so that the ranks' tracebacks and reports show the
+    caller's lines (a traceback shows a line only where linecache finds it)."""
+    codes, seen = [], set()
+    todo = [fn, *args]
+    while todo:
+        obj = todo.pop()
+        code = getattr(obj, "__code__", obj)
+        if isinstance(code, types.CodeType) and id(code) not in seen:
+            seen.add(id(code))
+            codes.append(code)
+            todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            if not os.path.isfile(code.co_filename):  # its neighbours: functions it calls
+                todo.extend(v for v in getattr(obj, "__globals__", {}).values()
+                            if isinstance(v, types.FunctionType))
+    sources = {}
+    for filename in {c.co_filename for c in codes}:
+        if os.path.isfile(filename):
+            continue
+        lines = linecache.getlines(filename)
+        if not lines and filename == "<string>" and "-c" in getattr(sys, "orig_argv", ()):
+            argv = sys.orig_argv
+            lines = argv[argv.index("-c") + 1].splitlines(keepends=True)
+        if lines:
+            sources[filename] = lines
+    return sources
 
 
 # -- processes: the launcher's side ------------------------------------------------------
@@ -197,16 +248,17 @@ def _launch_processes(fn, world_size, args, transport, timeout, group_timeout, t
                                   "use mode='thread'")
     payload = _pickled(fn, args)
     outcomes = _Outcomes(world_size)
-    with TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                  timeout=group_timeout) as store:
+    with TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timeout) as store:
         start = dict(sys_path=list(sys.path), payload=payload, port=store.port,
                      world_size=world_size, transport=transport, threads=threads,
-                     group_timeout_s=group_timeout.total_seconds())
+                     group_timeout_s=group_timeout.total_seconds(),
+                     join_timeout_s=timeout.total_seconds(),
+                     sources=_sources(fn, args))
         ranks: list[_RankProcess] = []
         try:
             for r in range(world_size):
                 ranks.append(_RankProcess(r, world_size, start))
-            _supervise(ranks, outcomes, timeout)
+            _supervise(ranks, outcomes, timeout, failure_grace_s(group_timeout))
         finally:
             _stop_all(ranks)
     outcomes.raise_first()
@@ -257,7 +309,14 @@ def _receive(r: _RankProcess, outcomes: _Outcomes, load_errors: dict) -> bool:
     return True
 
 
-def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelta) -> None:
+def failure_grace_s(group_timeout: timedelta) -> float:
+    """How long the ranks still running get after the first failure (see
+    :data:`_FAILURE_GRACE_MAX_S`): the deadline the user gave them, bounded."""
+    return min(group_timeout.total_seconds(), _FAILURE_GRACE_MAX_S) + _FAILURE_MARGIN_S
+
+
+def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelta,
+               grace_s: float) -> None:
     deadline = time.monotonic() + timeout.total_seconds()
     pending = {r.rank: r for r in ranks}
     load_errors: dict[int, str] = {}
@@ -266,6 +325,7 @@ def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelt
         now = time.monotonic()
         if now > deadline:
             _timed_out(pending, outcomes, load_errors, timeout)
+            return
         for conn in _wait_ready([r.conn for r in pending.values()],
                                 min(_POLL_S, max(0.0, deadline - now))):
             r = next(r for r in pending.values() if r.conn is conn)
@@ -275,16 +335,18 @@ def _supervise(ranks: list[_RankProcess], outcomes: _Outcomes, timeout: timedelt
             _raise_load_error(load_errors)
         if outcomes.failures and first_failure_at is None:
             first_failure_at = time.monotonic()
-        if first_failure_at is not None and time.monotonic() - first_failure_at > _FAILURE_GRACE_S:
-            for rank in pending:
-                outcomes.fail(rank, None, "terminated: still running "
-                                          f"{_FAILURE_GRACE_S:g}s after another rank failed "
-                                          "(stopped, or blocked outside numcoll?)")
+        if first_failure_at is not None and time.monotonic() - first_failure_at > grace_s:
+            first = min(outcomes.failures, key=lambda f: f[0])[1]
+            for rank, report in _ask(pending, outcomes, load_errors).items():
+                outcomes.fail(rank, None, f"stopped: still running {grace_s:.1f}s after rank "
+                                          f"{first} failed; {report}", stopped=True)
             return
 
 
-def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: timedelta):
-    """Ask the ranks still running what they are blocked on; raise LaunchTimeoutError."""
+def _ask(pending: dict, outcomes: _Outcomes, load_errors: dict) -> dict[int, str]:
+    """Ask the ranks still running what they are doing (within _REPORT_S); the
+    reports of those still running, by rank (ranks that finish meanwhile leave
+    ``pending`` with their outcome)."""
     for r in pending.values():
         r.send("report")
     asked = dict(pending)
@@ -295,11 +357,16 @@ def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: t
             if _receive(r, outcomes, load_errors):
                 asked.pop(r.rank)
                 pending.pop(r.rank, None)
-    stuck = sorted(pending)
-    if not stuck:
+    return {rank: pending[rank].report or "no answer (stopped, or stuck outside Python)"
+            for rank in sorted(pending)}
+
+
+def _timed_out(pending: dict, outcomes: _Outcomes, load_errors: dict, timeout: timedelta):
+    """Ask the ranks still running what they are blocked on; raise LaunchTimeoutError."""
+    blocked = _ask(pending, outcomes, load_errors)
+    if not blocked:
         return  # they all finished while we asked
-    blocked = {rank: pending[rank].report or "no answer (stopped, or stuck outside Python)"
-               for rank in stuck}
+    stuck = sorted(blocked)
     raise LaunchTimeoutError(_timeout_message(timeout, stuck, blocked), stuck, blocked,
                              _finished(outcomes, stuck))
 

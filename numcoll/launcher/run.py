@@ -12,9 +12,12 @@ Every rank gets torchrun's environment: ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node), ``ROLE_RANK``,
 ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``
 and ``TORCHELASTIC_USE_AGENT_STORE=True`` (with ``NUMCOLL_AGENT_STORE=1``: the
-store is numcoll's, not torch's): as under torchrun, the launcher of node 0
-serves the TCPStore and every rank is a client of it, so
-``init_process_group("gloo")`` — or numcoll's — needs no arguments.
+store is numcoll's): as under torchrun, the launcher of node 0 serves the
+TCPStore and every rank is a client of it, so ``init_process_group()`` needs
+no arguments -- numcoll's, or torch.distributed's with any backend: numcoll's
+TCPStore speaks torch's store protocol too (see
+:mod:`numcoll.bootstrap.tcpstore.torch_wire`), so an unmodified torch script
+meets in it.
 
 Each line a rank prints is prefixed ``[rank3]: `` (stdout to stdout, stderr
 to stderr). When a rank fails, the others are stopped (SIGTERM, then SIGKILL

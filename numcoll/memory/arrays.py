@@ -14,6 +14,7 @@ import numpy as np
 
 from ..dtypes import SUPPORTED_DTYPES, bfloat16, dtype_name, is_supported
 from .host import HOST
+from .overlap import check_no_internal_overlap, check_overlap
 
 __all__ = [
     "as_array",
@@ -127,13 +128,19 @@ def _describe(a) -> str:
 
 
 def check_writable(arrays: Sequence, op: str, what: str = "output") -> None:
+    """Arrays a call writes: writable, and none overlapping itself (torch's
+    words; see :mod:`.overlap`, which also rules on arrays that overlap each other)."""
     for i, a in enumerate(arrays):
         if isinstance(a, np.ndarray):
-            if not a.flags.writeable:
+            flags = a.flags
+            if not flags.writeable:
                 raise ValueError(f"{op}: {what} array at index {i} is read-only")
+            if flags.c_contiguous:
+                continue  # the usual case: no element can meet another
         elif getattr(a, "_numcoll_readonly", False):   # set by cuda.arrays.as_device_array
             raise ValueError(f"{op}: {what} array at index {i} is read-only (its "
                              "__cuda_array_interface__ says so)")
+        check_no_internal_overlap(a, op, f"{what} array at index {i}")
 
 
 def memory_of(op: str, *array_lists):
@@ -162,7 +169,10 @@ def uniform_arrays(arrays, op: str, *, writable: bool = True, nonempty: bool = T
     ``arrays`` (one array or a list) converted, non-empty (Gloo's
     ``requires non-empty tensor list``), every one of the first's dtype and
     shape, writable. Returns ``(list of arrays, their memory)``. One function,
-    so the busiest calls pay one call for all of it."""
+    so the busiest calls pay one call for all of it.
+
+    Every array receives the same result, so one passed twice is allowed;
+    arrays that partly overlap are refused (:mod:`.overlap`)."""
     if type(arrays) is list and len(arrays) == 1 and writable:
         # The busiest case of all (``nc.all_reduce(x)``): one C-contiguous,
         # writable NumPy array of a supported dtype needs no further check.
@@ -186,4 +196,6 @@ def uniform_arrays(arrays, op: str, *, writable: bool = True, nonempty: bool = T
     check_same_type_and_size(arrays, op)
     if writable:
         check_writable(arrays, op)
+        if len(arrays) > 1:
+            check_overlap(op, arrays, same_result=True)
     return arrays, xp

@@ -1,0 +1,101 @@
+"""numcoll as a torch.distributed backend.
+
+::
+
+    import torch.distributed as dist
+    import numcoll.torch                      # registers the backend "numcoll"
+
+    dist.init_process_group("numcoll")        # env://, tcp://, file:// or store=, as with gloo
+    dist.all_reduce(tensor)                   # numcoll runs it, on the tensor's own memory
+    group = dist.new_group([0, 1], backend="numcoll")
+    dist.init_process_group("cpu:numcoll,cuda:nccl")   # numcoll for CPU tensors, NCCL for CUDA
+
+Importing this module registers the backend with
+``torch.distributed.Backend.register_backend`` (for the ``cpu`` and ``cuda``
+devices; torch's defaults for each device are left as they are). An installed
+numcoll also registers it when torch is imported, through torch's
+``torch.backends`` entry point (see the README: "Use it from torch"), so the
+import is only needed where that is switched off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``)
+or numcoll is not installed.
+
+The group torch gets is :class:`ProcessGroupNumcoll` (a ``dist.ProcessGroup``
+subclass); its Works carry real ``torch.futures.Future`` objects, so DDP and
+its comm hooks run on it unchanged. ``pg_options`` of ``init_process_group``
+and ``new_group`` may be a :class:`numcoll.ProcessGroup.Options`.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+__all__ = ["BACKEND_NAME", "ProcessGroupNumcoll", "Work", "register", "monitored_barrier",
+           "to_torch_error"]
+
+BACKEND_NAME = "numcoll"
+
+
+def _create(backend_opts, pg_options):
+    """torch's extended backend constructor: a :class:`ProcessGroupNumcoll`."""
+    from .backend import ProcessGroupNumcoll
+
+    return ProcessGroupNumcoll(backend_opts.store, backend_opts.group_rank,
+                               backend_opts.group_size, backend_opts.timeout, pg_options,
+                               group_name=str(backend_opts.group_id))
+
+
+def register() -> bool:
+    """Register the ``"numcoll"`` backend with torch.distributed (idempotent).
+
+    Returns whether it is registered (False where torch was built without
+    torch.distributed)."""
+    if not dist.is_available():
+        return False
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    return True
+
+
+def _autoload() -> None:
+    """torch's ``torch.backends`` entry point (numcoll's pyproject.toml declares
+    it): torch calls it at the end of ``import torch``. It registers the
+    backend and never raises: a failure here must not break ``import torch``."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - see above
+        import warnings
+
+        warnings.warn(f"numcoll could not register its torch.distributed backend: {exc!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def monitored_barrier(group=None, timeout: datetime.timedelta | None = None,
+                      wait_all_ranks: bool = False) -> None:
+    """``dist.monitored_barrier`` for numcoll groups (torch's refuses every
+    backend but gloo by name): rank 0 raises naming the ranks that did not
+    arrive within ``timeout``."""
+    group = group or dist.group.WORLD
+    if group is None:
+        raise ValueError("monitored_barrier: the default process group has not been "
+                         "initialized; call init_process_group first")
+    group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def __getattr__(name: str):
+    # The backend's classes are imported on first use: the torch.backends entry
+    # point imports this module while torch itself is still being imported.
+    if name == "ProcessGroupNumcoll":
+        from .backend import ProcessGroupNumcoll
+        return ProcessGroupNumcoll
+    if name == "Work":
+        from .work import Work
+        return Work
+    if name == "to_torch_error":
+        from .errors import to_torch_error
+        return to_torch_error
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register()

@@ -455,6 +455,7 @@ def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
 
 class _NoMailbox:
     held_calls = 0
+    oldest_call = 1 << 64
 
     @staticmethod
     def oldest_held():
@@ -468,43 +469,43 @@ class Finished:
     """Tells a message that arrived early from one that no call will ever take:
     a message held for a collective this rank has finished proves that its
     sender ran another call (two roots of one broadcast each send, neither
-    receives, and both go on). :meth:`check` is asked only while the mailbox
-    holds a stamped message (``mailbox.held_calls``), so it costs nothing
-    otherwise; the group supplies ``lowest_in_flight()``, the lowest number of
-    a collective it has not finished, and its flight recorder, to name this
-    rank's side of a finished call."""
+    receives, and both go on). The group asks :meth:`check` only while the
+    mailbox holds a stamped message of a call no later than its own
+    (``mailbox.held_calls``, ``mailbox.oldest_call``: attributes, so the check
+    costs nothing otherwise), passing ``below``, the lowest number of a
+    collective it has not finished; its flight recorder names this rank's side
+    of a finished call."""
 
-    __slots__ = ("mailbox", "rank", "_lowest_in_flight", "_recorder", "_pg_id")
+    __slots__ = ("mailbox", "rank", "_recorder", "_pg_id")
 
-    def __init__(self, mailbox, rank: int, lowest_in_flight, recorder=None, pg_id: int = -1):
+    def __init__(self, mailbox, rank: int, recorder=None, pg_id: int = -1):
         # A transport without a mailbox (one of the caller's own) holds nothing.
         self.mailbox = mailbox if mailbox is not None else _NO_MAILBOX
-        self.rank, self._lowest_in_flight = rank, lowest_in_flight
-        self._recorder, self._pg_id = recorder, pg_id
+        self.rank, self._recorder, self._pg_id = rank, recorder, pg_id
 
-    def check(self, seq: int, call: Call, finished: bool) -> None:
+    def check(self, seq: int, call: Call, finished: bool, below: int) -> None:
         """Raise :class:`CollectiveMismatchError` if the mailbox holds a message
-        of a finished collective (``seq`` itself once ``finished``)."""
-        error = self._unclaimed(seq, call, finished)
+        of a finished collective (one numbered under ``below``, or ``seq``
+        itself once ``finished``)."""
+        error = self._unclaimed(seq, call, finished, below)
         if error is not None:
             raise error
 
-    def explain(self, seq: int, call: Call, exc: BaseException) -> BaseException:
+    def explain(self, seq: int, call: Call, exc: BaseException, below: int) -> BaseException:
         """``exc``, or the mismatch that explains it (a peer that found it first
         and left, say), caused by it."""
         if not self.mailbox.held_calls or isinstance(exc, (CollectiveMismatchError,
                                                           GroupPoisonedError)):
             return exc
-        error = self._unclaimed(seq, call, False)
+        error = self._unclaimed(seq, call, False, below)
         if error is None:
             return exc
         error.__cause__ = exc
         return error
 
-    def _unclaimed(self, seq, call, finished) -> CollectiveMismatchError | None:
+    def _unclaimed(self, seq, call, finished, below) -> CollectiveMismatchError | None:
         # In this order: a message still held after its call had finished (it
         # may have been held for a call in flight a moment ago, and been taken).
-        below = self._lowest_in_flight()
         found = self.mailbox.oldest_held()
         if found is None:
             return None

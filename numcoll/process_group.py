@@ -32,7 +32,7 @@ from .collectives import movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import AbortNotes, Comm, Finished
+from .comm import SEQ_MASK, AbortNotes, Comm, Finished
 from .diagnostics import flight_recorder
 from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
@@ -123,7 +123,7 @@ class ProcessGroup(persistent.InitMethods):
                                          list(range(world_size)))
                        if fr is not None else -1)
         self._done = Finished(getattr(self._transport, "mailbox", None), rank,
-                              self._lowest_in_flight, fr, self._pg_id)  # mismatches found late
+                              fr, self._pg_id)  # mismatches found late
         self._workers = [
             threading.Thread(target=self._worker_loop, name=f"numcoll-r{rank}-w{i}", daemon=True)
             for i in range(opts.threads)
@@ -404,14 +404,16 @@ class ProcessGroup(persistent.InitMethods):
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)
             comm = Comm(self._transport, work.seq, call, self._notes, record)
-            if done.mailbox.held_calls:  # messages no call took yet: any of a finished call?
-                done.check(work.seq, call, finished=False)
+            held, key = done.mailbox, work.seq & SEQ_MASK  # messages no call took yet:
+            if held.held_calls and held.oldest_call < key:  # any of a finished call?
+                done.check(work.seq, call, False, self._lowest_in_flight())
             result = run(comm, work)
-            if done.mailbox.held_calls:
-                done.check(work.seq, call, finished=True)
+            if held.held_calls and held.oldest_call <= key:
+                done.check(work.seq, call, True, self._lowest_in_flight())
         except BaseException as exc:  # noqa: BLE001 - delivered through the Work
             alone = comm is not None and comm.alone(exc)  # then the group is not poisoned
-            error = exc if alone else self._fail(work, done.explain(work.seq, call, exc))
+            error = exc if alone else self._fail(
+                work, done.explain(work.seq, call, exc, self._lowest_in_flight()))
         if work.arena_ticket >= 0:
             self._arena_order.end_turn(work)
         if record is not None:
@@ -425,8 +427,7 @@ class ProcessGroup(persistent.InitMethods):
             future.set_exception(error)
         return error
 
-    def _lowest_in_flight(self) -> int:
-        """The lowest number of a collective not finished here (``_inflight`` is in order)."""
+    def _lowest_in_flight(self) -> int:  # of a collective (``_inflight`` is in order)
         with self._lock:
             return next((w.seq for w in self._inflight.values() if w.seq > 0), self._next_seq)
 

@@ -33,9 +33,11 @@ from .base import (
 )
 from .endpoint import RECV, PendingRequest, describe
 
-__all__ = ["Mailbox", "DISCARD", "PayloadReader"]
+__all__ = ["Mailbox", "DISCARD", "PayloadReader", "NONE_HELD"]
 
 #: Passed to a payload reader to drop the payload (an empty receive buffer).
+#: ``Mailbox.oldest_call`` while no stamped message is held: above every call.
+NONE_HELD = 1 << 64
 DISCARD = memoryview(bytearray())
 #: What a held message costs besides its payload (queue entry, stamp, view):
 #: so a flood of empty messages counts against the cap too.
@@ -72,6 +74,10 @@ class Mailbox:
         #: :meth:`oldest_held` has nothing to find (a plain attribute, so that a
         #: caller's check costs nothing then).
         self.held_calls = 0
+        #: No held message is of a call numbered below this (a lower bound, exact
+        #: after :meth:`oldest_held`): a caller compares it with its own call's
+        #: number to skip :meth:`oldest_held` when nothing held can be older.
+        self.oldest_call = NONE_HELD
         self._held_order: list[int] = []  # their calls (tag >> CALL_SHIFT): a lazy heap
         #: peer -> why it left (read it, never write it: :meth:`peer_gone` does).
         self.gone: dict[int, str] = {}
@@ -123,11 +129,12 @@ class Mailbox:
         finished that call knows that no receive will ever take it."""
         with self._lock:
             while self._held_order:
-                call = self._held_order[0]
+                call = self.oldest_call = self._held_order[0]
                 for (src, c), stamps in self._calls_held.items():
                     if c == call and stamps:
                         return call, src, next(iter(stamps))
                 heapq.heappop(self._held_order)
+            self.oldest_call = NONE_HELD
         return None
 
     def gone_reason(self, peer: int) -> str | None:
@@ -243,7 +250,7 @@ class Mailbox:
             self._held_nbytes = [0] * self.size
             self._calls_posted.clear()
             self._calls_held.clear()
-            self.held_calls, self._held_order = 0, []
+            self.held_calls, self._held_order, self.oldest_call = 0, [], NONE_HELD
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
@@ -326,6 +333,7 @@ class Mailbox:
             stamps[stamp] = stamps.get(stamp, 0) + 1
             self.held_calls += 1
             heapq.heappush(self._held_order, tag >> CALL_SHIFT)
+            self.oldest_call = min(self.oldest_call, tag >> CALL_SHIFT)
         return True
 
     def _overflowed(self, src: int) -> None:
@@ -369,6 +377,7 @@ class Mailbox:
             self.held_calls -= 1
             if not self.held_calls:
                 self._held_order.clear()
+                self.oldest_call = NONE_HELD
         return peer, payload, stamp
 
     def _refusal(self, req: PendingRequest) -> TransportError | None:

@@ -301,8 +301,7 @@ class ProcessGroup(persistent.InitMethods):
         return self.submit(call, run, blocking)
 
     # -- running calls ----------------------------------------------------------------
-    def submit(self, call: Call, run: Callable, blocking: bool = False,
-               publish: Callable | None = None) -> Work:
+    def submit(self, call: Call, run: Callable, blocking: bool = False, publish=None) -> Work:
         """Number ``call`` and run ``run(comm, work)`` for it; its return value
         becomes the future's value.
 

@@ -15,8 +15,6 @@ with the buffer in shared memory and/or the call made persistent and started
 twice with new contents, compared with a reference computed from copies.
 """
 
-import threading
-from collections import Counter
 from datetime import timedelta
 
 import numpy as np
@@ -26,7 +24,7 @@ from numpy.lib.stride_tricks import as_strided
 import numcoll as nc
 from numcoll.memory import shared
 
-from test_overlap import COLLECTIVES, _build, _draw, _expected, _must_refuse, _roles, _view
+from test_overlap import COLLECTIVES, _fuzz
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(300),
@@ -44,6 +42,14 @@ def small_shared_path(monkeypatch):
     """Every array of the fuzz large enough to take the shared-array path, in many blocks."""
     monkeypatch.setenv("NUMCOLL_SHARED_ARRAYS_MIN_NBYTES", "64")
     monkeypatch.setenv("NUMCOLL_SHARED_ARRAYS_BLOCK_NBYTES", "256")
+
+
+def _shared_region(pg, length):
+    """This rank's buffer for the fuzz: one shared allocation (collective), reused
+    by every trial."""
+    region = shared.empty(pg.context.shared_memory, pg.rank(), (length,), np.float64)
+    assert shared.locate(pg.context.shared_memory, region) is not None
+    return region
 
 
 def _init(pg, t, ins, outs):
@@ -64,81 +70,6 @@ def _init(pg, t, ins, outs):
     raise AssertionError(name)
 
 
-def _fuzz(pgs, trials, seed, *, in_shared: bool, persistent: bool) -> Counter:
-    """Run ``trials`` random calls; count right, wrong and refused ones, and the
-    right ones that took the shared-array path with an input overlapping an output."""
-    size = len(pgs)
-    rng = np.random.default_rng(seed)
-    names = PERSISTENT if persistent else COLLECTIVES
-    plan = [_draw(rng, names[int(rng.integers(len(names)))], size) for _ in range(trials)]
-    longest = max(t["length"] for t in plan)
-    starts = 2 if persistent else 1
-    sync = threading.Barrier(size, timeout=60)
-    copies = [None] * size
-    refused = [False] * size
-    stats = Counter()
-
-    def body(pg):
-        rank = pg.rank()
-        # One shared allocation per rank (collective), reused by every trial.
-        region = (shared.empty(pg.context.shared_memory, rank, (longest,), np.float64)
-                  if in_shared else np.empty(longest))
-        assert not in_shared or shared.locate(pg.context.shared_memory, region) is not None
-        for k, t in enumerate(plan):
-            base = region[:t["length"]]
-            in_specs, out_specs = _roles(t, rank)
-            ins = [_view(base, s) for s in in_specs]
-            outs = [_view(base, s) for s in out_specs]
-            if t["ins"] is t["outs"]:               # in place: the same objects
-                outs = ins if out_specs else []
-            before = pg.sequence_number()
-            try:
-                made = _init(pg, t, ins, outs) if persistent else _build(pg.context, t, ins, outs)
-                refused[rank] = None
-            except ValueError as exc:
-                assert "refer to" in str(exc) and "memory location" in str(exc), exc
-                assert pg.sequence_number() == before  # refused before numbering
-                refused[rank] = str(exc)
-            what = f"trial {k} (seed {seed}) on rank {rank}: {t}"
-            assert bool(refused[rank]) == _must_refuse(t, out_specs), \
-                f"{what}: refused={refused[rank]!r}"
-            sync.wait()
-            if any(refused):                        # every rank skips it alike
-                stats["refused"] += rank == 0
-                sync.wait()
-                continue
-            for start in range(starts):
-                base[...] = np.arange(t["length"]) * (rank + 1) + 7 * rank + 100 * start
-                copies[rank] = [a.copy() for a in ins]
-                expected = base.copy()
-                if persistent:
-                    made.start()
-                    made.wait()
-                    call = made.work.call
-                else:
-                    call = made[0]
-                    pg.submit(*made).wait()
-                sync.wait()                         # every rank's copies are in place
-                for s, value in zip(out_specs, _expected(t, rank, size, copies)):
-                    _view(expected, s)[...] = np.asarray(value).reshape(_view(base, s).shape)
-                if not np.array_equal(base, expected):
-                    bad = np.flatnonzero(base != expected)
-                    stats["wrong"] += 1
-                    print(f"WRONG {what}, start {start}: elements {bad[:10]}: got "
-                          f"{base[bad[:10]]}, expected {expected[bad[:10]]}")
-                elif rank == 0:
-                    stats["right"] += 1
-                    aliased = any(np.shares_memory(a, b) for a in ins for b in outs
-                                  if a is not b)
-                    stats["right, overlapping"] += aliased
-                    stats["right, overlapping, shared_arrays"] += \
-                        aliased and call.algorithm == "shared_arrays"
-                sync.wait()                         # before the copies are replaced
-
-    on_ranks(pgs, body)
-    return stats
-
-
 FORMS = [("shm", 2, True, False), ("shm", 3, True, False), ("inproc", 3, False, True),
          ("shm", 2, False, True), ("shm", 2, True, True), ("shm", 4, True, True)]
 
@@ -147,19 +78,21 @@ FORMS = [("shm", 2, True, False), ("shm", 3, True, False), ("inproc", 3, False, 
                          ids=[f"{t}-{n}{'-shared' if s else ''}{'-persistent' if p else ''}"
                               for t, n, s, p in FORMS])
 def test_fuzz_overlapping_views(transport, size, in_shared, persistent, small_shared_path):
+    starts = 2 if persistent else 1  # a persistent request: started twice, new contents
     pgs = groups(size, transport=transport, timeout=timedelta(seconds=60))
     try:
         stats = _fuzz(pgs, TRIALS, seed=1900 + 10 * size + 2 * in_shared + persistent,
-                      in_shared=in_shared, persistent=persistent)
+                      names=PERSISTENT if persistent else COLLECTIVES,
+                      make=_init if persistent else None,
+                      region=_shared_region if in_shared else None, starts=starts)
     finally:
         for pg in pgs:
             pg.shutdown()
     print(f"{transport} x{size} shared={in_shared} persistent={persistent}: {dict(stats)}")
-    starts = 2 if persistent else 1
     assert stats["wrong"] == 0, dict(stats)
     assert stats["right"] + starts * stats["refused"] == starts * TRIALS, dict(stats)
-    assert stats["right, overlapping"] > starts * TRIALS // 10, dict(stats)
-    if in_shared:
+    assert stats["right, inputs overlapping outputs"] > starts * TRIALS // 10, dict(stats)
+    if in_shared:  # the shared-array path ran with inputs overlapping outputs
         assert stats["right, overlapping, shared_arrays"] > starts * TRIALS // 20, dict(stats)
 
 

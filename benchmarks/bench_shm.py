@@ -90,11 +90,16 @@ def peer():
 
     yield get
     for t, child, root in made.values():
-        t.isend(1, _PING, b"").wait(time.monotonic() + WAIT_S)
-        t.irecv(1, _PONG).wait(time.monotonic() + WAIT_S)
-        t.close()
-        child.join(WAIT_S)
-        shutil.rmtree(root, ignore_errors=True)
+        try:  # an empty message ends the echo
+            t.isend(1, _PING, b"").wait(time.monotonic() + WAIT_S)
+            t.irecv(1, _PONG).wait(time.monotonic() + WAIT_S)
+        finally:  # and whatever happened, nothing is left behind
+            t.close()
+            child.join(WAIT_S)
+            if child.is_alive():
+                child.kill()
+                child.join(WAIT_S)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _size_id(nbytes: int) -> str:

@@ -80,6 +80,12 @@ def _timeout(opts) -> datetime.timedelta | None:
     return t if t is not None and t > datetime.timedelta(0) else None
 
 
+def _scatter_options(opts) -> ReduceScatterOptions:
+    """numcoll's options for torch's ``ReduceScatterOptions`` (``None``: the defaults)."""
+    op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
+    return ReduceScatterOptions(reduce_op=op, timeout=_timeout(opts))
+
+
 def _peer_host(store) -> str | None:
     """The host of the TCPStore under ``store`` (PrefixStores unwrapped), else MASTER_ADDR:
     the address this rank listens on must route to the other ranks' hosts."""
@@ -321,27 +327,18 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, outputs)
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
-        call = partial(self._pg.reduce_scatter, output_list, input_lists,
-                       ReduceScatterOptions(
-            reduce_op=op, timeout=_timeout(opts)))
+        call = partial(self._pg.reduce_scatter, output_list, input_lists, _scatter_options(opts))
         return self._finish(call, opts, output_list)
 
     def reduce_scatter_single(self, output, input, opts=None):
         other = self._device_backend(input)
         if other is not None:
             return other._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
-        call = partial(self._pg.reduce_scatter_tensor, output, input,
-                       ReduceScatterOptions(
-            reduce_op=op, timeout=_timeout(opts)))
+        call = partial(self._pg.reduce_scatter_tensor, output, input, _scatter_options(opts))
         return self._finish(call, opts, [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
-        call = partial(self._pg.reduce_scatter_tensor_coalesced, outputs, inputs,
-                       ReduceScatterOptions(
-            reduce_op=op, timeout=_timeout(opts)))
+        call = partial(self._pg.reduce_scatter_tensor_coalesced, outputs, inputs, _scatter_options(opts))
         return self._finish(call, opts, outputs)
 
     def alltoall(self, output_list, input_list, opts=None):

@@ -30,9 +30,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import os
 import socket
 import struct
+
+from transports import tokens
 
 from ...errors import NumcollError
 
@@ -95,13 +96,10 @@ def mac(token: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> 
 
 def token_from(token) -> bytes | None:
     """The shared secret: ``token`` (str or bytes), else ``NUMCOLL_AUTH_TOKEN``, else None."""
-    if token is None:
-        token = os.environ.get("NUMCOLL_AUTH_TOKEN") or None
-    if isinstance(token, str):
-        token = token.encode()
-    if token is not None and not isinstance(token, bytes):
-        raise TypeError(f"TCPStore token must be str or bytes, got {type(token).__name__}")
-    return token or None
+    try:
+        return tokens.resolve(token)
+    except TypeError as exc:
+        raise TypeError(f"TCPStore {exc}") from None
 
 
 def frame(code: int, fields) -> bytes:

@@ -36,14 +36,14 @@ def test_every_op_checks_out_right_in_every_form(op, form):
         pytest.skip("a barrier has no arrays to share")
     flags = dict(persistent=form in ("persistent", "both"),
                  shared_arrays=form in ("shared_arrays", "both"))
-    plans = [bench.make_plan(op, [] if op == "barrier" else [8, 256 << 10], world_size=3,
+    plans = [bench.make_plan(op, [] if op == "barrier" else [8, 3 << 20], world_size=3,
                              iters=2, warmup=1, in_place=placement == "in-place", **flags)
              for placement in bench.PLACEMENTS[op]]
     rows, info = bench.run_plans(plans, mode="thread", transport="shm", progress=False)
     for plan_rows in rows:
         for row in plan_rows:
             assert row["wrong"] in (0, None), row
-    if flags["shared_arrays"]:  # the large size reads the peers' arrays in place
+    if flags["shared_arrays"]:  # the large size (1 MiB a rank) reads the peers' arrays in place
         assert [plan_rows[-1]["algorithm"] for plan_rows in rows] == ["shared_arrays"] * len(rows)
 
 
@@ -73,12 +73,12 @@ def _bench(*args):
 @pytest.mark.slow
 @SHM
 def test_cli_persistent_and_shared_arrays_in_json():
-    out = _bench("--op", "allreduce", "-n", "2", "--sizes", "8,256K", "--iters", "5",
+    out = _bench("--op", "allreduce", "-n", "2", "--sizes", "8,1M", "--iters", "5",
                  "--warmup", "1", "--persistent", "--shared-arrays", "--json", "-")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert [(r["size"], r["algorithm"], r["wrong"]) for r in doc["rows"]] == [
-        (8, "shared", 0), (262144, "shared_arrays", 0)]
+        (8, "shared", 0), (1 << 20, "shared_arrays", 0)]
 
 
 @pytest.mark.slow

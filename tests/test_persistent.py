@@ -27,6 +27,13 @@ def close(pgs):
         pg.shutdown()
 
 
+def starts(req, n=1):
+    """Start ``req`` and wait for it, ``n`` times."""
+    for _ in range(n):
+        req.start()
+        req.wait()
+
+
 def value(rank, i, n, dtype=np.float32):
     return (np.arange(n) % 13 + 10 * rank + i).astype(dtype)
 
@@ -202,8 +209,7 @@ def test_foreign_arrays_are_checked_by_address():
         def body(pg):
             t = torch.ones(4)
             req = pg.allreduce_init(t)
-            req.start()
-            req.wait()
+            starts(req)
             assert t.tolist() == [2.0] * 4
             t.set_(torch.zeros(4))  # new memory: the request would still write to the old
             with pytest.raises(ValueError, match="changed since it was made"):
@@ -226,10 +232,7 @@ def test_flight_recorder_and_arguments_checked_at_init(transport):
 
         def body(pg):
             x = np.zeros(2, np.float32)
-            req = pg.allreduce_init(x)
-            for _ in range(3):
-                req.start()
-                req.wait()
+            starts(pg.allreduce_init(x), 3)
             return [(e["collective_seq_id"], e["state"], e["profiling_name"])
                     for e in flight_recorder.dump(pg.rank())["entries"]
                     if e["pg_id"] == pg._pg_id]
@@ -246,9 +249,7 @@ def test_a_mismatch_with_an_ordinary_call_fails_on_both_ranks(transport):
     try:
         def body(pg):
             if pg.rank() == 0:
-                req = pg.allreduce_init(np.zeros(4, np.float32))
-                req.start()
-                req.wait()
+                starts(pg.allreduce_init(np.zeros(4, np.float32)))
             else:
                 pg.allreduce(np.zeros(4, np.float64)).wait()
 

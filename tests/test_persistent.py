@@ -275,6 +275,20 @@ def test_shutdown_with_a_start_never_waited_for(transport, no_leaked_threads):
         reqs[1].start()
 
 
+def test_a_failed_publish_is_the_works_error():
+    """A held start whose first half fails hands that error to its Work's run
+    (it once raised NameError there: the except clause's name was gone)."""
+    from numcoll.collectives.persistent import first_half
+
+    def publish(comm):
+        raise OSError("the arena went away")
+
+    run = first_half(publish, None, lambda comm, work: "ran")
+    with pytest.raises(OSError, match="the arena went away"):
+        run(None, None)
+    assert first_half(lambda comm: None, None, lambda comm, work: "ran")(None, None) == "ran"
+
+
 def test_a_rank_outside_the_group_gets_none():
     def body():
         sub = nc.new_group([0])
@@ -290,7 +304,7 @@ def test_a_rank_outside_the_group_gets_none():
 @SHM
 def test_processes_over_shm_with_avg_and_four_ranks():
     def body():
-        r, size = nc.get_rank(), nc.get_world_size()
+        r = nc.get_rank()
         x = np.zeros(10, np.float64)
         req = nc.all_reduce_init(x, op=nc.ReduceOp.AVG)
         out = []

@@ -286,9 +286,10 @@ def first_half(publish: Callable, comm, run: Callable) -> Callable:
     try:
         publish(comm)
     except BaseException as exc:  # noqa: BLE001 - delivered through the Work
+        error = exc  # ``exc`` itself is unbound when the except clause ends
 
         def failed(comm, work):
-            raise exc
+            raise error
 
         return failed
     return run

@@ -152,7 +152,7 @@ def allgather_into_tensor(ctx: GroupContext, output, input, outs, aliased: bool,
     where = _where(ctx, "allgather", input, opts)
     if where is None or not output.flags.c_contiguous:
         return None
-    size, rank, per = ctx.size, ctx.rank, input.size
+    rank, per = ctx.rank, input.size
     flat_in, flat_out = input.reshape(-1), output.reshape(-1)
     # The input is read by the peers until the last step: writing into an
     # output that overlaps it elsewhere than this rank's block must wait.

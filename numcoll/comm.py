@@ -243,17 +243,48 @@ class Comm:
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
         self.started = True
-        arena = self.transport.arena
         record = self._record
         if record is not None:
             record.waiting_for, record.waiting_op = None, "arena"
         try:
-            step = arena.put(payload, self.seq, self.stamp, nbytes)
             # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
-            arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & SEQ_MASK)
+            return self.transport.arena.step(payload, self.seq, self.stamp, self.deadline,
+                                             self.seq & SEQ_MASK, nbytes)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
-        return step
+
+    def shared_publish(self, payload=None, nbytes: int | None = None) -> int:
+        """The first half of :meth:`shared_step`: publish this rank's part of
+        the next step, without waiting for the others (it never blocks).
+        Returns the step, for :meth:`shared_wait`."""
+        self.started = True
+        try:
+            return self.transport.arena.put(payload, self.seq, self.stamp, nbytes)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
+
+    def shared_wait(self, step: int) -> None:
+        """The second half of :meth:`shared_step`: wait until every rank has
+        published ``step`` of this call (the call's deadline bounds it)."""
+        self.started = True
+        record = self._record
+        if record is not None:
+            record.waiting_for, record.waiting_op = None, "arena"
+        try:
+            self.transport.arena.wait(step, self.seq, self.stamp, self.deadline,
+                                      self.seq & SEQ_MASK)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
+
+    def shared_slots(self) -> list:
+        """Every rank's whole slot in each of the arena's two sets (``[set][rank]``,
+        uint8; set ``step % 2`` for a step), to read call after call (a persistent
+        request): a step's stamp fixes every rank's byte count."""
+        arena = self.transport.arena
+        try:
+            return [[arena.view(s, r) for r in range(self.size)] for s in (0, 1)]
+        except TransportError as exc:
+            raise self._translate(exc, None, "arena") from exc
 
     def shared_view(self, step: int, peer: int, start: int, nbytes: int):
         """Bytes ``start:start + nbytes`` of what ``peer`` published at ``step``
@@ -268,6 +299,21 @@ class Comm:
             return arena.view(step, peer, start, nbytes)
         except TransportError as exc:
             raise self._translate(exc, peer, "recv") from exc
+
+    # -- shared arrays (a capability some transports declare) ------------------------
+    def shared_array(self, peer: int, key: int, start: int, nbytes: int):
+        """Bytes ``start:start + nbytes`` of ``peer``'s part of the group's
+        shared allocation ``key`` (uint8; :mod:`numcoll.memory.shared`), to
+        read -- or write -- in place. A part this rank does not map (released
+        here, or never allocated) fails naming the peer."""
+        part = self.transport.shared_memory.part(key, peer)
+        if part is None or start < 0 or start + nbytes > part.size:
+            where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
+            raise CollectiveMismatchError(
+                f"{where}: rank {peer} passed bytes {start}..{start + nbytes} of its shared "
+                f"array #{key}, which this rank does not map; every rank must pass shared "
+                "arrays of this group, kept alive on every rank alike", peer=peer)
+        return part[start:start + nbytes]
 
     def size_mismatch(self, peer: int, detail: str):
         """Fail as a wrong-size message from ``peer`` (for algorithms that learn

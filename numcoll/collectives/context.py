@@ -51,13 +51,16 @@ class GroupContext:
     one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "settings")
+                 "settings", "shared_memory")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
         #: What every Call of this group stamps: ranks whose settings differ fail
         #: at their first call (:func:`numcoll.config.fingerprint`).
         self.settings = _config.fingerprint(cfg)
+        #: The transport's ``shared_memory`` (:mod:`numcoll.memory.shared`), where
+        #: the group also has a shared arena; else None (see :meth:`attach`).
+        self.shared_memory = None
         self.plans: OrderedDict = OrderedDict()
         self.plans_kept = cfg.call_plans_kept
         self._reductions: dict = {}  # (op, dtype, on device) -> Reduction
@@ -75,6 +78,16 @@ class GroupContext:
         """A new default deadline: plans hold calls stamped with the old one."""
         self.timeout_s = timeout_s
         self.plans.clear()
+
+    def attach(self, transport) -> None:
+        """What this group's ``transport`` offers the collectives: without a
+        shared arena, no shared algorithms (and no shared arrays: their
+        collectives synchronise on the arena)."""
+        if transport.arena is None:
+            if self.cfg.arena_slot_nbytes:
+                self.disable_arena()  # no shared memory between these ranks
+        else:
+            self.shared_memory = transport.shared_memory
 
     def disable_arena(self) -> None:
         """This group's transport has no shared arena: no shared algorithms."""

@@ -13,8 +13,8 @@ how they are timed: :mod:`numcoll.bench.schedule`; the rows:
   without ``--quick``);
 * a Reducer step (24 gradients, 4 buckets) on 2 and 4 ranks;
 * the reduction kernel (float32, float16) and the pack kernels in this process;
-* persistent collectives and shared arrays (issue 19): skipped, saying so,
-  until numcoll has ``nc.all_reduce_init`` and ``nc.zeros_shared``;
+* persistent collectives and shared arrays (issue 19): ``nc.all_reduce_init``
+  started and waited for, ``nc.all_reduce`` on an ``nc.zeros_shared`` array;
 * references, never judged: a memcpy, NumPy's add, a Python loop and a socket
   ping-pong with a rank process, which tell how fast the machine is right now.
 

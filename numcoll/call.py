@@ -24,9 +24,12 @@ import numpy as np
 
 from .dtypes import SUPPORTED_DTYPES, dtype_name
 
-__all__ = ["Call", "describe_stamp", "stamp_settings", "COLLECTIVES", "ALGORITHMS",
+__all__ = ["Call", "describe_stamp", "stamp_settings", "SEQ_MASK", "COLLECTIVES", "ALGORITHMS",
            "TORCH_NAMES", "shapes", "nbytes_of", "op_fields"]
 
+#: A collective's number as its messages' tags carry it (``tag >> CALL_SHIFT``):
+#: numbers wrap at 2**31.
+SEQ_MASK = (1 << 31) - 1
 #: Names of the calls, in a fixed order: a call's index is its code in the stamp.
 #: Append only (codes travel between processes of possibly different versions).
 COLLECTIVES = (
@@ -59,7 +62,7 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 #: the stamp (255: one not listed). Append only, as :data:`COLLECTIVES`.
 ALGORITHMS = ("", "ring", "recursive_doubling", "shared", "shared_split", "binomial", "chain",
               "direct", "pairwise", "dissemination", "gather_release", "allgather_coalesce",
-              "twolevel", "twolevel_lanes")
+              "shared_arrays", "twolevel", "twolevel_lanes")
 _ALGORITHM_CODE = {name: i for i, name in enumerate(ALGORITHMS)}
 _OTHER_ALGORITHM = 255
 #: version, collective, dtype, op, algorithm, settings fingerprint, then root + 1
@@ -68,6 +71,8 @@ _OTHER_ALGORITHM = 255
 _STAMP = struct.Struct("<BBBBBH")
 _STAMP_NBYTES = 16
 _STAMP_VERSION = 2
+#: Set in the collective's code for a call on shared arrays (``Call.shared_arrays``).
+_SHARED_ARRAYS = 0x80
 
 
 class Call:
@@ -89,22 +94,27 @@ class Call:
 
     __slots__ = ("name", "timeout_s", "dtype", "count", "op", "root", "algorithm",
                  "input_sizes", "output_sizes", "nbytes", "custom_op", "collective",
-                 "after_earlier", "settings", "stamp")
+                 "after_earlier", "settings", "shared_arrays", "stamp")
 
     def __init__(self, name: str, timeout_s: float, dtype: np.dtype | None = None,
                  count: int = 0, op: str | None = None, root: int = -1, algorithm: str = "",
                  input_sizes: tuple = (), output_sizes: tuple = (), nbytes: int = 0,
                  custom_op: bool = False, collective: bool = True,
-                 after_earlier: bool = False, settings: int = 0):
+                 after_earlier: bool = False, settings: int = 0,
+                 shared_arrays: bool = False):
         self.name, self.timeout_s, self.dtype, self.count = name, timeout_s, dtype, count
         self.op, self.root, self.algorithm = op, root, algorithm
         self.input_sizes, self.output_sizes, self.nbytes = input_sizes, output_sizes, nbytes
         self.custom_op, self.collective, self.after_earlier = custom_op, collective, after_earlier
         self.settings = settings
+        #: Whether the ranks read each other's arrays in place (``nc.empty_shared``):
+        #: a rank that passed plain arrays runs another call, and must be told so.
+        self.shared_arrays = shared_arrays
         code = _DTYPE_CODE.get(dtype, _NO_DTYPE) if dtype is not None else _NO_DTYPE
         op_code = _CUSTOM_OP if custom_op else _OP_CODE.get(op or "", 0)
+        name_code = _CODE[name] | (_SHARED_ARRAYS if shared_arrays else 0)
         #: The bytes every message of this call carries (see :func:`describe_stamp`).
-        self.stamp = (_STAMP.pack(_STAMP_VERSION, _CODE[name], code, op_code,
+        self.stamp = (_STAMP.pack(_STAMP_VERSION, name_code, code, op_code,
                                   _ALGORITHM_CODE.get(algorithm, _OTHER_ALGORITHM),
                                   settings & 0xFFFF)
                       + ((root + 1) & 0xFFFFFF).to_bytes(3, "little")
@@ -115,7 +125,8 @@ class Call:
         (with ``detail``, also its algorithm and settings: ``... via ring,
         settings 3fa2``, as :func:`describe_stamp` renders a stamp)."""
         extra = (self.algorithm, self.settings) if detail else None
-        return _render(self.name, self.dtype, self.count, self.op, self.root, seq, extra)
+        return _render(self.name, self.dtype, self.count, self.op, self.root, seq, extra,
+                       self.shared_arrays)
 
     def __repr__(self) -> str:
         return f"<Call {self.summary()} algorithm={self.algorithm or '-'}>"
@@ -130,7 +141,7 @@ def describe_stamp(stamp: bytes, seq: int | None = None, detail: bool = True) ->
         version, code, dtype, op, algorithm, settings = _STAMP.unpack_from(stamp)
         if version != _STAMP_VERSION:
             raise ValueError
-        name = COLLECTIVES[code]
+        name = COLLECTIVES[code & ~_SHARED_ARRAYS]
     except (struct.error, ValueError, IndexError):
         return f"an unknown call (stamp {stamp.hex()})"
     root = int.from_bytes(stamp[_STAMP.size:_STAMP.size + 3], "little") - 1
@@ -139,7 +150,7 @@ def describe_stamp(stamp: bytes, seq: int | None = None, detail: bool = True) ->
     op_name = "custom" if op == _CUSTOM_OP else (_OPS[op] if op < len(_OPS) else "?") or None
     algorithm_name = ALGORITHMS[algorithm] if algorithm < len(ALGORITHMS) else "another"
     extra = (algorithm_name, settings) if detail else None
-    return _render(name, dt, count, op_name, root, seq, extra)
+    return _render(name, dt, count, op_name, root, seq, extra, bool(code & _SHARED_ARRAYS))
 
 
 def stamp_settings(stamp: bytes) -> int | None:
@@ -149,7 +160,7 @@ def stamp_settings(stamp: bytes) -> int | None:
     return _STAMP.unpack_from(stamp)[5]
 
 
-def _render(name, dtype, count, op, root, seq, extra=None) -> str:
+def _render(name, dtype, count, op, root, seq, extra=None, shared_arrays=False) -> str:
     parts = []
     if dtype is not None:
         parts.append(dtype_name(dtype))
@@ -159,6 +170,8 @@ def _render(name, dtype, count, op, root, seq, extra=None) -> str:
         parts.append(op)
     if root >= 0:
         parts.append(f"root {root}")
+    if shared_arrays:
+        parts.append("shared arrays")
     text = f"{name}({', '.join(parts)})"
     if seq is not None:
         text += f" #{seq}"

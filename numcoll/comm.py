@@ -23,19 +23,15 @@ from transports import (
     TransportTimeout,
 )
 
-from .call import Call, describe_stamp, stamp_settings
-from .config import AGREED
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
-                     NumcollError, PeerError)
+from .call import SEQ_MASK, Call
+from .diagnostics.mismatch import AGREE, both_calls, settings_hint
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
 
-__all__ = ["Comm", "AbortNotes", "Finished", "collective_tag", "p2p_tag", "abort_note",
-           "leftover_error", "MAX_STEP", "MAX_USER_TAG", "SEQ_MASK"]
+__all__ = ["Comm", "AbortNotes", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
+           "MAX_USER_TAG"]
 
-_SEQ_BITS = 31
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
-#: A collective's number as its messages' tags carry it (``tag >> CALL_SHIFT``).
-SEQ_MASK = (1 << _SEQ_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
 
@@ -250,17 +246,48 @@ class Comm:
         and wait until every rank has published its part of the same step of
         the same call. Returns the step, for :meth:`shared_view`."""
         self.started = True
-        arena = self.transport.arena
         record = self._record
         if record is not None:
             record.waiting_for, record.waiting_op = None, "arena"
         try:
-            step = arena.put(payload, self.seq, self.stamp, nbytes)
             # The call's key in ring tags (collective_tag(seq, step) >> CALL_SHIFT).
-            arena.wait(step, self.seq, self.stamp, self.deadline, self.seq & SEQ_MASK)
+            return self.transport.arena.step(payload, self.seq, self.stamp, self.deadline,
+                                             self.seq & SEQ_MASK, nbytes)
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
-        return step
+
+    def shared_publish(self, payload=None, nbytes: int | None = None) -> int:
+        """The first half of :meth:`shared_step`: publish this rank's part of
+        the next step, without waiting for the others (it never blocks).
+        Returns the step, for :meth:`shared_wait`."""
+        self.started = True
+        try:
+            return self.transport.arena.put(payload, self.seq, self.stamp, nbytes)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
+
+    def shared_wait(self, step: int) -> None:
+        """The second half of :meth:`shared_step`: wait until every rank has
+        published ``step`` of this call (the call's deadline bounds it)."""
+        self.started = True
+        record = self._record
+        if record is not None:
+            record.waiting_for, record.waiting_op = None, "arena"
+        try:
+            self.transport.arena.wait(step, self.seq, self.stamp, self.deadline,
+                                      self.seq & SEQ_MASK)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
+
+    def shared_slots(self) -> list:
+        """Every rank's whole slot in each of the arena's two sets (``[set][rank]``,
+        uint8; set ``step % 2`` for a step), to read call after call (a persistent
+        request): a step's stamp fixes every rank's byte count."""
+        arena = self.transport.arena
+        try:
+            return [[arena.view(s, r) for r in range(self.size)] for s in (0, 1)]
+        except TransportError as exc:
+            raise self._translate(exc, None, "arena") from exc
 
     def shared_view(self, step: int, peer: int, start: int, nbytes: int):
         """Bytes ``start:start + nbytes`` of what ``peer`` published at ``step``
@@ -275,6 +302,21 @@ class Comm:
             return arena.view(step, peer, start, nbytes)
         except TransportError as exc:
             raise self._translate(exc, peer, "recv") from exc
+
+    # -- shared arrays (a capability some transports declare) ------------------------
+    def shared_array(self, peer: int, key: int, start: int, nbytes: int):
+        """Bytes ``start:start + nbytes`` of ``peer``'s part of the group's
+        shared allocation ``key`` (uint8; :mod:`numcoll.memory.shared`), to
+        read -- or write -- in place. A part this rank does not map (released
+        here, or never allocated) fails naming the peer."""
+        part = self.transport.shared_memory.part(key, peer)
+        if part is None or start < 0 or start + nbytes > part.size:
+            where = f"{self.op_name} (collective #{self.seq}) on rank {self.rank}"
+            raise CollectiveMismatchError(
+                f"{where}: rank {peer} passed bytes {start}..{start + nbytes} of its shared "
+                f"array #{key}, which this rank does not map; every rank must pass shared "
+                "arrays of this group, kept alive on every rank alike", peer=peer)
+        return part[start:start + nbytes]
 
     def size_mismatch(self, peer: int, detail: str):
         """Fail as a wrong-size message from ``peer`` (for algorithms that learn
@@ -320,12 +362,12 @@ class Comm:
                   if what == "arena" else f"{what} {direction} rank {peer} did not complete")
         if isinstance(exc, StampMismatch):
             remote_seq = getattr(exc, "remote_seq", None)
-            mine, theirs = _both_calls(self.call, self.seq, exc.remote_stamp,
+            mine, theirs = both_calls(self.call, self.seq, exc.remote_stamp,
                                        self.seq if remote_seq is None else remote_seq)
             return CollectiveMismatchError(
                 f"Detected mismatch between collectives on ranks. Rank {self.rank} is running "
                 f"{mine}, but rank {peer} is running {theirs}; no data was exchanged. "
-                f"{_AGREE}" + _settings_hint(self.call.stamp, exc.remote_stamp), peer=peer)
+                f"{AGREE}" + settings_hint(self.call.stamp, exc.remote_stamp), peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
             culprit, reason = self._stall_behind(peer)
@@ -366,111 +408,3 @@ class Comm:
                 f"{where}: message {direction} rank {peer} has the wrong size ({exc}); "
                 "ranks passed arrays of different sizes or dtypes", peer=peer)
         return NumcollError(f"{where}: transport error with rank {peer}: {exc}")
-
-
-_AGREE = ("Every rank must call the same collectives, in the same order, with the same dtype, "
-          "element count, op and root")
-
-
-def _both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None):
-    """This rank's call and the other rank's (from its stamp), in words; with the
-    algorithm and settings where those are all that differ."""
-    mine, theirs = call.summary(seq), describe_stamp(stamp, their_seq, detail=False)
-    if mine == theirs:
-        mine, theirs = call.summary(seq, detail=True), describe_stamp(stamp, their_seq)
-    return mine, theirs
-
-
-def _settings_hint(stamp: bytes, theirs: bytes) -> str:
-    """What to do when two stamps differ in their settings fingerprint."""
-    a, b = stamp_settings(stamp), stamp_settings(theirs)
-    if a is None or b is None or a == b:
-        return ""
-    names = ", ".join(f"NUMCOLL_{name.upper()}" for name in AGREED)
-    return (f". The ranks' settings differ (fingerprints {a:04x} and {b:04x}): every rank "
-            f"must use the same {names} (and ProcessGroup.Options(algorithm=...))")
-
-
-def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
-                   mine: Call | None) -> CollectiveMismatchError:
-    """The error for a message of call ``seq`` from ``peer`` that no call on this
-    rank took though this rank finished its call ``seq`` (``mine``, if known):
-    the two ranks ran different calls without noticing (both roots of a
-    broadcast, say, each sending and neither receiving)."""
-    if mine is not None:
-        ours, theirs = _both_calls(mine, seq, stamp, seq)
-        hint = _settings_hint(mine.stamp, stamp)
-    else:
-        ours, theirs, hint = f"collective #{seq}", describe_stamp(stamp, seq), ""
-    return CollectiveMismatchError(
-        f"Detected mismatch between collectives on ranks. Rank {rank} ran {ours}, but rank "
-        f"{peer} ran {theirs}: rank {peer} sent rank {rank} a message of that call which no "
-        f"call on rank {rank} received, so the two calls did not exchange what they should "
-        f"have (their results are not valid). {_AGREE}{hint}", peer=peer)
-
-
-
-class _NoMailbox:
-    held_calls = 0
-    oldest_call = 1 << 64
-
-    @staticmethod
-    def oldest_held():
-        return None
-
-
-_NO_MAILBOX = _NoMailbox()
-
-
-class Finished:
-    """Tells a message that arrived early from one that no call will ever take:
-    a message held for a collective this rank has finished proves that its
-    sender ran another call (two roots of one broadcast each send, neither
-    receives, and both go on). The group asks :meth:`check` only while the
-    mailbox holds a stamped message of a call no later than its own
-    (``mailbox.held_calls``, ``mailbox.oldest_call``: attributes, so the check
-    costs nothing otherwise), passing ``below``, the lowest number of a
-    collective it has not finished; its flight recorder names this rank's side
-    of a finished call."""
-
-    __slots__ = ("mailbox", "rank", "_recorder", "_pg_id")
-
-    def __init__(self, mailbox, rank: int, recorder=None, pg_id: int = -1):
-        # A transport without a mailbox (one of the caller's own) holds nothing.
-        self.mailbox = mailbox if mailbox is not None else _NO_MAILBOX
-        self.rank, self._recorder, self._pg_id = rank, recorder, pg_id
-
-    def check(self, seq: int, call: Call, finished: bool, below: int) -> None:
-        """Raise :class:`CollectiveMismatchError` if the mailbox holds a message
-        of a finished collective (one numbered under ``below``, or ``seq``
-        itself once ``finished``)."""
-        error = self._unclaimed(seq, call, finished, below)
-        if error is not None:
-            raise error
-
-    def explain(self, seq: int, call: Call, exc: BaseException, below: int) -> BaseException:
-        """``exc``, or the mismatch that explains it (a peer that found it first
-        and left, say), caused by it."""
-        if not self.mailbox.held_calls or isinstance(exc, (CollectiveMismatchError,
-                                                          GroupPoisonedError)):
-            return exc
-        error = self._unclaimed(seq, call, False, below)
-        if error is None:
-            return exc
-        error.__cause__ = exc
-        return error
-
-    def _unclaimed(self, seq, call, finished, below) -> CollectiveMismatchError | None:
-        # In this order: a message still held after its call had finished (it
-        # may have been held for a call in flight a moment ago, and been taken).
-        found = self.mailbox.oldest_held()
-        if found is None:
-            return None
-        key, peer, stamp = found
-        if not (finished and seq > 0 and key == seq & SEQ_MASK):
-            if key >= below & SEQ_MASK:  # (point-to-point tags are above every collective's)
-                return None
-            seq = below - (below & SEQ_MASK) + key
-            rec = self._recorder.find(self._pg_id, seq) if self._recorder is not None else None
-            call = rec.call if rec is not None else None
-        return leftover_error(self.rank, peer, seq, stamp, call)

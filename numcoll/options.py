@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
+import transports
+
 from .ops import ReduceOp
 
 __all__ = [
@@ -145,3 +147,19 @@ class GroupOptions:
     host: str = "127.0.0.1"
     algorithm: str = ""
     group_name: str = "default"
+
+    def checked(self, rank, world_size) -> GroupOptions:
+        """A copy of these options for one group (its ``set_timeout()`` must not
+        change other groups made with the same options), once ``rank``,
+        ``world_size`` and the options pass the group's checks."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
+        if self.threads < 1:
+            raise ValueError(f"ProcessGroup: threads must be >= 1, got {self.threads}")
+        if not (self.transport is None or callable(self.transport)
+                or self.transport in transports.KINDS):
+            raise ValueError(f"ProcessGroup: transport must be one of {transports.KINDS}, a "
+                             f"transport factory, or None, got {self.transport!r}")
+        return dataclasses.replace(self)

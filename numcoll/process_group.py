@@ -14,7 +14,6 @@ turn, failure handling and poisoning are in one place.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import threading
@@ -27,13 +26,14 @@ from transports.endpoint import forget
 
 from . import config as _config
 from .algorithms import ARENA
-from .call import Call
-from .collectives import movement, p2p, reductions
+from .call import SEQ_MASK, Call
+from .collectives import movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .comm import SEQ_MASK, AbortNotes, Comm, Finished
+from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
+from .diagnostics.mismatch import Finished
 from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
 from .bootstrap.store import PrefixStore, Store
@@ -48,7 +48,7 @@ _SHUTDOWN = object()
 _SHUTDOWN_DRAIN_S = 2.0
 
 
-class ProcessGroup:
+class ProcessGroup(persistent.InitMethods):
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
     Parameters
@@ -58,27 +58,15 @@ class ProcessGroup:
     options : :class:`ProcessGroup.Options`.
 
     Every collective returns a :class:`~numcoll.Work`; results are written into
-    the caller's arrays and are also the future's value. Use as a context
-    manager, or call :meth:`shutdown`.
+    the caller's arrays and are also the future's value (``*_init``: persistent
+    twins). Use as a context manager, or call :meth:`shutdown`.
     """
 
     Options = GroupOptions
 
     def __init__(self, store: Store, rank: int, world_size: int,
                  options: GroupOptions | None = None):
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"ProcessGroup: world_size must be a positive int, got {world_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"ProcessGroup: invalid rank {rank!r} for world_size {world_size}")
-        # A copy: set_timeout() must not change other groups made with the same options.
-        self.options = dataclasses.replace(options) if options is not None else GroupOptions()
-        opts = self.options
-        if opts.threads < 1:
-            raise ValueError(f"ProcessGroup: threads must be >= 1, got {opts.threads}")
-        if not (opts.transport is None or callable(opts.transport)
-                or opts.transport in transports.KINDS):
-            raise ValueError(f"ProcessGroup: transport must be one of {transports.KINDS}, a "
-                             f"transport factory, or None, got {opts.transport!r}")
+        self.options = opts = (options or GroupOptions()).checked(rank, world_size)
         self._rank, self._size = rank, world_size
         cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
         check_forced(cfg)
@@ -104,8 +92,8 @@ class ProcessGroup:
                 shm_slot_nbytes=max(cfg.segment_nbytes, cfg.allreduce_small_nbytes,
                                     cfg.broadcast_small_nbytes),
                 arena_slot_nbytes=cfg.arena_slot_nbytes))
-        # Which ranks share a host (hier transports say), and whether there is an arena.
-        self._topology = self.context.learn_hosts(self._transport)
+        # Its shared arena and memory, and which ranks share a host (hier), if any.
+        self._topology = self.context.attach(self._transport)
         self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
@@ -302,7 +290,7 @@ class ProcessGroup:
         return self.submit(call, run, blocking)
 
     # -- running calls ----------------------------------------------------------------
-    def submit(self, call: Call, run: Callable, blocking: bool = False) -> Work:
+    def submit(self, call: Call, run: Callable, blocking: bool = False, publish=None) -> Work:
         """Number ``call`` and run ``run(comm, work)`` for it; its return value
         becomes the future's value.
 
@@ -321,7 +309,8 @@ class ProcessGroup:
         this one in flight and is queued behind it. The caller would block
         anyway and is not one of the group's workers, so running here holds
         up nothing the queued path would not: it skips the queue and the
-        worker wake-up.
+        worker wake-up. A persistent start's ``publish(comm)`` runs here when
+        nothing is in flight; its Work is then *held* (on no queue) until ``wait()``.
         """
         with self._lock:
             if self._poisoned is not None or self._closed:
@@ -332,9 +321,10 @@ class ProcessGroup:
                 self._next_seq = seq + 1
             work = Work(call.name, seq, call=call)
             here = blocking and not self._inflight
+            held = publish is not None and not self._inflight
             if self._recorder is not None:
                 work.record = self._recorder.record(self._pg_id, self._global_rank, seq, call,
-                                                    started=here)
+                                                    started=here or held)
             work.order = order = self._order
             self._order = order + 1
             # Registered either way: a barrier or shutdown() on another thread
@@ -344,8 +334,12 @@ class ProcessGroup:
                 self._arena_order.ticket(work, queued=not here)
             if not here:
                 work._queued(self._execute, run)
-                self._queue.put((work, run))
-        if here:
+                if not held:
+                    self._queue.put((work, run))
+        if held:
+            comm = Comm(self._transport, seq, call, self._notes, work.record, self._topology)
+            work._run = persistent.first_half(publish, comm, run)
+        elif here:
             error = self._execute(work, run)
             if error is not None:
                 raise error
@@ -447,21 +441,13 @@ class ProcessGroup:
             peer = getattr(exc, "peer", None)
             culprit = peer if peer is not None else self._rank
             self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit)
-            self._dump_flight_recorder()
+            flight_recorder.dump_on_failure(self._recorder, self._global_rank)
             return exc
         poisoned = GroupPoisonedError(
             f"{work.op_name} (collective #{work.seq}) on rank {self._rank} did not complete "
             f"because {self._poisoned} (its own error: {exc})")
         poisoned.__cause__ = exc
         return poisoned
-
-    def _dump_flight_recorder(self) -> None:
-        directory = _config.get("fr_dump_dir")
-        if directory and self._recorder is not None:
-            try:
-                self._recorder.dump_to_dir(directory, self._global_rank)
-            except OSError:  # noqa: PERF203 - a diagnostic must never mask the failure
-                pass
 
     def _abort(self, reason: str, culprit: int) -> None:
         self._notes.publish(culprit, reason)
@@ -486,6 +472,9 @@ class ProcessGroup:
             if self._closed:
                 return
             pending = list(self._inflight.values())
+            for w in pending:  # held starts (see submit) are on no queue: a worker runs them
+                if w._claim_lock is not None:
+                    self._queue.put((w, w._run))
         drain_deadline = time.monotonic() + min(self.context.timeout_s, _SHUTDOWN_DRAIN_S)
         for w in pending:
             remaining = drain_deadline - time.monotonic()

@@ -119,7 +119,12 @@ class ArenaOrder:
 
     def __init__(self, rank: int):
         self._rank = rank  # for messages
-        self._cond = threading.Condition(threading.Lock())
+        # The lock alone (C code) where no one waits: a blocking call with
+        # nothing in flight takes its ticket, finds it is its turn and ends it
+        # without the condition's Python-level methods.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads in the condition's wait: only they need notifying
         self._tickets = 0
         self._turn = 0
         self._queued: dict[int, Work] = {}  # by ticket: what a waiting thread may run
@@ -127,7 +132,7 @@ class ArenaOrder:
 
     def ticket(self, work: Work, queued: bool) -> None:
         """Give ``work`` the next ticket (under the group's submit lock)."""
-        with self._cond:
+        with self._lock:
             work.arena_ticket = self._tickets
             self._tickets += 1
             if queued:
@@ -137,6 +142,10 @@ class ArenaOrder:
         """Return when it is ``work``'s turn; fail if its deadline passes first
         or the group becomes unusable (``unusable()`` says why)."""
         ticket = work.arena_ticket
+        with self._lock:
+            if self._turn == ticket:
+                self._queued.pop(ticket, None)
+                return
         deadline = time.monotonic() + work.call.timeout_s
         cond = self._cond
         with cond:
@@ -159,19 +168,27 @@ class ArenaOrder:
                         f"{work.op_name} (collective #{work.seq}) on rank {self._rank} timed out "
                         f"waiting for this rank's earlier calls on the shared arena (turn "
                         f"{self._turn}, its ticket {ticket}) to finish")
-                cond.wait(left)
+                self._waiting += 1
+                try:
+                    cond.wait(left)
+                finally:
+                    self._waiting -= 1
             self._queued.pop(ticket, None)
 
     def end_turn(self, work: Work) -> None:
         """``work`` is done with the arena (or failed before its turn): the
         turn passes on, over every ticket that finished out of turn."""
-        with self._cond:
+        with self._lock:
             self._queued.pop(work.arena_ticket, None)
-            self._done.add(work.arena_ticket)
-            while self._turn in self._done:
-                self._done.discard(self._turn)
+            if self._turn == work.arena_ticket and not self._done:
                 self._turn += 1
-            self._cond.notify_all()
+            else:
+                self._done.add(work.arena_ticket)
+                while self._turn in self._done:
+                    self._done.discard(self._turn)
+                    self._turn += 1
+            if self._waiting:
+                self._cond.notify_all()
 
     def wake(self) -> None:
         """Wake every waiting thread (the group was aborted or shut down)."""
@@ -185,6 +202,8 @@ def wait_for_earlier(work: Work, earlier: list[Work], rank: int) -> None:
     at most ``work``'s deadline in all."""
     deadline = time.monotonic() + work.call.timeout_s
     for w in earlier:
+        if w._claim_lock is not None and w._claim():
+            w._execute(w, w._run)  # no thread has run it yet (a held persistent start, say)
         try:
             w.future.wait(max(0.0, deadline - time.monotonic()))
         except FutureTimeoutError:

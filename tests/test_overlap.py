@@ -382,14 +382,20 @@ def _must_refuse(t, out_specs):
     return False
 
 
-def _fuzz(pgs, trials, seed, strict=True):
+def _fuzz(pgs, trials, seed, strict=True, *, names=COLLECTIVES, make=None, region=None,
+          starts=1):
     """Run ``trials`` random calls on the groups ``pgs``; count right, wrong and
     refused ones. ``strict=False`` (to measure a library without the rule)
-    skips, instead of failing, the calls the rule refuses."""
+    skips, instead of failing, the calls the rule refuses.
+
+    The calls are of ``names``, made by ``make(pg, t, ins, outs)`` (default: the
+    builder's ``(call, run)``; or a persistent request, started ``starts`` times
+    with new contents); each rank's buffer is a slice of ``region(pg, length)``
+    (default: a new array per trial)."""
     size = len(pgs)
     rng = np.random.default_rng(seed)
-    plan = [_draw(rng, COLLECTIVES[int(rng.integers(len(COLLECTIVES)))], size)
-            for _ in range(trials)]
+    plan = [_draw(rng, names[int(rng.integers(len(names)))], size) for _ in range(trials)]
+    longest = max(t["length"] for t in plan)
     sync = threading.Barrier(size, timeout=60)
     shared = [None] * size
     refused = [False] * size
@@ -397,19 +403,21 @@ def _fuzz(pgs, trials, seed, strict=True):
 
     def body(pg):
         rank = pg.rank()
+        area = region(pg, longest) if region else None
         for k, t in enumerate(plan):
-            base = np.arange(t["length"], dtype=np.float64) * (rank + 1) + 7 * rank
+            base = area[:t["length"]] if region else np.empty(t["length"])
             in_specs, out_specs = _roles(t, rank)
             ins = [_view(base, s) for s in in_specs]
             outs = [_view(base, s) for s in out_specs]
             if t["ins"] is t["outs"]:               # in place: the same objects
                 outs = ins if out_specs else []
-            shared[rank] = [a.copy() for a in ins]
+            numbered = pg.sequence_number()
             try:
-                call, run = _build(pg.context, t, ins, outs)
+                made = make(pg, t, ins, outs) if make else _build(pg.context, t, ins, outs)
                 refused[rank] = None
             except ValueError as exc:
                 assert "refer to" in str(exc) and "memory location" in str(exc), exc
+                assert pg.sequence_number() == numbered  # refused before numbering
                 refused[rank] = str(exc)
             what = f"trial {k} (seed {seed}) on rank {rank}: {t}"
             if strict:
@@ -423,23 +431,34 @@ def _fuzz(pgs, trials, seed, strict=True):
                     stats["refused"] += 1
                 sync.wait()
                 continue
-            expected_base = base.copy()
-            pg.submit(call, run).wait()
-            sync.wait()                             # every rank's copies are in place
-            for s, value in zip(out_specs, _expected(t, rank, size, shared)):
-                _view(expected_base, s)[...] = np.asarray(value).reshape(_view(base, s).shape)
-            if not np.array_equal(base, expected_base):
-                bad = np.flatnonzero(base != expected_base)
-                stats["wrong"] += 1
-                stats[f"wrong {t['name']}"] += 1
-                print(f"WRONG {what}: elements {bad[:10]}: got {base[bad[:10]]}, "
-                      f"expected {expected_base[bad[:10]]}")
-            elif rank == 0:
-                stats["right"] += 1
-                aliased = any(np.shares_memory(a, b) for a in ins for b in outs
-                              if a is not b)
-                stats["right, inputs overlapping outputs"] += aliased
-            sync.wait()                             # before the copies are replaced
+            for start in range(starts):
+                base[...] = np.arange(t["length"]) * (rank + 1) + 7 * rank + 100 * start
+                shared[rank] = [a.copy() for a in ins]
+                expected_base = base.copy()
+                if isinstance(made, tuple):
+                    call = made[0]
+                    pg.submit(*made).wait()
+                else:                               # a persistent request
+                    made.start()
+                    made.wait()
+                    call = made.work.call
+                sync.wait()                         # every rank's copies are in place
+                for s, value in zip(out_specs, _expected(t, rank, size, shared)):
+                    _view(expected_base, s)[...] = np.asarray(value).reshape(
+                        _view(base, s).shape)
+                if not np.array_equal(base, expected_base):
+                    bad = np.flatnonzero(base != expected_base)
+                    stats["wrong"] += 1
+                    stats[f"wrong {t['name']}"] += 1
+                    print(f"WRONG {what}, start {start}: elements {bad[:10]}: got "
+                          f"{base[bad[:10]]}, expected {expected_base[bad[:10]]}")
+                elif rank == 0:
+                    stats["right"] += 1
+                    aliased = any(np.shares_memory(a, b) for a in ins for b in outs
+                                  if a is not b)
+                    stats["right, inputs overlapping outputs"] += aliased
+                    stats[f"right, overlapping, {call.algorithm}"] += aliased
+                sync.wait()                         # before the copies are replaced
 
     on_ranks(pgs, body)
     return stats

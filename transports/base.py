@@ -15,8 +15,9 @@ requests to a closed transport or a departed peer, matching in a mailbox -- is
 :mod:`transports.endpoint`.
 
 Optional capabilities are declared, never discovered: a transport that has a
-shared arena (:class:`Arena`) exposes it as ``transport.arena``; every other
-transport sets ``arena = None``.
+shared arena (:class:`Arena`) exposes it as ``transport.arena``, one whose
+ranks can map memory together (:class:`SharedMemory`) as
+``transport.shared_memory``; every other transport sets them to None.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "Request",
     "Transport",
     "Arena",
+    "SharedMemory",
     "TransportError",
     "TransportTimeout",
     "PeerClosed",
@@ -163,6 +165,12 @@ class Arena(Protocol):
         running another call through point-to-point messages."""
         ...
 
+    def step(self, payload, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None, nbytes: int | None = None) -> int:
+        """:meth:`put` then :meth:`wait` (one compiled call where it can).
+        Returns the step."""
+        ...
+
     def nbytes(self, step: int, rank: int) -> int:
         """The payload size ``rank`` published for ``step``."""
         ...
@@ -170,6 +178,38 @@ class Arena(Protocol):
     def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None):
         """``rank``'s payload of ``step`` (read-only by convention), bytes
         ``start:start + nbytes``."""
+        ...
+
+
+class SharedMemory(Protocol):
+    """Memory every rank of the group maps, allocated together: the optional
+    capability of transports whose ranks share a host (``transport.shared_memory``;
+    None elsewhere). Implementation: :mod:`transports.shm.shared_arrays`.
+
+    An allocation gives every rank a part of ``nbytes`` and maps every rank's
+    part into every rank; it is collective (every rank allocates the same
+    size, in the same order: the n-th allocation is key ``n`` everywhere).
+    Parts are NumPy ``uint8`` arrays, 64-byte aligned.
+    """
+
+    def allocate(self, nbytes: int):
+        """A new allocation: ``.key``, ``.nbytes``, ``.take()`` (this rank's own
+        part, once: the allocation holds it only weakly), ``.parts[peer]``,
+        ``.address`` (where this rank's part starts)."""
+        ...
+
+    def find(self, address: int, nbytes: int) -> tuple[int, int] | None:
+        """``(key, offset)`` of this rank's part holding bytes ``address`` to
+        ``address + nbytes``, or None."""
+        ...
+
+    def part(self, key: int, rank: int):
+        """Peer ``rank``'s part of allocation ``key``; None once released."""
+        ...
+
+    def release(self, key: int) -> None:
+        """This rank is done with allocation ``key``: drop its mappings of the
+        peers' parts (its own part stays mapped while anything views it)."""
         ...
 
 
@@ -181,6 +221,8 @@ class Transport(Protocol):
     size: int
     #: The shared arena (:class:`Arena`), or None where the ranks share no memory.
     arena: Arena | None
+    #: Memory the ranks map together (:class:`SharedMemory`), or None.
+    shared_memory: SharedMemory | None
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.

@@ -261,6 +261,9 @@ class MailboxTransport:
     #: The shared arena (:class:`~transports.base.Arena`): None unless the
     #: transport's ranks share memory (the shm transport sets its own).
     arena: Arena | None = None
+    #: Memory the ranks map together (:class:`~transports.base.SharedMemory`):
+    #: None unless they share a host (the shm transport sets its own).
+    shared_memory = None
     #: Makes a request: ``(what, rank, peer, tag, buf=None, stamp=b"",
     #: whole_call=False) -> PendingRequest`` (a plain attribute, not a method:
     #: this runs for every message).

@@ -147,6 +147,13 @@ class HostArena:
         except TransportError as exc:
             raise _globalise(exc, self._ranks) from None
 
+    def step(self, payload, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None, nbytes: int | None = None) -> int:
+        try:
+            return self._arena.step(payload, seq, stamp, deadline, call, nbytes)
+        except TransportError as exc:
+            raise _globalise(exc, self._ranks) from None
+
     def wait(self, step: int, seq: int, stamp: bytes, deadline: float | None,
              call: int | None = None) -> None:
         try:
@@ -239,6 +246,8 @@ class HierTransport:
         arena = self._shm.arena
         #: This host's shared arena in group ranks (None: one rank here, or arenas off).
         self.arena = None if arena is None else HostArena(arena, self.local)
+        #: No shared arrays: their memory would be this host's, not the group's.
+        self.shared_memory = None
         #: Both transports' mailboxes as one, in group ranks (what numcoll
         #: checks for messages of a finished call).
         self.mailbox = _Mailboxes(self._net.mailbox, self._shm.mailbox, self.local)

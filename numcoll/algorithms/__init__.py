@@ -96,7 +96,9 @@ CHOICES = {
 #: The algorithms that run on the transport's shared arena: only groups whose
 #: ranks share memory offer them, and on a rank they must run in
 #: sequence-number order (they share one arena; see ``ProcessGroup._execute``).
-SHARED = frozenset({"shared", "shared_split"})
+#: ``shared_arrays`` is not chosen by name: collectives take it on shared
+#: arrays (:mod:`.shared_arrays`, :mod:`numcoll.collectives.shared_arrays`).
+SHARED = frozenset({"shared", "shared_split", "shared_arrays"})
 #: The two-level algorithms: groups over several hosts with the ``hier``
 #: transport (an arena on each host) offer them.
 TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})

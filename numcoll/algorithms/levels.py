@@ -92,6 +92,12 @@ class SubComm:
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:
         return self.parent.shared_step(payload, nbytes)
 
+    def shared_publish(self, payload=None, nbytes: int | None = None) -> int:
+        return self.parent.shared_publish(payload, nbytes)
+
+    def shared_wait(self, step: int) -> None:
+        self.parent.shared_wait(step)
+
     def shared_view(self, step: int, peer: int, start: int, nbytes: int):
         return self.parent.shared_view(step, self.ranks[peer], start, nbytes)
 

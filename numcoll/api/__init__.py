@@ -7,6 +7,8 @@ name, ``numcoll.distributed``.
   ``destroy_process_group``, ``get_rank`` ... -- and group resolution;
 - :mod:`.groups`: sub-groups and rank translation;
 - :mod:`.collectives`: the collectives, each one shape (:func:`.collectives.collective`);
+- :mod:`.persistent`: persistent collectives (``all_reduce_init`` ...);
+- :mod:`.shared`: shared arrays (``empty_shared``, ``zeros_shared``);
 - :mod:`.p2p`: sends, receives and their batches;
 - :mod:`.objects`: the object collectives;
 - :mod:`.backend`: what torch.distributed says about backends and the environment.
@@ -25,9 +27,13 @@ from .objects import *  # noqa: F401,F403
 from .objects import __all__ as _objects_all
 from .p2p import *  # noqa: F401,F403
 from .p2p import __all__ as _p2p_all
+from .persistent import *  # noqa: F401,F403
+from .persistent import __all__ as _persistent_all
+from .shared import *  # noqa: F401,F403
+from .shared import __all__ as _shared_all
 from .world import *  # noqa: F401,F403
 from .world import __all__ as _world_all
 from .world import DEFAULT_TIMEOUT  # noqa: F401
 
 __all__ = [*_world_all, *_groups_all, *_collectives_all, *_p2p_all, *_objects_all,
-           *_backend_all]
+           *_backend_all, *_persistent_all, *_shared_all]

@@ -7,6 +7,7 @@ import sys
 
 import transports
 
+from .forms import describe
 from .report import (
     compare_rows,
     format_footer,
@@ -85,6 +86,8 @@ examples:
   python -m numcoll.bench --op broadcast --algorithm chain --compare torch --json out.json
   python -m numcoll.bench --op allgather --sweep latency --compare torch,mpi4py
   python -m numcoll.bench --op barrier -n 4 --compare torch,mpi4py
+  python -m numcoll.bench --op allreduce --sweep latency --persistent --compare mpi4py
+  python -m numcoll.bench --op allreduce --sizes 1M,16M --shared-arrays --compare mpi4py
   python -m numcoll.bench --sizes 8,1M,16M --save main     # on main
   python -m numcoll.bench --sizes 8,1M,16M --baseline main # on a branch
 """
@@ -184,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=("both", "out-of-place", "in-place"), default="both",
                    help="out-of-place and/or in-place forms (default both, where the op has "
                         "both: allgather, reduce_scatter)")
+    p.add_argument("--persistent", action="store_true",
+                   help="time numcoll's persistent collectives: a request made once per size "
+                        "(nc.all_reduce_init ...), start() + wait() per iteration; MPI's "
+                        "MPI-4 persistent collectives where its library has them (else its "
+                        "blocking call, as torch's)")
+    p.add_argument("--shared-arrays", action="store_true",
+                   help="numcoll's buffers from nc.empty_shared, so its collectives read "
+                        "the other ranks' arrays in place (the anchors' stay ordinary arrays)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="count wrong result elements after each size (the #wrong column; "
                         "default on)")
@@ -271,12 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         from .mpi import run_plan_mpi
 
         try:
-            mpi_rows = [r for p in plans for r in run_plan_mpi(p, timeout_s=args.timeout)[0]]
+            mpi_runs = [run_plan_mpi(p, timeout_s=args.timeout) for p in plans]
         except Exception as exc:  # noqa: BLE001 - keep the other results, report MPI's failure
             print(f"numcoll-bench: error: the mpi4py run failed: {exc}", file=sys.stderr)
             status = status or 1
         else:
+            mpi_rows = [r for rows_, _ in mpi_runs for r in rows_]
             rows = _with_mpi(rows, mpi_rows)
+            if args.persistent and not mpi_runs[0][1].get("mpi_persistent") and not args.quiet:
+                print("numcoll-bench: note: this MPI has no persistent collectives (MPI-4): "
+                      "its rows time the blocking call", file=sys.stderr)
     meta = metadata(plan, mode=args.mode, transport=args.transport,
                     transport_used=info.get("transport"), compare=",".join(args.compare) or None,
                     torch_version=torch_version(), sweep=args.sweep)
@@ -292,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                  + (f" dtype={plan.dtype}" if plan.moves_data else "")
                  + (f" sweep={args.sweep}" if args.sweep else "")
                  + (f" algorithm={plan.algorithm}" if plan.algorithm else "")
+                 + (f" form={describe(plan)}" if describe(plan) else "")
                  + (f" baseline={args.baseline}" if baseline is not None else "")
                  + (f"  vs torch {meta['torch_version']} gloo (processes, 1 thread/rank)"
                     if torch_rows is not None else ""))
@@ -332,7 +348,8 @@ def _plans(args: argparse.Namespace) -> list[Plan]:
     return [make_plan(args.op, sizes, world_size=args.world_size, dtype=args.dtype or "float32",
                       iters=iters, warmup=warmup, algorithm=args.algorithm,
                       in_place=(p == "in-place"), sync_each_iter=args.sync_each_iter,
-                      check=args.check)
+                      check=args.check, persistent=args.persistent,
+                      shared_arrays=args.shared_arrays)
             for p in PLACEMENTS[args.op] if args.placement in ("both", p)]
 
 

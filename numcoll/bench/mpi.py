@@ -72,6 +72,7 @@ def mpi_rank(plan: Plan) -> list[np.ndarray] | None:
     rank's per-iteration times (``[rank][case]``), the others None."""
     from mpi4py import MPI
 
+    from .forms import mpi_step
     from .runners import _time_case, rank_buffers
 
     comm = MPI.COMM_WORLD
@@ -80,8 +81,9 @@ def mpi_rank(plan: Plan) -> list[np.ndarray] | None:
     times = []
     for case in plan.cases:
         inp, out = rank_buffers(plan, case, comm.Get_rank())
-        times.append(_time_case(_mpi_step(MPI, comm, plan.op, inp, out), case, comm.Barrier,
-                                plan.sync_each_iter))
+        # --persistent: MPI-4's persistent form where the library has it.
+        step = mpi_step(MPI, comm, plan, inp, out) or _mpi_step(MPI, comm, plan.op, inp, out)
+        times.append(_time_case(step, case, comm.Barrier, plan.sync_each_iter))
     gathered = comm.gather(times, root=0)
     return gathered if comm.Get_rank() == 0 else None
 
@@ -124,11 +126,14 @@ def run_plan_mpi(plan: Plan, *, timeout_s: float = 900.0,
     rows = summarize(plan, rank_times, backend="mpi4py")
     for row in rows:
         row["algorithm"] = "mpi"
-    return rows, {"transport": "mpi", "mpi_version": result["version"]}
+    return rows, {"transport": "mpi", "mpi_version": result["version"],
+                  "mpi_persistent": result.get("persistent", False)}
 
 
 def _worker(plan_path: str, out_path: str) -> None:
     from mpi4py import MPI
+
+    from .forms import mpi_persistent
 
     with open(plan_path) as f:
         plan = _plan_from_json(f.read())
@@ -136,7 +141,8 @@ def _worker(plan_path: str, out_path: str) -> None:
     if gathered is not None:
         with open(out_path, "w") as f:
             json.dump({"times": [[t.tolist() for t in per_rank] for per_rank in gathered],
-                       "version": MPI.Get_library_version().splitlines()[0].strip()}, f)
+                       "version": MPI.Get_library_version().splitlines()[0].strip(),
+                       "persistent": plan.persistent and mpi_persistent(MPI)}, f)
 
 
 def main(argv: list[str] | None = None) -> int:

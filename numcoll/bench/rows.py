@@ -14,8 +14,8 @@ Both return a zero-argument callable that runs one iteration, plus whether
 the ranks should line up (an untimed barrier) before each iteration.
 
 Rows of issue 19 (persistent collectives ``nc.all_reduce_init``, shared
-arrays ``nc.empty_shared``) are in :func:`default_rows`; they are left out,
-with the reason, while numcoll lacks those functions.
+arrays ``nc.zeros_shared``) are in :func:`default_rows`; a numcoll without
+those functions leaves them out, with the reason (:func:`missing_api`).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def default_rows(quick: bool = True) -> list[Row]:
                 spec={**base.spec, "kind": "collective_work"},
                 info={**base.info, "call": "ProcessGroup.allreduce(x).wait()"}))
         # Issue 19: a persistent allreduce started repeatedly, and nc.all_reduce
-        # on an array every rank maps. Skipped (see missing_api) until they land.
+        # on an array every rank maps (see missing_api for a numcoll without them).
         for nbytes in (8, mib):
             base = anchored(_collective_row("allreduce", world_size, nbytes), nbytes)
             for kind, label in (("persistent", "all_reduce_init"),

@@ -36,7 +36,7 @@ import numpy as np
 
 from .check import count_wrong, prepare_check
 from .progress import ProgressDisplay, Reporter
-from .sweep import Case, Plan, algorithm_name, format_nbytes, summarize
+from .sweep import Case, Plan, format_nbytes, summarize
 
 __all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "numcoll_step",
            "run_plan", "run_plans", "torch_available", "torch_version", "TorchUnavailableError",
@@ -76,11 +76,14 @@ def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], obj
 
 
 def _run_cases(plan: Plan, rank: int, make_step, barrier: Callable[[], object],
-               reporter: Reporter | None, first_case: int, label: str) -> dict:
+               reporter: Reporter | None, first_case: int, label: str,
+               buffers: Callable | None = None) -> dict:
     """Time every case of ``plan`` on this rank, then check it (see the module
     docstring). ``make_step(inp, out)`` -> a callable running one complete
     collective on those buffers; ``first_case``: the number of this plan's
-    first case among all the cases of the launch (for the progress display)."""
+    first case among all the cases of the launch (for the progress display);
+    ``buffers(plan, case, rank)``: the buffers (default :func:`rank_buffers`)."""
+    buffers = buffers or rank_buffers
     all_times, all_wrong = [], []
     for index, case in enumerate(plan.cases):
         tick = None
@@ -88,7 +91,7 @@ def _run_cases(plan: Plan, rank: int, make_step, barrier: Callable[[], object],
             number = first_case + index
             reporter.start_case(number, f"[{label} {plan.label}] {format_nbytes(case.nbytes)}")
             tick = lambda fraction, number=number: reporter.tick(number, fraction)  # noqa: E731
-        inp, out = rank_buffers(plan, case, rank)
+        inp, out = buffers(plan, case, rank)
         step = make_step(inp, out)
         all_times.append(_time_case(step, case, barrier, plan.sync_each_iter, tick))
         wrong = None
@@ -207,15 +210,23 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
     """
     import numcoll as nc
 
+    from .forms import algorithm, numcoll_buffers, numcoll_form_step  # other forms
+
     pg = nc.get_default_group()
-    result = _run_cases(plan, pg.rank(), lambda inp, out: numcoll_step(plan, inp, out),
-                        nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll")
+    result = _run_cases(plan, pg.rank(), lambda inp, out: numcoll_form_step(plan, inp, out),
+                        nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll",
+                        numcoll_buffers)
     # The group's own configuration says what ran (e.g. whether it has a shared arena).
-    algorithms = [algorithm_name(plan, case, pg.context.cfg) for case in plan.cases]
+    algorithms = [algorithm(plan, case, pg.context.cfg) for case in plan.cases]
     return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 
-def _numcoll_session(plans: list[Plan], reporter: Reporter | None) -> list[dict]:
+def _numcoll_session(plans: list[Plan], reporter: Reporter | None,
+                     bind: bool = False) -> list[dict]:
+    if bind:
+        from .forms import bind_to_core
+
+        bind_to_core()
     firsts = _first_cases(plans)
     return [numcoll_rank(plan, reporter, first) for plan, first in zip(plans, firsts)]
 
@@ -370,7 +381,8 @@ def run_plans(plans: list[Plan], *, backend: str = "numcoll", mode: str = "proce
         raise ValueError(f"unknown backend {backend!r}; choose 'numcoll' or 'torch'")
     with ProgressDisplay(sum(len(p.cases) for p in plans), progress) as reporter:
         if backend == "numcoll":
-            per_rank = launch(_numcoll_session, world_size, args=(plans, reporter), mode=mode,
+            per_rank = launch(_numcoll_session, world_size,
+                              args=(plans, reporter, mode == "process"), mode=mode,
                               transport=transport, timeout=timeout_s)
         else:
             per_rank = launch(_torch_session, world_size, args=(plans, timeout_s, reporter),

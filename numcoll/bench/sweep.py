@@ -188,6 +188,10 @@ class Plan:
         whose sends complete eagerly can run ahead of its receivers).
     check: after timing each size, run it once more on rank-dependent inputs
         and count the wrong elements (the ``#wrong`` column).
+    persistent, shared_arrays: numcoll's other forms (``--persistent``: a
+        request made once per size, ``start(); wait()`` per iteration;
+        ``--shared-arrays``: buffers from ``nc.empty_shared``): see
+        :mod:`numcoll.bench.forms`.
     """
 
     op: str
@@ -198,6 +202,8 @@ class Plan:
     in_place: bool = False
     sync_each_iter: bool = False
     check: bool = True
+    persistent: bool = False
+    shared_arrays: bool = False
 
     @property
     def numpy_dtype(self) -> np.dtype:
@@ -221,7 +227,10 @@ class Plan:
         progress bar calls it."""
         both = self.op in PLACEMENTS and len(PLACEMENTS[self.op]) > 1
         label = f"{self.op} {self.placement}" if both else self.op
-        return label + (f" {self.algorithm}" if self.algorithm else "")
+        label += f" {self.algorithm}" if self.algorithm else ""
+        forms = [w for w, on in (("persistent", self.persistent),
+                                 ("shared arrays", self.shared_arrays)) if on]
+        return f"{label} ({', '.join(forms)})" if forms else label
 
 
 def moves_data(op: str) -> bool:
@@ -252,7 +261,8 @@ def _default_warmup(iters: int) -> int:
 def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str = "float32",
               iters: int | None = None, warmup: int | None = None,
               algorithm: str | None = None, in_place: bool | None = None,
-              sync_each_iter: bool = False, check: bool = True) -> Plan:
+              sync_each_iter: bool = False, check: bool = True, persistent: bool = False,
+              shared_arrays: bool = False) -> Plan:
     """Validate the arguments and build a :class:`Plan`.
 
     Sizes are rounded down to whole elements (to a multiple of ``world_size``
@@ -264,6 +274,7 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
 
     A barrier moves no data: ``sizes`` must be empty, the plan has one case of
     size 0 (200 iterations by default) and ``check`` is off (nothing to check).
+    ``persistent``, ``shared_arrays``: see :class:`Plan`.
     """
     from ..dtypes import SUPPORTED_DTYPES, dtype_name
 
@@ -289,10 +300,12 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
     if op in _NO_DATA_OPS:
         if sizes:
             raise ValueError(f"{op} moves no data: give no sizes (its one case is size 0)")
+        if shared_arrays:
+            raise ValueError(f"{op} moves no data: it has no arrays to share")
         n_iters = iters if iters is not None else MAX_ITERS
         n_warmup = warmup if warmup is not None else _default_warmup(n_iters)
         return Plan(op, dtype, world_size, (Case(0, 0, n_iters, n_warmup),), algorithm, False,
-                    sync_each_iter, check=False)
+                    sync_each_iter, check=False, persistent=persistent)
     itemsize = names[dtype].itemsize
     per = world_size if op in _SPLIT_OPS else 1
     cases, seen = [], set()
@@ -308,7 +321,7 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
     if not cases:
         raise ValueError("no sizes to measure")
     return Plan(op, dtype, world_size, tuple(cases), algorithm, bool(in_place), sync_each_iter,
-                check)
+                check, persistent, shared_arrays)
 
 
 def _check_algorithm(op: str, algorithm: str) -> None:

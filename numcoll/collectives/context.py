@@ -52,13 +52,16 @@ class GroupContext:
     one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "settings", "topology")
+                 "settings", "shared_memory", "topology")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
         #: What every Call of this group stamps: ranks whose settings differ fail
         #: at their first call (:func:`numcoll.config.fingerprint`).
         self.settings = _config.fingerprint(cfg)
+        #: The transport's ``shared_memory`` (:mod:`numcoll.memory.shared`), where
+        #: the group also has a shared arena; else None (see :meth:`attach`).
+        self.shared_memory = None
         #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`),
         #: on groups whose transport knows it (``hier``); else None.
         self.topology = None
@@ -80,26 +83,30 @@ class GroupContext:
         self.timeout_s = timeout_s
         self.plans.clear()
 
+    def attach(self, transport):
+        """What this group's ``transport`` offers the collectives: with ``hosts``
+        (the hier transport: its arena is each host's) the group's
+        :class:`~numcoll.algorithms.levels.Topology`, for the two-level
+        algorithms (the group-wide shared ones go, where it spans hosts);
+        without, and without a shared arena, no shared algorithms (and no
+        shared arrays: their collectives synchronise on the arena). Returns
+        the topology, or None."""
+        hosts = getattr(transport, "hosts", None)
+        if hosts is not None:
+            self.topology = Topology(hosts, self.rank, self.cfg.arena_slot_nbytes)
+            self.plans.clear()
+        elif transport.arena is None:
+            if self.cfg.arena_slot_nbytes:
+                self.disable_arena()  # no shared memory between these ranks
+        else:
+            self.shared_memory = transport.shared_memory
+        return self.topology
+
     def disable_arena(self) -> None:
         """This group's transport has no shared arena: no shared algorithms."""
         self.cfg = _config.replace(self.cfg, arena_slot_nbytes=0)
         self.settings = _config.fingerprint(self.cfg)
         self.plans.clear()
-
-    def learn_hosts(self, transport):
-        """Adopt what ``transport`` says of the hosts: with ``hosts`` (the hier
-        transport: its arena is each host's) the group's
-        :class:`~numcoll.algorithms.levels.Topology`, for the two-level
-        algorithms (the group-wide ``shared`` ones go, where it spans hosts);
-        without, and without an arena, no shared algorithms. Returns the
-        topology, or None."""
-        hosts = getattr(transport, "hosts", None)
-        if hosts is not None:
-            self.topology = Topology(hosts, self.rank, self.cfg.arena_slot_nbytes)
-            self.plans.clear()
-        elif transport.arena is None and self.cfg.arena_slot_nbytes:
-            self.disable_arena()  # no shared memory between these ranks
-        return self.topology
 
     # -- what plans are made of ------------------------------------------------------
     def timeout_for(self, opts, op_name: str) -> float:

@@ -14,6 +14,7 @@ from ..options import (AllgatherOptions, AllToAllOptions, BroadcastOptions, Gath
                        ScatterOptions)
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
+from . import shared_arrays
 from .context import GroupContext, cached
 
 __all__ = ["broadcast", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
@@ -39,6 +40,9 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
     check_root_tensor(opts.root_tensor, len(arrays), name)
     src = arrays[opts.root_tensor]
     is_root = ctx.rank == root_rank
+    if ctx.shared_memory is not None and src.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.broadcast(ctx, arrays, outs, root_rank, opts)):
+        return found
     key = (name, src.dtype, src.shape, len(arrays), xp.is_device, root_rank,
            opts.algorithm, opts.timeout)
     algorithm, seg, call = cached(ctx, key, opts, name, _broadcast_plan, ctx, name, arrays,
@@ -187,13 +191,18 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
     check_writable(outputs, name)
     direct = len(outputs) == 1 and xp.contiguous(outputs[0])
     per_rank = sum(a.size for a in inputs)
-    chunks = [(r * per_rank, per_rank) for r in range(size)]
     # torch's in-place form: the input is exactly this rank's chunk of the output.
     own_chunk = (direct and shares_memory(inputs[0], outputs[0]) and xp.contiguous(inputs[0])
                  and same_view(inputs[0].reshape(-1),
                                outputs[0].reshape(-1)[rank * per_rank:(rank + 1) * per_rank]))
     aliased = check_overlap(name, outputs, inputs,
                             in_place=[(inputs[0], outputs[0])] if own_chunk else ())
+    if name == "allgather_into_tensor" and ctx.shared_memory is not None and \
+            inputs[0].nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.allgather_into_tensor(ctx, outputs[0], inputs[0], outs,
+                                                          aliased, opts)):
+        return found
+    chunks = [(r * per_rank, per_rank) for r in range(size)]
     algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, outputs, per_rank)
 
     def run(comm, work):
@@ -423,11 +432,14 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
     if n != m:
         raise ValueError(f"{name}: invalid tensor size: rank {rank} sends itself "
                          f"{n} elements but expects {m}")
-    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
-
     # The same memory as input and output: send from a copy, or blocks
     # received early would overwrite blocks not sent yet.
     aliased = check_overlap(name, [out], [inp])
+    if ctx.shared_memory is not None and inp.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.alltoall_base(ctx, out, inp, send_chunks, recv_chunks,
+                                                  [output], aliased, opts)):
+        return found
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
 
     def run(comm, work):
         send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)

@@ -19,6 +19,8 @@ from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
 from .context import GroupContext, cached, check_options
+from . import shared_arrays
+from .arena_step import ArenaStep
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
 
 __all__ = ["allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
@@ -48,6 +50,9 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
     outs = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
     arrays, xp = uniform_arrays(arrays, name)
     first = arrays[0]
+    if ctx.shared_memory is not None and first.nbytes >= ctx.cfg.shared_arrays_min_nbytes \
+            and (found := shared_arrays.allreduce(ctx, arrays, outs, reduce_op, opts)):
+        return found
     # Everything below follows from these (the checks above made every array
     # alike), so a repeated call reuses it: the plan, algorithm and call
     # descriptor are most of a small call's cost.
@@ -62,7 +67,15 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
         plan = ctx.keep(key, _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts))
     else:
         ctx.plans.move_to_end(key)
-    red, algorithm, seg, call = plan
+    red, algorithm, seg, call, one = plan
+    if one is not None and first.flags.c_contiguous:  # one arena step: see .arena_step
+        flat = first if first.ndim == 1 else first.reshape(-1)
+
+        def run_one(comm, work):
+            one.run(comm, flat)
+            return outs
+
+        return call, run_one
     steps = red.host_steps if xp is HOST else xp.steps(red)
 
     def run(comm, work):
@@ -86,7 +99,8 @@ def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings,
                 **op_fields(reduce_op))
-    return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
+    one = ArenaStep.plan(ctx, algorithm.name, red, first, len(arrays))
+    return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call, one
 
 
 def allreduce_coalesced(ctx: GroupContext, arrays, opts: AllreduceCoalescedOptions | None = None):
@@ -163,6 +177,9 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
     is_root = ctx.rank == root_rank
     if is_root:
         check_writable(arrays, name)
+    if ctx.shared_memory is not None and arr.nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.reduce(ctx, arrays, outs, reduce_op, root_rank, opts)):
+        return found
     key = (name, arr.dtype, arr.shape, xp.is_device, root_rank,
            getattr(reduce_op, "_key", None), opts.algorithm, opts.timeout)
     red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_plan, ctx, name,
@@ -276,6 +293,11 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
     # Any other overlap: the copying path below reads the input before writing.
     aliased = check_overlap(name, outputs, inputs,
                             in_place=[(inputs[0], outputs[0])] if own_share else ())
+    if single and ctx.shared_memory is not None and \
+            inputs[0].nbytes >= ctx.cfg.shared_arrays_min_nbytes and \
+            (found := shared_arrays.reduce_scatter_tensor(ctx, outputs[0], inputs[0], [outs],
+                                                          opts.reduce_op, aliased, opts)):
+        return found
     key = (name, outputs[0].dtype, shapes(inputs), shapes(outputs), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
     red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_scatter_plan, ctx,

@@ -225,6 +225,17 @@ class FlightRecorder:
         return os.path.join(directory, name)
 
 
+def dump_on_failure(recorder: FlightRecorder | None, rank: int) -> None:
+    """``recorder``'s records to ``NUMCOLL_FR_DUMP_DIR``, where that is set (a
+    group's first failure); never raises: a diagnostic must not mask the failure."""
+    directory = config.get("fr_dump_dir")
+    if directory and recorder is not None:
+        try:
+            recorder.dump_to_dir(directory, rank)
+        except OSError:
+            pass
+
+
 def write_private(directory: str, name: str, data: bytes) -> None:
     """Put ``data`` in ``directory/name`` as a new file only this user can read.
 

@@ -72,12 +72,14 @@ class FakeComm:
     arena is then this rank's host's)."""
 
     def __init__(self, fabric: list[_Inbox], rank: int, log: list | None = None,
-                 arena: _Arena | None = None, topology: Topology | None = None):
+                 arena: _Arena | None = None, topology: Topology | None = None,
+                 shared: dict | None = None):
         self.rank, self.size = rank, len(fabric)
         self._fabric = fabric
         self._log = log
         self.arena = None if arena is None else _ArenaView(arena, rank)
         self.topology = topology
+        self._shared = shared or {}
 
     @property
     def arena_slot_nbytes(self) -> int:
@@ -88,6 +90,12 @@ class FakeComm:
 
     def shared_step(self, payload=None, nbytes: int | None = None) -> int:
         """Comm.shared_step: publish, then wait for every rank's part of the step."""
+        step = self.shared_publish(payload, nbytes)
+        self.shared_wait(step)
+        return step
+
+    def shared_publish(self, payload=None, nbytes: int | None = None) -> int:
+        """Comm.shared_publish: this rank's part of the next step, no waiting."""
         view, arena = self.arena, self.arena._arena
         step, me = view.next_step, view._rank
         if payload is not None:
@@ -97,7 +105,6 @@ class FakeComm:
         assert nbytes <= arena.slot_nbytes, f"rank {self.rank}: {nbytes} bytes overflow the slot"
         if self._log is not None:
             self._log.append(nbytes)
-        deadline = time.monotonic() + WAIT_S
         with arena.cond:
             # The two-set rule of transports.shm.arena: overwriting set step % 2
             # is safe only once every rank has published step - 1.
@@ -105,13 +112,23 @@ class FakeComm:
             arena.nbytes[step & 1, me] = nbytes
             arena.published[me] = step + 1
             arena.cond.notify_all()
+        view.next_step = step + 1
+        return step
+
+    def shared_wait(self, step: int) -> None:
+        """Comm.shared_wait: until every rank has published ``step`` (a deadline)."""
+        arena = self.arena._arena
+        deadline = time.monotonic() + WAIT_S
+        with arena.cond:
             while min(arena.published) < step + 1:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"rank {self.rank}: step {step} never completed")
                 arena.cond.wait(left)
-        view.next_step = step + 1
-        return step
+
+    def shared_slots(self) -> list:
+        """Comm.shared_slots: ``[set][rank]`` whole payload slots."""
+        return [[self.arena._arena.slots[s, r] for r in range(self.size)] for s in (0, 1)]
 
     def shared_view(self, step: int, peer: int, start: int, nbytes: int) -> np.ndarray:
         arena = self._arena_checked(step)
@@ -120,6 +137,15 @@ class FakeComm:
             f"rank {self.rank} reads bytes {start}..{start + nbytes} of rank {peer}'s "
             f"{arena.nbytes[step & 1, at]}")
         return arena.slots[step & 1, at, start:start + nbytes]
+
+    def shared_array(self, peer: int, key: int, start: int, nbytes: int) -> np.ndarray:
+        """Comm.shared_array: bytes of ``peer``'s part of shared allocation ``key``
+        (``run_ranks(..., shared={key: [every rank's uint8 part]})``)."""
+        part = self._shared[key][peer]
+        assert 0 <= start and start + nbytes <= part.size, (
+            f"rank {self.rank} reads bytes {start}..{start + nbytes} of rank {peer}'s "
+            f"shared part #{key} of {part.size}")
+        return part[start:start + nbytes]
 
     def size_mismatch(self, peer: int, detail: str):
         raise AssertionError(f"rank {self.rank}: wrong size from rank {peer}: {detail}")
@@ -179,9 +205,11 @@ class FakeComm:
 
 
 def run_ranks(world_size: int, fn, log: list | None = None,
-              arena_slot_nbytes: int = 4096, hosts=None) -> list:
+              arena_slot_nbytes: int = 4096, hosts=None, shared: dict | None = None) -> list:
     """fn(comm) on ``world_size`` thread ranks; their results; the first error re-raised.
-    The comms share an in-memory arena of ``arena_slot_nbytes`` per slot.
+    The comms share an in-memory arena of ``arena_slot_nbytes`` per slot, and
+    the shared memory ``shared`` ({key: [every rank's part, uint8]}) for the
+    shared-array algorithms.
 
     ``hosts`` (lists of ranks covering every rank once, e.g. ``[[0, 1, 2],
     [3]]``) gives the comms a :class:`~numcoll.algorithms.levels.Topology`, as on a group
@@ -198,7 +226,7 @@ def run_ranks(world_size: int, fn, log: list | None = None,
     def body(rank):
         topology = None if hosts is None else Topology(layout, rank, arena_slot_nbytes)
         try:
-            results[rank] = fn(FakeComm(fabric, rank, log, arena_of[rank], topology))
+            results[rank] = fn(FakeComm(fabric, rank, log, arena_of[rank], topology, shared))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the test thread
             errors.append((rank, exc))
 

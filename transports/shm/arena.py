@@ -150,6 +150,15 @@ def _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
     return -1
 
 
+@njit(nogil=True, cache=True)
+def _step(region, ctrl, rank, size, step, header, first_header, stride, seq, stamp0, stamp1,
+          payload, copy_nbytes, nbytes, spin_until_ns, yield_until_ns):
+    """:func:`_put` then :func:`_wait`, in one call (what :meth:`SharedArena.step` runs)."""
+    _put(region, ctrl, rank, step, header, seq, stamp0, stamp1, payload, copy_nbytes, nbytes)
+    return _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
+                 spin_until_ns, yield_until_ns)
+
+
 class SharedArena:
     """The arena of one rank (see the module docstring); implements
     :class:`transports.base.Arena`.
@@ -215,12 +224,7 @@ class SharedArena:
         step = self._step
         if self._region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
-        if payload is not None:
-            nbytes = payload.size
-        elif nbytes is None:
-            nbytes = 0
-        if nbytes > self.slot_nbytes:
-            raise ValueError(f"shared arena: {nbytes} bytes exceed the {self.slot_nbytes}-byte slot")
+        nbytes = self._nbytes_of(payload, nbytes)
         s0, s1 = _stamp_words(stamp)
         header = self._first_header[step & 1] + self.rank * self._stride
         _put(self._region, self._ctrl, self.rank, step, header, seq, s0, s1,
@@ -241,23 +245,72 @@ class SharedArena:
         in ring tags (``tag >> CALL_SHIFT``), to catch a peer that runs
         another call over the rings at this sequence number."""
         s0, s1 = _stamp_words(stamp)
-        first = self._first_header[step & 1]
         # Local references: close() may drop the arena's meanwhile (the mapping
         # stays alive while they do).
+        region, ctrl = self._region, self._ctrl
+        if region is None:
+            raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
+        spin_until, until = self._spin_deadlines(deadline)
+        got = _wait(region, ctrl, self.size, step, self._first_header[step & 1], self._stride,
+                    seq, s0, s1, spin_until, until)
+        if got != -1:
+            self._wait_slowly(got, step, seq, stamp, deadline, call)
+
+    def step(self, payload: np.ndarray | None, seq: int, stamp: bytes, deadline: float | None,
+             call: int | None = None, nbytes: int | None = None) -> int:
+        """:meth:`put` then :meth:`wait`, in one compiled call while every rank
+        publishes within the spin (the common case). Returns the step."""
+        step = self._step
+        region, ctrl = self._region, self._ctrl
+        if region is None:
+            raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
+        nbytes = self._nbytes_of(payload, nbytes)
+        s0, s1 = _stamp_cache.get(stamp) or _stamp_words(stamp)
+        first = self._first_header[step & 1]
+        spin_until = time.monotonic_ns() + self._spin_ns
+        until = spin_until + self._yield_ns
+        if deadline is not None:
+            until = min(until, int(deadline * 1e9))
+        got = _step(region, ctrl, self.rank, self.size, step, first + self.rank * self._stride,
+                    first, self._stride, seq, s0, s1, _EMPTY if payload is None else payload,
+                    0 if payload is None else nbytes, nbytes, spin_until, until)
+        self._step = step + 1
+        if got != -1:
+            self._wait_slowly(got, step, seq, stamp, deadline, call)
+        return step
+
+    def _nbytes_of(self, payload: np.ndarray | None, nbytes: int | None) -> int:
+        """The bytes a step publishes: ``payload``'s, else ``nbytes`` (default 0),
+        at most a slot."""
+        if payload is not None:
+            nbytes = payload.size
+        elif nbytes is None:
+            nbytes = 0
+        if nbytes > self.slot_nbytes:
+            raise ValueError(f"shared arena: {nbytes} bytes exceed the {self.slot_nbytes}-byte slot")
+        return nbytes
+
+    def _spin_deadlines(self, deadline: float | None) -> tuple[int, int]:
+        """(end of the busy spin, end of the yield phase), in monotonic ns."""
+        spin_until = time.monotonic_ns() + self._spin_ns
+        until = spin_until + self._yield_ns
+        if deadline is not None:
+            until = min(until, int(deadline * 1e9))
+        return spin_until, until
+
+    def _wait_slowly(self, got: int, step: int, seq: int, stamp: bytes,
+                     deadline: float | None, call: int | None) -> None:
+        """The rest of :meth:`wait` once the spin and yield phases found rank
+        ``got`` behind (or, ``got < -1``, a header of another call): sleep
+        between polls, checking the peer, the rings and the deadline."""
+        s0, s1 = _stamp_words(stamp)
+        first = self._first_header[step & 1]
         region, ctrl, headers = self._region, self._ctrl, self._headers
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
-        now = time.monotonic_ns()
-        spin_until = now + self._spin_ns
-        until = spin_until + self._yield_ns
-        deadline_ns = None if deadline is None else int(deadline * 1e9)
-        if deadline_ns is not None:
-            until = min(until, deadline_ns)
         sleep_s = SLEEP_MIN_S
         next_mismatch_poll = 0.0
         while True:
-            got = _wait(region, ctrl, self.size, step, first, self._stride, seq, s0, s1,
-                        spin_until, until)
             if got == -1:
                 return
             if got < -1:
@@ -287,7 +340,8 @@ class SharedArena:
             time.sleep(sleep_s)
             sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
             # Look once (no spin), then sleep again, until the deadline.
-            spin_until = until = time.monotonic_ns()
+            now = time.monotonic_ns()
+            got = _wait(region, ctrl, self.size, step, first, self._stride, seq, s0, s1, now, now)
 
     def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None) -> np.ndarray:
         """``rank``'s payload of ``step`` (uint8, read-only by convention), bytes

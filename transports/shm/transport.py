@@ -51,6 +51,7 @@ from .arena import SharedArena
 from .progress import RingProgress, Send, ShmRequest
 from .region import arena_offset, create_region, region_nbytes
 from .rendezvous import connect_peers
+from .shared_arrays import SharedMemory
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
@@ -110,6 +111,9 @@ class ShmRingTransport(MailboxTransport):
         self._rings: RingProgress | None = None
         #: The shared arena (:mod:`transports.shm.arena`), or None.
         self.arena: SharedArena | None = None
+        #: Memory the ranks map together (:mod:`transports.shm.shared_arrays`).
+        self.shared_memory = SharedMemory(rank, size, store, token=token,
+                                          refusals=self.refusals, timeout_s=timeout_s)
         if size == 1:
             return
         try:
@@ -174,6 +178,7 @@ class ShmRingTransport(MailboxTransport):
             self._mailbox.close(reason)
         if self.arena is not None:
             self.arena.release()
+        self.shared_memory.close()
         self.refusals.close()
 
     def __repr__(self) -> str:

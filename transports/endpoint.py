@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .mailbox import Mailbox
 
 __all__ = ["MailboxTransport", "PendingRequest", "AllEvents", "describe", "check_peer",
-           "check_stamp", "byte_view", "forget", "SEND", "RECV"]
+           "check_stamp", "byte_view", "forget", "Prefixed", "SEND", "RECV"]
 
 
 #: ``what`` of a request: the words error messages use.
@@ -57,6 +57,24 @@ def forget(store: Rendezvous, key: str) -> None:
     delete = getattr(store, "delete_key", None)
     if delete is not None:
         delete(key)
+
+
+class Prefixed:
+    """``store`` with keys under ``prefix``: the keys of one rendezvous (a
+    transport inside another, an allocation), apart from any other's. The
+    Rendezvous subset, and ``delete_key`` where ``store`` has it."""
+
+    def __init__(self, store: Rendezvous, prefix: str):
+        self._store, self._prefix = store, prefix
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(self._prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(self._prefix + key)
+
+    def delete_key(self, key: str) -> None:
+        forget(self._store, self._prefix + key)
 
 
 def describe(what: str, rank: int, peer: int, tag: int) -> str:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 
 from .base import ANY_SOURCE, Rendezvous, TransportError
-from .endpoint import forget
+from .endpoint import Prefixed, forget
 
 __all__ = ["HierTransport", "HostArena", "NET_TAG_BIT", "hosts_from_keys"]
 
@@ -49,23 +49,6 @@ __all__ = ["HierTransport", "HostArena", "NET_TAG_BIT", "hosts_from_keys"]
 NET_TAG_BIT = 1 << 63
 #: Store key of a rank's host key.
 HOST_KEY = "hier/host/{rank}"
-
-
-class _Prefixed:
-    """``store`` with keys under ``prefix`` (the Rendezvous subset, and
-    ``delete_key`` where ``store`` has it)."""
-
-    def __init__(self, store: Rendezvous, prefix: str):
-        self._store, self._prefix = store, prefix
-
-    def set(self, key: str, value: bytes) -> None:
-        self._store.set(self._prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._store.get(self._prefix + key)
-
-    def delete_key(self, key: str) -> None:
-        forget(self._store, self._prefix + key)
 
 
 def hosts_from_keys(keys: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -233,13 +216,13 @@ class HierTransport:
         # (those to this rank itself through tcp, as any-source receives may
         # take them there).
         self._local_index = {r: i for i, r in enumerate(self.local) if r != rank}
-        self._net = create("tcp", rank, size, _Prefixed(store, "hier/net/"), options)
+        self._net = create("tcp", rank, size, Prefixed(store, "hier/net/"), options)
         # Every peer published its tcp address after reading every host key,
         # and this rank has read every address: its key can go.
         forget(store, HOST_KEY.format(rank=rank))
         try:
             self._shm = create("shm", self.local.index(rank), len(self.local),
-                               _Prefixed(store, f"hier/host{self.host}/"), options)
+                               Prefixed(store, f"hier/host{self.host}/"), options)
         except BaseException:
             self._net.close()
             raise

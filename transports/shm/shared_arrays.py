@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from ..base import Rendezvous, TransportError
-from ..endpoint import forget
+from ..endpoint import Prefixed
 from ..refusals import RefusalLog
 from .region import create_region
 from .rendezvous import connect_peers
@@ -49,23 +49,6 @@ __all__ = ["SharedMemory", "Allocation", "ALIGN"]
 ALIGN = 64
 #: Store key of a rank's size for allocation ``key``.
 SIZE_KEY = "shared/{key}/nbytes/{rank}"
-
-
-class _Prefixed:
-    """A store seen under ``prefix`` (what :func:`connect_peers` expects: the
-    keys of one rendezvous, apart from any other's)."""
-
-    def __init__(self, store: Rendezvous, prefix: str):
-        self._store, self._prefix = store, prefix
-
-    def set(self, key: str, value: bytes) -> None:
-        self._store.set(self._prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        return self._store.get(self._prefix + key)
-
-    def delete_key(self, key: str) -> None:
-        forget(self._store, self._prefix + key)
 
 
 class Allocation:
@@ -130,7 +113,7 @@ class SharedMemory:
         key = self._count
         self._count += 1
         deadline = time.monotonic() + self.timeout_s
-        store = _Prefixed(self._store, f"shared/{key}/")
+        store = Prefixed(self._store, f"shared/{key}/")
         peers = [p for p in range(self.size) if p != self.rank]
         store.set(f"nbytes/{self.rank}", str(nbytes).encode())
         for p in peers:

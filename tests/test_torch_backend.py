@@ -193,6 +193,14 @@ def test_the_entry_point_registers_numcoll_when_torch_is_imported(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert run.stdout.split() == ["True", "True"], run.stdout + run.stderr[-2000:]
+    # numcoll.torch imported before torch: its own `import torch` calls the entry
+    # point while numcoll.torch is half-imported (this raised "Failed to load the
+    # backend extension: numcoll" from `import torch`).
+    first = ("import warnings; warnings.simplefilter('error'); import numcoll.torch; "
+             "import torch.distributed as dist; print('NUMCOLL' in dist.Backend._plugins)")
+    run = subprocess.run([sys.executable, "-c", first], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["True"], run.stderr[-2000:]
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"   # torch's switch turns it off
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)

@@ -28,7 +28,28 @@ from __future__ import annotations
 
 import datetime
 
-import torch.distributed as dist
+
+def _autoload() -> None:
+    """torch's ``torch.backends`` entry point (numcoll's pyproject.toml declares
+    it): torch calls it at the end of ``import torch``. It registers the
+    backend and never raises: a failure here must not break ``import torch``.
+
+    Defined before this module imports torch: when ``import numcoll.torch``
+    comes first, it is this module's own ``import torch`` that calls back here,
+    while this module is half-imported; then there is nothing to do yet (the
+    import registers the backend once torch is loaded)."""
+    if "dist" not in globals():
+        return
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - see above
+        import warnings
+
+        warnings.warn(f"numcoll could not register its torch.distributed backend: {exc!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+import torch.distributed as dist  # noqa: E402 - after _autoload (see there)
 
 __all__ = ["BACKEND_NAME", "ProcessGroupNumcoll", "Work", "register", "monitored_barrier",
            "to_torch_error"]
@@ -56,19 +77,6 @@ def register() -> bool:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
                                       devices=["cpu", "cuda"])
     return True
-
-
-def _autoload() -> None:
-    """torch's ``torch.backends`` entry point (numcoll's pyproject.toml declares
-    it): torch calls it at the end of ``import torch``. It registers the
-    backend and never raises: a failure here must not break ``import torch``."""
-    try:
-        register()
-    except Exception as exc:  # noqa: BLE001 - see above
-        import warnings
-
-        warnings.warn(f"numcoll could not register its torch.distributed backend: {exc!r}",
-                      RuntimeWarning, stacklevel=2)
 
 
 def monitored_barrier(group=None, timeout: datetime.timedelta | None = None,

@@ -16,7 +16,7 @@ from ..errors import CollectiveMismatchError, GroupPoisonedError
 __all__ = ["AGREE", "Finished", "both_calls", "leftover_error", "settings_hint"]
 
 AGREE = ("Every rank must call the same collectives, in the same order, with the same dtype, "
-          "element count, op and root")
+         "element count, op and root")
 
 
 def both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None):
@@ -57,6 +57,8 @@ def leftover_error(rank: int, peer: int, seq: int, stamp: bytes,
 
 
 class _NoMailbox:
+    """The mailbox of a transport that has none (one of the caller's own): it holds nothing."""
+
     held_calls = 0
     oldest_call = 1 << 64
 

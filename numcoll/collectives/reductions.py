@@ -120,8 +120,8 @@ def allreduce_coalesced(ctx: GroupContext, arrays, opts: AllreduceCoalescedOptio
     total = sum(a.size for a in arrays)
     key = (name, arrays[0].dtype, shapes(arrays), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
-    red, algorithm, seg, call = cached(ctx, key, opts, name, _coalesced_plan, ctx, name,
-                                       arrays, xp, total, opts)
+    red, algorithm, seg, call = cached(ctx, key, opts, name, _reduction_plan, ctx, name,
+                                       "allreduce", arrays, arrays, total, xp, opts)
     # Host arrays that travel as they are: one Numba call packs them all,
     # one unpacks (16-bit floats widen and premul_sum scales: per array).
     plan = (PackPlan(arrays, name) if not xp.is_device and not red.widen
@@ -144,16 +144,6 @@ def allreduce_coalesced(ctx: GroupContext, arrays, opts: AllreduceCoalescedOptio
         return outs
 
     return call, xp.wrap(run)
-
-
-def _coalesced_plan(ctx, name, arrays, xp, total, opts):
-    red = ctx.reduction(opts.reduce_op, arrays[0].dtype, name, xp.is_device)
-    algorithm = ctx.choose("allreduce", opts.algorithm, total * red.wire_dtype.itemsize)
-    call = Call(name, ctx.timeout_for(opts, name), arrays[0].dtype, total,
-                algorithm=algorithm.name, input_sizes=shapes(arrays),
-                output_sizes=shapes(arrays), nbytes=nbytes_of(arrays),
-                **op_fields(opts.reduce_op), settings=ctx.settings)
-    return red, algorithm, ctx.segment(red.wire_dtype.itemsize), call
 
 
 def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None, root=None):
@@ -238,8 +228,8 @@ def reduce_scatter(ctx: GroupContext, output_list, input_lists,
     total = sum(a.size for a in inputs)
     key = (name, out.dtype, shapes(inputs), shapes(outputs), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
-    red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_scatter_plan, ctx,
-                                       name, inputs, outputs, total, xp, opts)
+    red, algorithm, seg, call = cached(ctx, key, opts, name, _reduction_plan, ctx, name,
+                                       "reduce_scatter", inputs, outputs, total, xp, opts)
 
     def run(comm, work):
         steps = xp.steps(red)
@@ -254,11 +244,12 @@ def reduce_scatter(ctx: GroupContext, output_list, input_lists,
     return call, xp.wrap(run)
 
 
-def _reduce_scatter_plan(ctx, name, inputs, outputs, total, xp, opts):
-    """The reduction, algorithm, segment and call of the reduce_scatter family;
-    ``total`` is the elements of a rank's whole input."""
+def _reduction_plan(ctx, name, collective, inputs, outputs, total, xp, opts):
+    """The reduction, algorithm (``collective``'s), segment and call of a
+    coalesced allreduce or of the reduce_scatter family; ``total`` is the
+    elements of a rank's whole input."""
     red = ctx.reduction(opts.reduce_op, outputs[0].dtype, name, xp.is_device)
-    algorithm = ctx.choose("reduce_scatter", opts.algorithm, total * red.wire_dtype.itemsize)
+    algorithm = ctx.choose(collective, opts.algorithm, total * red.wire_dtype.itemsize)
     call = Call(name, ctx.timeout_for(opts, name), outputs[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),
@@ -300,8 +291,8 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
         return found
     key = (name, outputs[0].dtype, shapes(inputs), shapes(outputs), xp.is_device,
            getattr(opts.reduce_op, "_key", None), opts.algorithm, opts.timeout)
-    red, algorithm, seg, call = cached(ctx, key, opts, name, _reduce_scatter_plan, ctx,
-                                       name, inputs, outputs, share * size, xp, opts)
+    red, algorithm, seg, call = cached(ctx, key, opts, name, _reduction_plan, ctx, name,
+                                       "reduce_scatter", inputs, outputs, share * size, xp, opts)
 
     # One host pair that travels as it is, on the shared arena: the
     # algorithm reads the input where it lies and writes only this rank's

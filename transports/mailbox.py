@@ -35,9 +35,9 @@ from .endpoint import RECV, PendingRequest, describe
 
 __all__ = ["Mailbox", "DISCARD", "PayloadReader", "NONE_HELD"]
 
-#: Passed to a payload reader to drop the payload (an empty receive buffer).
 #: ``Mailbox.oldest_call`` while no stamped message is held: above every call.
 NONE_HELD = 1 << 64
+#: Passed to a payload reader to drop the payload (an empty receive buffer).
 DISCARD = memoryview(bytearray())
 #: What a held message costs besides its payload (queue entry, stamp, view):
 #: so a flood of empty messages counts against the cap too.

@@ -9,6 +9,8 @@ ran another call. :func:`both_calls` and :func:`settings_hint` word the
 
 from __future__ import annotations
 
+from transports.mailbox import NONE_HELD
+
 from ..call import SEQ_MASK, Call, describe_stamp, stamp_settings
 from ..config import AGREED
 from ..errors import CollectiveMismatchError, GroupPoisonedError
@@ -60,7 +62,7 @@ class _NoMailbox:
     """The mailbox of a transport that has none (one of the caller's own): it holds nothing."""
 
     held_calls = 0
-    oldest_call = 1 << 64
+    oldest_call = NONE_HELD
 
     @staticmethod
     def oldest_held():

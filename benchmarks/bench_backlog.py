@@ -19,7 +19,9 @@ Run with ``python -m pytest benchmarks/bench_backlog.py``.
 from __future__ import annotations
 
 import statistics
+import time
 
+import numpy as np
 import pytest
 
 import numcoll as nc
@@ -41,12 +43,6 @@ CLOCK = ReplayClock()
 
 def _backlogs(sizes: list[int]) -> list[float]:
     """On one rank: per-call seconds of each backlog in ``sizes``, results checked."""
-    import time
-
-    import numpy as np
-
-    import numcoll as nc
-
     rank, world = nc.get_rank(), nc.get_world_size()
     expected = world * (world - 1) / 2
     per_call = []

@@ -203,13 +203,22 @@ def test_a_killed_rank_or_host_leader_is_named_by_every_survivor(hosts, tmp_path
     _nothing_left(hosts, procs)
 
 
-def test_a_pulled_cable_is_named_by_every_survivor(hosts, tmp_path):
+@pytest.mark.parametrize("algorithm", ["twolevel", "twolevel_lanes"])
+def test_a_pulled_cable_is_named_by_every_survivor(hosts, tmp_path, algorithm):
     """2 hosts x 2 ranks; host 1's cable is pulled mid-allreduce (no reset,
     nothing closes). Within the 3 s group timeout and the notes that follow
-    it: host 0's ranks (the store's side) name a rank of host 1; host 1's
-    leader names a rank of host 0; its other rank, which cannot reach the
-    store to read why its leader stopped, names its leader."""
-    procs, _ = _fault_job(hosts, tmp_path, PORT + 30, 3)
+    it: host 0's ranks (the store's side) name a rank of host 1.
+
+    With one leader per host (``twolevel``), host 1's leader names a rank of
+    host 0; its other rank, which cannot reach the store to read why its
+    leader stopped, names its leader. With every rank carrying a share
+    (``twolevel_lanes``, the default), either rank of host 1 may be the one
+    on the cable when it is pulled and the other the one waiting for it in
+    the host's arena: each names a rank of host 0 or its host-mate, and at
+    least one of them names a rank of host 0."""
+    port = PORT + 30 + ["twolevel", "twolevel_lanes"].index(algorithm)
+    procs, _ = _fault_job(hosts, tmp_path, port, 3,
+                          NUMCOLL_ALGORITHM=f"allreduce:{algorithm}")
     try:
         time.sleep(0.3)
         cut_at = time.time()
@@ -217,11 +226,16 @@ def test_a_pulled_cable_is_named_by_every_survivor(hosts, tmp_path):
         results = _finish(procs)
     finally:
         hosts.mend(1)
-    expected = {0: {2, 3}, 1: {2, 3}, 2: {0, 1}, 3: {0, 1, 2}}
+    if algorithm == "twolevel":
+        expected = {0: {2, 3}, 1: {2, 3}, 2: {0, 1}, 3: {0, 1, 2}}
+    else:
+        expected = {0: {2, 3}, 1: {2, 3}, 2: {0, 1, 3}, 3: {0, 1, 2}}
+    named = {}
     for r, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {r}: {out}\n{err}"
-        seconds, peer = _named(out, cut_at)
-        assert seconds < 3 + 4 and peer in expected[r], (r, seconds, out)
+        seconds, named[r] = _named(out, cut_at)
+        assert seconds < 3 + 4 and named[r] in expected[r], (r, seconds, out)
+    assert {named[2], named[3]} & {0, 1}, ("host 1 named no rank of host 0", named)
     _nothing_left(hosts, procs)
 
 

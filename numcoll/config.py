@@ -48,11 +48,12 @@ class Config:
     #: the size rules count them: a rank's buffer; allgather's whole output)
     #: use the ``shared`` algorithms; larger ones the ring family.
     shared_max_nbytes: int = 1 << 62
-    #: On groups with a shared arena and three ranks or more, allreduces of at
-    #: least this many bytes split the reduction among the ranks
-    #: (``shared_split``: two steps per round) instead of every rank reducing
-    #: every slot (``shared``: one step).
-    shared_split_nbytes: int = 64 << 10
+    #: On groups with a shared arena, allreduces of at least this many bytes
+    #: split the reduction among the ranks (``shared_split``: each rank copies
+    #: in only what the others reduce, rounds pipelined one step each) instead
+    #: of every rank reducing every slot (``shared``: the fewest steps, for
+    #: smaller messages). From measurement: README "How the defaults were picked".
+    shared_split_nbytes: int = 1 << 20
     #: Collectives on shared arrays (``nc.empty_shared``) of at least this many
     #: bytes per rank read the other ranks' arrays in place (two or three
     #: synchronisations, one copy or none); smaller ones go through the arena

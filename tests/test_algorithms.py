@@ -197,18 +197,37 @@ def test_shared_barrier_is_one_empty_step(size):
     assert log == ([0] * size if size > 1 else [])
 
 
-@pytest.mark.parametrize("name, steps_per_round", [("shared", 1), ("shared_split", 2)])
 @pytest.mark.parametrize("size", [2, 3, 7])
-def test_shared_allreduce_synchronises_once_or_twice_per_round(name, steps_per_round, size):
-    """The docstrings' cost, counted: one (or two) arena steps per round of at
-    most a slot's bytes (here 64 bytes: 8 float64)."""
+def test_shared_allreduce_synchronises_once_per_round(size):
+    """The docstring's cost, counted: one arena step per round of at most a
+    slot's bytes (here 64 bytes: 8 float64)."""
     count = 8 * 5 + 3  # six rounds
     log = []
-    results = run_ranks(size, lambda comm: CHOICES["allreduce"][name](
+    results = run_ranks(size, lambda comm: CHOICES["allreduce"]["shared"](
         comm, HostBuffer(data(comm.rank, count), add)) or comm.arena.next_step, log,
         arena_slot_nbytes=64)
-    assert results == [6 * steps_per_round] * size
-    assert len(log) == size * 6 * steps_per_round
+    assert results == [6] * size
+    assert len(log) == size * 6
+
+
+@pytest.mark.parametrize("size", [2, 3, 7])
+def test_split_allreduce_pipelines_rounds_one_step_each(size):
+    """shared_split's cost, counted: R rounds of P chunk places (as many
+    float64 as fit a 64-byte slot) take R + 1 steps -- each step carries one
+    round's reduced chunk and the next round's inputs -- and every step
+    publishes the round's places."""
+    count = 8 * 5 + 3
+    cap = 64 // (size * 8)
+    rounds = -(-count // (cap * size))
+    log = []
+    results = run_ranks(size, lambda comm: (CHOICES["allreduce"]["shared_split"](
+        comm, b := HostBuffer(data(comm.rank, count), add)), comm.arena.next_step, b.array),
+        log, arena_slot_nbytes=64)
+    assert [steps for _, steps, _ in results] == [rounds + 1] * size
+    assert log == [cap * size * 8] * (size * (rounds + 1))
+    expected = sum(data(r, count) for r in range(size))
+    for _, _, got in results:
+        np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("size", [2, 5])

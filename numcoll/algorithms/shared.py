@@ -97,28 +97,95 @@ def allreduce_shared(comm, buf, segment_count: int | None = None) -> None:
 
 
 def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
-    """Allreduce through the shared arena as a reduce-scatter and an allgather.
+    """Allreduce through the shared arena as a pipelined reduce-scatter and
+    allgather: one synchronisation per round, and only the bytes a peer reads
+    copied in.
 
-    Per round (at most C bytes per rank): rank r publishes its part, combines
-    chunk r of all P slots in rank order, publishes that reduced chunk, and
-    copies the other ranks' reduced chunks out. Cost per round of S bytes:
-    two synchronisations; each rank copies S in, reads S and copies (P-1)/P S
-    out -- the reduction's arithmetic is divided among the ranks. For large
-    messages on three ranks or more.
-    Source: DeepSpeed's shared-memory allreduce (Intel), see the module docstring.
+    A round of S bytes (at most a slot) is cut into P chunks; rank r reduces
+    chunk r. Each rank's slot is laid out like a round, chunk q at a fixed
+    place (``q * cap`` elements, ``cap`` the most a chunk holds), and every
+    step carries two rounds at once: the *reduced* chunk r of round k, which
+    the peers copy out, and the *raw* chunks q != r of round k + 1, which
+    rank q reduces -- never chunk r's own raw bytes, which only rank r reads,
+    from its own buffer. So R rounds take R + 1 steps:
+
+    - step 0: publish round 0's raw chunks q != r;
+    - step k + 1: combine chunk r of round k (own buffer, peers' slots of
+      step k), write it and round k + 1's raw chunks into the next slot,
+      publish; once every rank has, copy round k's other chunks out of the
+      peers' slots.
+
+    The reduced chunk and the next round's inputs share the step because they
+    sit at different places of the slot; the arena's two-set rule (a set is
+    rewritten only after every rank published the step after it) keeps each
+    read before the write that reuses its memory: this rank copies round k
+    out of step k + 1's slots, and reads round k + 1's chunk r from them,
+    before it publishes step k + 2.
+
+    Cost per round of S bytes: one synchronisation; each rank copies
+    (P-1)/P S in, reduces S/P from P sources, copies S/P into its slot and
+    (P-1)/P S out -- against ``allreduce_shared``'s S in and (P-1) S reduced,
+    less memory traffic from 64 KiB on (the thresholds in
+    :mod:`numcoll.config`, from ``benchmarks/membound.py``). Chunk r is
+    combined in rank order by rank r alone, so every rank ends with the same
+    bits. Source: DeepSpeed's shared-memory allreduce (Intel), see the module
+    docstring, pipelined.
     """
     size, rank, itemsize = comm.size, comm.rank, buf.itemsize
-    if size == 1:
+    if size == 1 or buf.count == 0:
         return
-    for start, count, step in _published_rounds(comm, buf, segment_count):
-        chunks = chunk_bounds(count, size)
-        first, n = chunks[rank]
+    cap = _per_round(comm, itemsize, None, parts=size)  # elements per chunk place
+    if segment_count is not None:
+        cap = max(1, min(cap, segment_count // size))
+    rounds = segments(0, buf.count, cap * size)
+    slot_nbytes = cap * size * itemsize
+    step = comm.shared_step(None, _put_raw(comm, buf, rounds[0], cap, rank))
+    for k, (start, count) in enumerate(rounds):
+        slot = comm.next_slot()
+        first, n = chunk_bounds(count, size)[rank]
         if n:
-            _combine(comm, buf, step, start + first, n, first * itemsize)
-        step = comm.shared_step(_bytes(buf.send_view(start + first, n)) if n else None)
-        for peer, (first, n) in enumerate(chunks):
+            _combine_own(comm, buf, step, start + first, n, rank * cap * itemsize, slot)
+            mine = rank * cap * itemsize
+            np.copyto(slot[mine:mine + n * itemsize], _bytes(buf.send_view(start + first, n)))
+        if k + 1 < len(rounds):
+            _put_raw(comm, buf, rounds[k + 1], cap, rank)
+        step = comm.shared_step(None, slot_nbytes)
+        for peer, (first, n) in enumerate(chunk_bounds(count, size)):
             if peer != rank and n:
-                _copy_in(buf, start + first, n, comm.shared_view(step, peer, 0, n * itemsize))
+                _copy_in(buf, start + first, n,
+                         comm.shared_view(step, peer, peer * cap * itemsize, n * itemsize))
+
+
+def _put_raw(comm, buf, round_: tuple[int, int], cap: int, rank: int) -> int:
+    """Write round ``round_``'s chunks other than ``rank``'s into this rank's
+    next slot, chunk q at element ``q * cap``; the slot bytes a step publishes."""
+    start, count = round_
+    slot, itemsize = comm.next_slot(), buf.itemsize
+    for q, (first, n) in enumerate(chunk_bounds(count, comm.size)):
+        if q != rank and n:
+            at = q * cap * itemsize
+            np.copyto(slot[at:at + n * itemsize], _bytes(buf.send_view(start + first, n)))
+    return cap * comm.size * itemsize
+
+
+def _combine_own(comm, buf, step: int, start: int, count: int, at: int, scratch) -> None:
+    """``buf``'s elements ``start:start + count`` (this rank's raw chunk, never
+    published) := their reduction, in rank order, with the peers' chunks
+    published at ``step`` from byte ``at`` on. ``scratch`` (this rank's next
+    slot, free until it is written with the result) keeps this rank's own part
+    while rank 0's is copied in first."""
+    nbytes = count * buf.itemsize
+    if comm.size == 2 or comm.rank == 0:  # two ranks: op(x1, x0) == op(x0, x1), as _combine
+        for peer in range(comm.size):
+            if peer != comm.rank:
+                buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
+        return
+    own = scratch[at:at + nbytes]
+    np.copyto(own, _bytes(buf.send_view(start, count)))
+    _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
+    for peer in range(1, comm.size):
+        buf.reduce_from(start, count, own if peer == comm.rank
+                        else comm.shared_view(step, peer, at, nbytes))
 
 
 def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> None:

@@ -130,7 +130,7 @@ def _shared(cfg: Config, collective: str, nbytes: int, size: int) -> str | None:
     if not cfg.arena_slot_nbytes or size == 1 or nbytes > cfg.shared_max_nbytes:
         return None
     if collective == "allreduce":
-        return "shared_split" if size > 2 and nbytes >= cfg.shared_split_nbytes else "shared"
+        return "shared_split" if nbytes >= cfg.shared_split_nbytes else "shared"
     if collective in ("reduce_scatter", "scatter", "alltoall") and \
             cfg.arena_slot_nbytes < 16 * size + 8 * (size + 8):
         return None  # a round holds an element for every rank (and alltoall's table)

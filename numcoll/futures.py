@@ -23,11 +23,12 @@ class Future:
     __slots__ = ("_state_lock", "_done_lock", "_completed", "_value", "_error", "_callbacks")
 
     def __init__(self):
-        # _done_lock is held until completion (the pattern Thread.join uses):
-        # cheaper to make than a Condition, and a future is made per collective.
         self._state_lock = threading.Lock()
-        self._done_lock = threading.Lock()
-        self._done_lock.acquire()
+        # Made by the first wait() that finds the future pending, held until
+        # completion (the pattern Thread.join uses); most futures complete
+        # before anyone waits (a blocking call runs its work at once), and
+        # then none is made.
+        self._done_lock: threading.Lock | None = None
         self._completed = False
         self._value: Any = None
         self._error: BaseException | None = None
@@ -49,7 +50,9 @@ class Future:
             self._value, self._error = value, error
             self._completed = True
             callbacks, self._callbacks = self._callbacks, None
-        self._done_lock.release()
+            waiters = self._done_lock  # made under this lock: none can appear after
+        if waiters is not None:
+            waiters.release()
         if callbacks:
             for cb in callbacks:
                 _run_callback(cb, self)
@@ -64,9 +67,16 @@ class Future:
         or raise the operation's error. Raises :class:`FutureTimeoutError` if
         ``timeout`` passes first (the operation itself goes on)."""
         if not self._completed:
-            if not self._done_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                raise FutureTimeoutError(f"Timed out waiting {int(timeout * 1000)}ms for a future")
-            self._done_lock.release()  # let every other waiter through too
+            with self._state_lock:
+                done = self._done_lock
+                if done is None and not self._completed:
+                    done = self._done_lock = threading.Lock()
+                    done.acquire()  # released by _complete
+            if done is not None:
+                if not done.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                    raise FutureTimeoutError(
+                        f"Timed out waiting {int(timeout * 1000)}ms for a future")
+                done.release()  # let every other waiter through too
         if self._error is not None:
             raise self._error
         return self._value

@@ -387,7 +387,9 @@ class ProcessGroup(persistent.InitMethods):
                 with self._lock:
                     earlier = [w for k, w in self._inflight.items() if k < work.order]
                 wait_for_earlier(work, earlier, self._rank)
-            if work.arena_ticket >= 0:
+            # A call run where it was submitted (``here``: nothing in flight) has
+            # the turn already: every earlier ticket ended before it was issued.
+            if work.arena_ticket >= 0 and work._execute is not None:
                 self._arena_order.take_turn(work, self._usable)
             if record is not None and record.time_started_ns is None:
                 self._recorder.started(record)

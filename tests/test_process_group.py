@@ -75,6 +75,41 @@ def test_futures_value_then_and_callbacks(no_leaked_threads):
             pg.shutdown()
 
 
+def test_a_future_wakes_every_waiter_whenever_they_came():
+    """Waiters that came before completion (the lock they block on is made by
+    the first of them), one that timed out first, and one after completion
+    all see the value; an error reaches every one of them."""
+    from numcoll.futures import Future, FutureTimeoutError
+    for error in (None, ValueError("boom")):
+        fut = Future()
+        with pytest.raises(FutureTimeoutError):
+            fut.wait(0.01)
+        seen = []
+
+        def waiter():
+            try:
+                seen.append(fut.wait(30))
+            except ValueError as exc:
+                seen.append(exc)
+
+        threads = [threading.Thread(target=waiter) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)  # the waiters block
+        if error is None:
+            fut.set_result(7)
+        else:
+            fut.set_exception(error)
+        for t in threads:
+            t.join(30)
+        assert seen == [7 if error is None else error] * 4
+        waiter()  # after completion: no lock to wait on
+        assert seen[-1] == (7 if error is None else error)
+    done = Future()
+    done.set_result(1)
+    assert done.wait(0) == 1 and done._done_lock is None  # nobody waited: none was made
+
+
 def test_thousand_collectives_in_flight_on_eight_threads_never_mix(no_leaked_threads):
     pgs = groups(3, threads=8)
     try:

@@ -48,7 +48,7 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
     # What the caller passed, as a list: the future's value hands back the
     # caller's own objects (torch tensors stay torch tensors).
     outs = list(arrays) if isinstance(arrays, (list, tuple)) else [arrays]
-    arrays, xp = uniform_arrays(arrays, name)
+    arrays, xp = uniform_arrays(outs, name)  # a list: its one-array fast path applies
     first = arrays[0]
     if ctx.shared_memory is not None and first.nbytes >= ctx.cfg.shared_arrays_min_nbytes \
             and (found := shared_arrays.allreduce(ctx, arrays, outs, reduce_op, opts)):

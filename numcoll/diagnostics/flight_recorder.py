@@ -166,8 +166,11 @@ class FlightRecorder:
         status = self._pg_status.get(pg_id)
         if seq > 0 and status is not None:
             status[0] = seq
-        if started:
-            self.started(rec)
+        if started:  # started(rec), without a second clock read and status lookup
+            rec.state = "started"
+            rec.time_started_ns = rec.time_created_ns
+            if status is not None and seq > status[1]:
+                status[1] = seq
         return rec
 
     def started(self, rec: Record) -> None:

@@ -264,7 +264,10 @@ class SharedArena:
         region, ctrl = self._region, self._ctrl
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
-        nbytes = self._nbytes_of(payload, nbytes)
+        if payload is not None and payload.size <= self.slot_nbytes:  # the busy case, inline
+            nbytes = payload.size
+        else:
+            nbytes = self._nbytes_of(payload, nbytes)
         s0, s1 = _stamp_cache.get(stamp) or _stamp_words(stamp)
         first = self._first_header[step & 1]
         spin_until = time.monotonic_ns() + self._spin_ns

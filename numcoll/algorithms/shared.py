@@ -124,9 +124,9 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
 
     Cost per round of S bytes: one synchronisation; each rank copies
     (P-1)/P S in, reduces S/P from P sources, copies S/P into its slot and
-    (P-1)/P S out -- against ``allreduce_shared``'s S in and (P-1) S reduced,
-    less memory traffic from 64 KiB on (the thresholds in
-    :mod:`numcoll.config`, from ``benchmarks/membound.py``). Chunk r is
+    (P-1)/P S out -- against ``allreduce_shared``'s S in and (P-1) S reduced:
+    less memory traffic for one more step per call, which pays from about
+    1 MiB on (``shared_split_nbytes`` in :mod:`numcoll.config`). Chunk r is
     combined in rank order by rank r alone, so every rank ends with the same
     bits. Source: DeepSpeed's shared-memory allreduce (Intel), see the module
     docstring, pipelined.

@@ -324,6 +324,14 @@ class SharedArena:
                     "call", peer, stamp, theirs[1:3].tobytes(), remote_seq=int(theirs[0]))
             peer = got
             left = self._peer_left(peer)
+            if left is not None:
+                # The peer may have published, finished this step and closed
+                # (its last call) since the poll that found it behind: look
+                # again before blaming it.
+                now = time.monotonic_ns()
+                if _wait(region, ctrl, self.size, step, first, self._stride, seq, s0, s1,
+                         now, now) == -1:
+                    return
             if isinstance(left, PeerClosed):
                 raise PeerClosed(f"shared-memory step on rank {self.rank}: {left}", peer)
             if left is not None:

@@ -5,7 +5,6 @@ through a real ProcessGroup, at the layouts of the namespace tests and more.
 The algorithms alone are in tests/test_twolevel.py; real hosts (network
 namespaces) in tests/test_multihost.py."""
 
-import threading
 from datetime import timedelta
 
 import numpy as np
@@ -19,7 +18,7 @@ from numcoll.config import current
 from transports.hier import HierTransport
 
 from collective_checks import check_every_collective
-from test_process_group import on_ranks
+from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif("not __import__('transports').shm_available()")]
@@ -27,32 +26,12 @@ pytestmark = [pytest.mark.timeout(180),
 
 def hier_groups(layout, **opts):
     """One ProcessGroup per rank; ``layout[r]`` is rank r's made-up host."""
-    store = nc.HashStore(timeout=30)
-    size = len(layout)
-    out, errors = [None] * size, []
     opts.setdefault("timeout", timedelta(seconds=30))
 
     def factory(rank, size, store, options):
         return HierTransport(rank, size, store, options, host_key=f"host{layout[rank]}")
 
-    def make(r):
-        try:
-            out[r] = nc.ProcessGroup(store, r, size,
-                                     nc.ProcessGroup.Options(transport=factory, **opts))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        for pg in out:
-            if pg is not None:
-                pg.shutdown()
-        raise errors[0]
-    return out
+    return groups(len(layout), transport=factory, **opts)
 
 
 def close(pgs):

@@ -21,10 +21,15 @@ TIMEOUT = timedelta(seconds=20)  # far above what detection takes: a timeout her
 
 def run_pair(calls, world_size=2, transport="inproc"):
     """Run calls[r](pg) on rank r concurrently; return (results, errors) by rank."""
+    return run_on(groups(world_size, timeout=TIMEOUT, transport=transport), calls)
+
+
+def run_on(pgs, calls):
+    """Run calls[r](pgs[r]) on rank r concurrently, then shut the groups down;
+    return (results, errors, seconds elapsed), by rank."""
     import threading
 
-    pgs = groups(world_size, timeout=TIMEOUT, transport=transport)
-    results, errors = [None] * world_size, [None] * world_size
+    results, errors = [None] * len(pgs), [None] * len(pgs)
 
     def body(r):
         try:
@@ -32,7 +37,7 @@ def run_pair(calls, world_size=2, transport="inproc"):
         except BaseException as exc:  # noqa: BLE001
             errors[r] = exc
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(pgs))]
     start = time.monotonic()
     for t in threads:
         t.start()

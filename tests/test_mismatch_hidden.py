@@ -26,7 +26,7 @@ import pytest
 import numcoll as nc
 from numcoll.memory.host import HostArrays
 
-from test_mismatch import run_pair
+from test_mismatch import run_on, run_pair
 from test_process_group import groups, on_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,23 +100,9 @@ def test_groups_with_different_settings_fail_at_their_first_call():
         t.start()
     for t in threads:
         t.join(30)
-    errors = [None, None]
-
-    def body(r):
-        try:
-            pgs[r].barrier().wait()  # the algorithm forced is the same here: only settings differ
-        except Exception as exc:  # noqa: BLE001
-            errors[r] = exc
-
-    start = time.monotonic()
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for pg in pgs:
-        pg.shutdown()
-    assert time.monotonic() - start < DEADLINE_S / 2
+    # The algorithm forced is the same here (a barrier): only the settings differ.
+    _, errors, elapsed = run_on(pgs, [lambda pg: pg.barrier().wait()] * 2)
+    assert elapsed < DEADLINE_S / 2
     msgs = [str(e) for e in errors if isinstance(e, nc.CollectiveMismatchError)]
     assert msgs, errors
     assert "The ranks' settings differ" in msgs[0] and "NUMCOLL_ALGORITHM" in msgs[0], msgs

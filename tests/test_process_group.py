@@ -16,20 +16,30 @@ pytestmark = pytest.mark.timeout(120)
 
 def groups(world_size, **opts):
     """world_size ProcessGroups over one HashStore, built concurrently (each
-    constructor waits for its peers' addresses)."""
+    constructor waits for its peers' addresses). ``transport`` may be a name
+    or a factory. If a constructor fails, the groups made are shut down and
+    its error is raised."""
     store = nc.HashStore(timeout=30)
-    out = [None] * world_size
+    out, errors = [None] * world_size, []
     transport = opts.pop("transport", "inproc")
 
     def make(r):
-        out[r] = nc.ProcessGroup(store, r, world_size,
-                                 nc.ProcessGroup.Options(transport=transport, **opts))
+        try:
+            out[r] = nc.ProcessGroup(store, r, world_size,
+                                     nc.ProcessGroup.Options(transport=transport, **opts))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(60)
+    if errors:
+        for pg in out:
+            if pg is not None:
+                pg.shutdown()
+        raise errors[0]
     return out
 
 

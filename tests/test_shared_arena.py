@@ -16,6 +16,7 @@ import pytest
 
 import numcoll as nc
 
+from test_mismatch import run_on
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(120),
@@ -214,25 +215,9 @@ def test_shared_on_one_rank_and_rings_on_the_other_is_a_mismatch():
     arena at the same sequence number: the arena's waiter finds the ring
     message of the other call and both fail at once, not at the deadline."""
     pgs = shm_groups(2, timeout=timedelta(seconds=20))
-    errors = [None, None]
-
-    def body(r):
-        try:
-            if r == 0:
-                pgs[0].barrier(nc.BarrierOptions(algorithm="dissemination")).wait()
-            else:
-                pgs[1].allreduce(np.ones(4, np.float32)).wait()
-        except nc.NumcollError as exc:
-            errors[r] = exc
-
-    start = time.monotonic()
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    elapsed = time.monotonic() - start
-    close(pgs)
+    _, errors, elapsed = run_on(pgs, [
+        lambda pg: pg.barrier(nc.BarrierOptions(algorithm="dissemination")).wait(),
+        lambda pg: pg.allreduce(np.ones(4, np.float32)).wait()])
     assert elapsed < 10, errors
     assert isinstance(errors[1], nc.CollectiveMismatchError), errors
     assert "rank 0 is running barrier()" in str(errors[1])

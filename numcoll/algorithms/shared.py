@@ -40,25 +40,34 @@ def _copy_in(buf, start: int, count: int, src) -> None:
     buf.recv_done(start, count)
 
 
-def _combine(comm, buf, step: int, start: int, count: int, at: int = 0) -> None:
+def _combine(comm, buf, step: int, start: int, count: int, at: int = 0,
+             scratch=None) -> None:
     """``buf``'s elements ``start:start + count`` := the reduction, in rank
     order, of what every rank published at ``step`` from byte ``at`` on.
 
-    Those elements hold this rank's own part on entry (what it published).
-    Rank 0 starts from them; the others start from a copy of rank 0's part.
-    Two ranks need no copy: rank 1 combines rank 0's part into its own, and
-    op(x1, x0) == op(x0, x1) bit for bit for the commutative ops (which
-    recursive doubling assumes as well).
+    Those elements hold this rank's own part on entry. Rank 0 starts from
+    them; the others start from a copy of rank 0's part, reading their own
+    back from their slot -- or, with ``scratch`` (bytes free until the
+    result is written: this rank's part was not published), from a copy
+    kept there first. Two ranks need no copy: rank 1 combines rank 0's part
+    into its own, and op(x1, x0) == op(x0, x1) bit for bit for the
+    commutative ops (which recursive doubling assumes as well).
     """
     nbytes = count * buf.itemsize
-    if comm.size == 2:
-        peer = 1 - comm.rank
-        buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
+    rank = comm.rank
+    if comm.size == 2 or rank == 0:
+        for peer in range(comm.size):
+            if peer != rank:
+                buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
         return
-    if comm.rank != 0:
-        _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
+    own = None
+    if scratch is not None:
+        own = scratch[at:at + nbytes]
+        np.copyto(own, _bytes(buf.send_view(start, count)))
+    _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
     for peer in range(1, comm.size):
-        buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
+        buf.reduce_from(start, count, own if peer == rank and own is not None
+                        else comm.shared_view(step, peer, at, nbytes))
 
 
 def _published_rounds(comm, buf, segment_count: int | None):
@@ -144,7 +153,7 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
         slot = comm.next_slot()
         first, n = chunk_bounds(count, size)[rank]
         if n:
-            _combine_own(comm, buf, step, start + first, n, rank * cap * itemsize, slot)
+            _combine(comm, buf, step, start + first, n, rank * cap * itemsize, slot)
             mine = rank * cap * itemsize
             np.copyto(slot[mine:mine + n * itemsize], _bytes(buf.send_view(start + first, n)))
         if k + 1 < len(rounds):
@@ -166,26 +175,6 @@ def _put_raw(comm, buf, round_: tuple[int, int], cap: int, rank: int) -> int:
             at = q * cap * itemsize
             np.copyto(slot[at:at + n * itemsize], _bytes(buf.send_view(start + first, n)))
     return cap * comm.size * itemsize
-
-
-def _combine_own(comm, buf, step: int, start: int, count: int, at: int, scratch) -> None:
-    """``buf``'s elements ``start:start + count`` (this rank's raw chunk, never
-    published) := their reduction, in rank order, with the peers' chunks
-    published at ``step`` from byte ``at`` on. ``scratch`` (this rank's next
-    slot, free until it is written with the result) keeps this rank's own part
-    while rank 0's is copied in first."""
-    nbytes = count * buf.itemsize
-    if comm.size == 2 or comm.rank == 0:  # two ranks: op(x1, x0) == op(x0, x1), as _combine
-        for peer in range(comm.size):
-            if peer != comm.rank:
-                buf.reduce_from(start, count, comm.shared_view(step, peer, at, nbytes))
-        return
-    own = scratch[at:at + nbytes]
-    np.copyto(own, _bytes(buf.send_view(start, count)))
-    _copy_in(buf, start, count, comm.shared_view(step, 0, at, nbytes))
-    for peer in range(1, comm.size):
-        buf.reduce_from(start, count, own if peer == comm.rank
-                        else comm.shared_view(step, peer, at, nbytes))
 
 
 def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> None:

@@ -147,34 +147,34 @@ def allreduce_shared_split(comm, buf, segment_count: int | None = None) -> None:
     if segment_count is not None:
         cap = max(1, min(cap, segment_count // size))
     rounds = segments(0, buf.count, cap * size)
-    slot_nbytes = cap * size * itemsize
-    step = comm.shared_step(None, _put_raw(comm, buf, rounds[0], cap, rank))
+    slot_nbytes, mine = cap * size * itemsize, rank * cap * itemsize
+    _put_raw(comm, buf, rounds[0], cap, rank)
+    step = comm.shared_step(None, slot_nbytes)
     for k, (start, count) in enumerate(rounds):
         slot = comm.next_slot()
-        first, n = chunk_bounds(count, size)[rank]
+        chunks = chunk_bounds(count, size)
+        first, n = chunks[rank]
         if n:
-            _combine(comm, buf, step, start + first, n, rank * cap * itemsize, slot)
-            mine = rank * cap * itemsize
+            _combine(comm, buf, step, start + first, n, mine, slot)
             np.copyto(slot[mine:mine + n * itemsize], _bytes(buf.send_view(start + first, n)))
         if k + 1 < len(rounds):
             _put_raw(comm, buf, rounds[k + 1], cap, rank)
         step = comm.shared_step(None, slot_nbytes)
-        for peer, (first, n) in enumerate(chunk_bounds(count, size)):
+        for peer, (first, n) in enumerate(chunks):
             if peer != rank and n:
                 _copy_in(buf, start + first, n,
                          comm.shared_view(step, peer, peer * cap * itemsize, n * itemsize))
 
 
-def _put_raw(comm, buf, round_: tuple[int, int], cap: int, rank: int) -> int:
+def _put_raw(comm, buf, round_: tuple[int, int], cap: int, rank: int) -> None:
     """Write round ``round_``'s chunks other than ``rank``'s into this rank's
-    next slot, chunk q at element ``q * cap``; the slot bytes a step publishes."""
+    next slot, chunk q at element ``q * cap``."""
     start, count = round_
     slot, itemsize = comm.next_slot(), buf.itemsize
     for q, (first, n) in enumerate(chunk_bounds(count, comm.size)):
         if q != rank and n:
             at = q * cap * itemsize
             np.copyto(slot[at:at + n * itemsize], _bytes(buf.send_view(start + first, n)))
-    return cap * comm.size * itemsize
 
 
 def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> None:

@@ -264,7 +264,13 @@ def test_the_gate_passes_unchanged_code_and_fails_a_slower_kernel(tmp_path):
     # pytest-benchmark's statistics are the gate's rounds
     assert kernel["stats"]["rounds"] == len(figures["round_s"]) >= 30
     assert kernel["stats"]["min"] == pytest.approx(min(figures["round_s"]))
-    assert figures["best_s"] == pytest.approx(kernel["stats"]["min"])
+    # the gate's best is over the quiet rounds (every round when too few were
+    # quiet): a round disturbed by other processes may be the fastest of all
+    quiet = [v for v, busy in zip(figures["round_s"], figures["others_busy"])
+             if busy is None or busy <= QUIET_SHARE]
+    used = figures["round_s"] if figures["loaded"] else quiet
+    assert figures["loaded"] == (len(quiet) < min(gate.MIN_QUIET_ROUNDS, len(figures["round_s"])))
+    assert figures["best_s"] == pytest.approx(min(used))
     assert figures["anchor"] == "ref: numpy add 1MiB" and figures["noise"] >= 0
     assert {"numcoll_env", "versions", "numcoll_config_changed"} <= set(kernel["extra_info"])
 

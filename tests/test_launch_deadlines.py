@@ -127,3 +127,29 @@ def test_rank_tracebacks_show_the_callers_lines(how, tmp_path):
     assert "raise ValueError('boom %d'" in line, out   # the line itself, not just its number
     trace = out[out.index("--- traceback of rank"):]
     assert "launcher/processes.py" not in trace, out  # numcoll's entry point says nothing
+
+
+def test_the_payload_keeps_every_code_objects_file_name():
+    # cloudpickle 3.1 renames the file of every code object it pickles by value
+    # to "<dynamic-code>"; the launcher's payload carries the names itself.
+    import cloudpickle
+
+    from numcoll.launcher.payload import dumps
+
+    src = ("def outer(x):\n"
+           "    squares = [i * i for i in range(x)]\n"
+           "    def inner():\n"
+           "        return helper(squares)\n"
+           "    return inner()\n"
+           "def helper(v):\n"
+           "    return sum(v)\n")
+    ns = {"__name__": "__main__"}
+    exec(compile(src, "<notebook-cell-7>", "exec"), ns)
+    fn = cloudpickle.loads(dumps(ns["outer"]))
+    assert fn(4) == 14
+    codes, todo = [], [fn.__code__, fn.__globals__["helper"].__code__]
+    while todo:
+        code = todo.pop()
+        codes.append(code)
+        todo.extend(c for c in code.co_consts if hasattr(c, "co_filename"))
+    assert len(codes) >= 3 and {c.co_filename for c in codes} == {"<notebook-cell-7>"}

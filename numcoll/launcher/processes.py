@@ -29,6 +29,7 @@ from ..bootstrap.tcpstore import TCPStore
 from .outcomes import (_ROOT, LaunchError, LaunchTimeoutError, _blocked_on, _describe,
                        _finished, _Outcomes, _timeout_message)
 from .parent import die_with_parent
+from .payload import dumps as _dumps_payload
 
 #: After the first failure, how long the other ranks get to end on their own
 #: before they are stopped: a collective blocked on a rank that stalled fails
@@ -232,7 +233,7 @@ class _RankProcess:
 
 def _pickled(fn, args) -> bytes:
     try:
-        return cloudpickle.dumps((fn, args))
+        return _dumps_payload((fn, args))
     except Exception as exc:  # noqa: BLE001 - one clear error instead of pickle's
         raise TypeError(
             f"launch(mode='process'): cannot send {getattr(fn, '__qualname__', fn)!r} and its "

@@ -196,10 +196,10 @@ class IOThread:
         self._wakeup.close()
         return True
 
-    def peer_left(self, peer: int, reason: str) -> None:
+    def peer_left(self, peer: int, reason: str, graceful: bool = False) -> None:
         """Called on the I/O thread (the mailbox's overflow, a BYE): ``peer`` is gone."""
         with self.push_lock:
-            self._peer_gone(peer, reason)
+            self._peer_gone(peer, reason, graceful)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -347,7 +347,7 @@ class IOThread:
 
     def _bye(self, peer: int) -> None:
         """``peer`` said goodbye, after everything it sent."""
-        self.peer_left(peer, f"rank {peer} closed its transport")
+        self.peer_left(peer, f"rank {peer} closed its transport", graceful=True)
 
     def _alive(self, peer: int) -> None:
         """A good message from ``peer``: if it is suspected, it is still draining
@@ -426,18 +426,23 @@ class IOThread:
 
     # --- endings (the I/O thread, holding the push lock) ----------------------------------------
 
-    def _peer_gone(self, peer: int, reason: str) -> None:
+    def _peer_gone(self, peer: int, reason: str, graceful: bool = False) -> None:
         self._suspects.pop(peer, None)
         if peer not in self._s.push:
             return
         self._mailbox.peer_gone(peer, reason)
         self._inbound.forget(peer)
         unsent = [op[2] for op in self._backlog.pop(peer, ()) if op[2] is not None]
-        for req in unsent + list(self._tracked[peer]):
+        # A send ZeroMQ has taken completes when its buffer is free, as it would have.
+        # After a goodbye it may well have been read (the peer answered it, then closed:
+        # failing it would be a false alarm); the peer's own waits report whatever it
+        # missed. After a crash nothing says it arrived, so it fails.
+        failed = unsent if graceful else unsent + list(self._tracked[peer])
+        for req in failed:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
         self._tracked[peer].clear()
         # Nothing queued for it can be delivered: drop it now, which releases the
-        # zero-copy buffers and so lets the failed sends' waiters return.
+        # zero-copy buffers and so lets the sends' waiters return.
         self._close_peer(peer, linger_ms=0)
 
     def _close_peer(self, peer: int, linger_ms: int) -> None:

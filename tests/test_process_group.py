@@ -326,13 +326,22 @@ def test_abort_fails_the_peers_at_once_naming_this_rank(no_leaked_threads):
             pg.shutdown()
 
 
-def test_alltoall_with_a_wrong_input_dtype_says_invalid_tensor_type():
-    pgs = groups(1)
+def test_alltoall_type_errors_use_torchs_words():
+    pgs = groups(2)
     try:
-        with pytest.raises(TypeError, match="alltoall: invalid tensor type: input 0"):
-            pgs[0].alltoall([np.zeros(2, np.float32)], [np.zeros(2, np.float64)])
+        f32, f64 = np.zeros(2, np.float32), np.zeros(2, np.float64)
+        # inputs of one dtype, outputs of another: torch's words for the pair
+        with pytest.raises(TypeError, match="alltoall: input and output tensors must have "
+                                            "the same type"):
+            pgs[0].alltoall([f32, f32.copy()], [f64, f64.copy()])
+        # a list that mixes dtypes: the element is named
+        with pytest.raises(TypeError, match="alltoall: invalid tensor type: input 1"):
+            pgs[0].alltoall([f32, f32.copy()], [f32.copy(), f64])
+        with pytest.raises(TypeError, match="alltoall: invalid tensor type: output 1"):
+            pgs[0].alltoall([f32, f64], [f32.copy(), f32.copy()])
     finally:
-        pgs[0].shutdown()
+        for pg in pgs:
+            pg.shutdown()
 
 
 def test_transport_choice_tells_network_namespaces_apart():

@@ -65,7 +65,7 @@ class ProcessGroup(persistent.InitMethods):
     Options = GroupOptions
 
     def __init__(self, store: Store, rank: int, world_size: int,
-                 options: GroupOptions | None = None):
+                 options: GroupOptions | None = None, *, generation: int | None = None):
         self.options = opts = (options or GroupOptions()).checked(rank, world_size)
         self._rank, self._size = rank, world_size
         cfg = _config.current(**({"algorithm": opts.algorithm} if opts.algorithm else {}))
@@ -75,9 +75,14 @@ class ProcessGroup(persistent.InitMethods):
         self.context = GroupContext(rank, world_size, cfg, opts.timeout.total_seconds())
 
         # A generation counter keeps a group re-created on the same store from
-        # reading the previous group's addresses.
+        # reading the previous group's addresses. A caller whose name is never
+        # reused on this store (a sub-group: see api/groups.py) gives the
+        # generation itself, and the store keeps no counter for it.
         base = PrefixStore(f"numcoll/{opts.group_name}", store)
-        generation = (base.add("joined", 1) - 1) // world_size
+        if generation is None:
+            generation = (base.add("joined", 1) - 1) // world_size
+        #: Which incarnation of the name ``options.group_name`` this group is.
+        self.generation = generation
         self._store = PrefixStore(str(generation), base)
         kind = opts.transport or self._choose_transport()
         self.transport_kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "custom")

@@ -108,7 +108,11 @@ def _make_group(ranks: list[int], timeout, name: str) -> ProcessGroup:
                                 transport=default.transport_kind,
                                 host=default.options.host,
                                 group_name=f"{default.options.group_name}/{name}")
-    pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts)
+    # Sub-group names restart with each default group, so the default group's
+    # generation makes (name, generation) new on the store: no counter key is
+    # written, and a destroyed sub-group leaves nothing in the store.
+    pg = ProcessGroup(world.store, ranks.index(default.rank()), len(ranks), opts,
+                      generation=default.generation)
     pg.set_global_ranks(ranks)
     world.groups[pg] = ranks
     _log.debug("group %s ready: global ranks %s, this rank is %d in it", opts.group_name,

@@ -64,3 +64,32 @@ def pytest_generate_tests(metafunc):
         params = [("inproc", n) for n in matrix_world_sizes(metafunc.config)]
         params += list(SOCKET_SLICE)
         metafunc.parametrize("placement", params, ids=[f"{t}-{n}" for t, n in params])
+
+
+# --- a test that runs out of time says what every rank was waiting for ------------------
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import time
+
+    item._numcoll_started_ns = time.time_ns()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.failed or "Timeout" not in str(report.longrepr):
+        return
+    from numcoll.diagnostics import flight_recorder
+
+    recorder = flight_recorder.recorder()
+    lines = ([] if recorder is None
+             else recorder.in_progress(getattr(item, "_numcoll_started_ns", 0)))
+    threads = sorted(t.name for t in threading.enumerate() if "numcoll" in t.name.lower())
+    report.sections.append((
+        "numcoll: what every rank was waiting for when the test ran out of time",
+        "\n".join(lines or ["no collective of this process was in progress (ranks in other "
+                            "processes report through their launcher)"])
+        + f"\nnumcoll threads alive: {threads}"))

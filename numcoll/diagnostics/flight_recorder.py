@@ -207,6 +207,18 @@ class FlightRecorder:
         return [text for rec in reversed(records) if rec.rank == rank and rec.state == "started"
                 for text in (rec.describe_wait(),) if text]
 
+    def in_progress(self, since_ns: int = 0) -> list[str]:
+        """One line per collective created from ``since_ns`` on (a ``time.time_ns()``)
+        and not finished, every rank and group: what it waits for, or its state.
+        What a test that ran out of time prints, so a hang names its ranks."""
+        with self._lock:
+            records = [r for r in self._records
+                       if r.time_created_ns >= since_ns and r.state in ("scheduled", "started")]
+            names = {k: v["name"] for k, v in self._pg_config.items()}
+        return [f"rank {r.rank} of group {names.get(r.pg_id, r.pg_id)!r}: "
+                f"{r.describe_wait() or f'{r.call.name} (collective #{r.seq}) {r.state}'}"
+                for r in records]
+
     def dump(self, rank: int | None = None) -> dict:
         """The records (of one global ``rank`` only, if given) as plain data."""
         with self._lock:

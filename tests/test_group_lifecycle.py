@@ -73,17 +73,38 @@ def test_a_destroyed_groups_table_entry_leaves_with_its_records(small_recorder):
     assert str(live._pg_id) not in fr.dump()["pg_config"]
 
 
-@pytest.mark.parametrize("transport,size", [("inproc", 2), ("shm", 2), ("ipc", 2)])
+@pytest.mark.parametrize("transport,size", [("inproc", 2), ("shm", 2), ("ipc", 2),
+                                            ("tcp", 2), ("tcp", 3)])
 def test_transports_take_their_keys_back(transport, size):
-    """Only what the group itself keeps (its generation counter) stays in a
-    store shared by many groups; the zmq endpoints stay too (see the README)."""
+    """Only what a named group keeps (its generation counter) stays in a store
+    shared by many groups: the last rank of a group to close deletes the zmq
+    endpoints."""
     store = nc.HashStore()
     _cycle(store, 0, transport, size)
     keys = store.num_keys()
     for i in range(1, 4):
         _cycle(store, i, transport, size)
     grown = (store.num_keys() - keys) / 3
-    assert grown <= (1 if transport != "ipc" else 1 + size), grown
+    assert grown <= 1, grown
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+def test_destroyed_sub_groups_leave_no_key(transport):
+    from numcoll.api import world
+
+    def churn():
+        store = world._world().store
+        nc.barrier()
+        before = store.num_keys()
+        for _ in range(20):
+            g = nc.new_group([0, 1])
+            nc.all_reduce(np.ones(2), group=g)
+            nc.destroy_process_group(g)
+        nc.barrier()
+        return before, store.num_keys()
+
+    for before, after in nc.launch(churn, 2, mode="thread", transport=transport, timeout=60):
+        assert after <= before, (before, after)
 
 
 @pytest.mark.slow

@@ -116,6 +116,8 @@ class IOThread:
         # State below belongs to the I/O thread.
         self._backlog: dict[int, deque] = {}  # sends ZeroMQ refused (HWM), in order
         self._tracked: dict[int, deque[PendingRequest]] = {p: deque() for p in sockets.push}
+        #: Peers that left without a goodbye (crashed, vanished, refused us).
+        self.lost: set[int] = set()
         self._suspects: dict[int, float] = {}  # disconnected peer -> end of its grace
         self._handshaking: deque[int] = deque()  # accepted fds, handshake not ended yet
         self._poller = zmq.Poller()
@@ -438,6 +440,8 @@ class IOThread:
         # failing it would be a false alarm); the peer's own waits report whatever it
         # missed. After a crash nothing says it arrived, so it fails.
         failed = unsent if graceful else unsent + list(self._tracked[peer])
+        if not graceful:
+            self.lost.add(peer)
         for req in failed:
             req.fail(PeerClosed(f"{req.describe()}: {reason}", peer))
         self._tracked[peer].clear()

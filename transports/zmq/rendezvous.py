@@ -119,6 +119,27 @@ def open_sockets(scheme: str, rank: int, size: int, store: Rendezvous, *, host: 
     return s
 
 
+def release_cards(store: Rendezvous, rank: int, size: int, curve: bool) -> None:
+    """At a clean close: count this rank out; the last rank of the group to close
+    deletes every rank's card (and CURVE key). By then every rank has read them
+    all -- each read its peers' cards before its transport existed -- so a store
+    shared by many groups keeps nothing of a closed one. Best effort: a store
+    without ``add``/``delete_key``, or one that fails, keeps them."""
+    add, delete = getattr(store, "add", None), getattr(store, "delete_key", None)
+    if add is None or delete is None or size == 1:
+        return
+    try:
+        if add("closed", 1) < size:
+            return
+        for peer in range(size):
+            delete(f"addr/{peer}")
+            if curve:
+                delete(f"curve/{peer}")
+        delete("closed")
+    except Exception:  # noqa: BLE001 - the keys stay; closing goes on
+        pass
+
+
 def close_peer(s: Sockets, peer: int, linger_ms: int) -> None:
     """Close ``peer``'s PUSH socket and its monitor."""
     sock = s.push.pop(peer)

@@ -96,6 +96,7 @@ class ZmqTransport(MailboxTransport):
         self._close_called = False
         self._shm: SharedSlabs | None = None
         self._sockets = None
+        self._store = store
         try:
             self._sockets = rendezvous.open_sockets(
                 scheme, rank, size, store, host=host, nonce=self._nonce,
@@ -183,6 +184,8 @@ class ZmqTransport(MailboxTransport):
         self._sockets.release()
         if self._shm is not None:
             self._shm.close()
+        if not self._io.lost:  # a crashed peer never counts itself out
+            rendezvous.release_cards(self._store, self.rank, self.size, self._security.curve)
         self.refusals.close()
 
     def __repr__(self) -> str:

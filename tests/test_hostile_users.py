@@ -325,14 +325,18 @@ def _shm_attack(as_nobody: bool, options: dict):
         try:
             for p in procs:
                 p.start()
-            end = time.monotonic() + 6
+            # Until both ranks' sockets were seen and attacked for 3 s: on a loaded
+            # machine the late rank may take many seconds just to import numcoll.
+            end, both_seen = time.monotonic() + 40, None
             while time.monotonic() < end and not all(p.exitcode is not None for p in procs):
                 for name in _spot([p.pid for p in procs], seen):
                     watcher.stdin.write(name + b"\n")
                     watcher.stdin.flush()
                 time.sleep(0.001)
-                if len(seen) == 2 and time.monotonic() > end - 3:
-                    break
+                if len(seen) == 2:
+                    both_seen = both_seen or time.monotonic()
+                    if time.monotonic() > both_seen + 3:
+                        break
             out, err = watcher.communicate(timeout=30)
         finally:
             if watcher.poll() is None:

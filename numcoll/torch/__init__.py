@@ -54,6 +54,7 @@ import torch.distributed as dist  # noqa: E402 - after _autoload (see there)
 __all__ = ["BACKEND_NAME", "ProcessGroupNumcoll", "Work", "register", "monitored_barrier",
            "to_torch_error"]
 
+#: The name torch.distributed knows the backend by: ``dist.init_process_group("numcoll")``.
 BACKEND_NAME = "numcoll"
 
 

@@ -5,8 +5,8 @@ long runs of collectives stay correct without growing.
 
 ``python -m numcoll.faults`` (:mod:`numcoll.bench.fault_table`) runs the
 scenarios on ranks launched as processes and prints the fault table;
-``--markdown`` prints it as the README has it. ``tests/test_faults.py`` runs
-the same scenarios, asserts on the figures and checks the README's table.
+``--markdown`` prints it as ``docs/guide/faults.md`` has it. ``tests/test_faults.py`` runs
+the same scenarios, asserts on the figures and checks the docs' table.
 
 Detection time is measured from the fault (the culprit writes the time, from
 the system-wide monotonic clock, just before it kills, stops or returns; for a

@@ -124,7 +124,8 @@ from .options import (
 from .process_group import ProcessGroup
 from .memory.sparse import SparseCOO
 from .bootstrap.init_methods import register_rendezvous_handler, rendezvous
-from .bootstrap.store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
+from .bootstrap.filestore import FileStore
+from .bootstrap.store import HashStore, PrefixStore, Store, StoreTimeoutError
 from .bootstrap.tcpstore import TCPStore
 from .work import Work
 
@@ -196,7 +197,7 @@ _ALIASES = {
     "numcoll.flight_recorder": "numcoll.diagnostics.flight_recorder",
     "numcoll.fr": "numcoll.diagnostics.fr_trace",
     "numcoll.demo": "numcoll.bench.demo",
-    "numcoll.faults": "numcoll.bench.faults",
+    "numcoll.faults": "numcoll.bench.fault_table",   # the command; the scenarios: bench.faults
 }
 
 

@@ -277,3 +277,7 @@ def main(argv: list[str] | None = None) -> int:
               "something was left behind (see the table)", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -70,10 +70,11 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
     return blocks
 
 
-def examples() -> tuple[list[tuple[str, str]], list[Block]]:
+def examples(paths: list[pathlib.Path] | None = None
+             ) -> tuple[list[tuple[str, str]], list[Block]]:
     """(where, program) for each example to run, and the blocks marked not runnable."""
     runs, skipped = [], []
-    for path in pages():
+    for path in pages() if paths is None else paths:
         pending: list[Block] = []
         for block in python_blocks(path):
             if block.marker and NOT_RUNNABLE.match(block.marker):
@@ -111,6 +112,17 @@ def test_a_marker_that_is_not_right_above_a_block_is_reported(tmp_path):
     blocks = python_blocks(page)
     assert [b.marker is not None for b in blocks] == [True, True]
     assert not NOT_RUNNABLE.match(blocks[1].marker).group(1).strip()
+
+
+def test_continued_blocks_run_as_one_program(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("```python\na = 1\n```\ntext\n<!-- continues -->\n```python\nb = a + 1\n```\n"
+                    "<!-- not-runnable: needs two hosts -->\n```python\nc = 3\n```\n"
+                    "```python\nd = 4\n```\n")
+    runs, skipped = examples([page])
+    assert runs == [("page.md:1", "a = 1\nb = a + 1\n"), ("page.md:13", "d = 4\n")]
+    assert [b.line for b in skipped] == [10]
 
 
 @pytest.mark.timeout(EXAMPLE_TIMEOUT_S + 30)

@@ -47,7 +47,7 @@ def _imports(path, *, top_level_only=False):
 
 #: What each layer must never import (a prefix of a module name). The layers,
 #: top down: api -> process_group -> collectives -> algorithms -> comm ->
-#: memory/kernels/cuda -> transports. See the README's "How it is built".
+#: memory/kernels/cuda -> transports. See docs/contributing.md, "How it is built".
 FORBIDDEN = {
     "transports": ("numcoll",),
     "numcoll/algorithms": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",

@@ -76,7 +76,7 @@ def test_a_destroyed_groups_table_entry_leaves_with_its_records(small_recorder):
 @pytest.mark.parametrize("transport,size", [("inproc", 2), ("shm", 2), ("ipc", 2)])
 def test_transports_take_their_keys_back(transport, size):
     """Only what the group itself keeps (its generation counter) stays in a
-    store shared by many groups; the zmq endpoints stay too (see the README)."""
+    store shared by many groups; the zmq endpoints stay too (see docs/guide/transports.md)."""
     store = nc.HashStore()
     _cycle(store, 0, transport, size)
     keys = store.num_keys()

@@ -20,7 +20,7 @@ import importlib.util as _importlib_util
 import sys as _sys
 
 from . import futures
-from ._version import __version__
+from ._version import __version__ as _version
 from .api import (
     Backend,
     GroupMember,
@@ -56,7 +56,7 @@ from .api import (
     get_process_group_ranks,
     get_rank,
     get_world_size,
-    group,
+    group as _group,
     init_process_group,
     irecv,
     is_available,
@@ -87,14 +87,14 @@ from .api import (
     zeros_shared,
 )
 from .data_parallel import (
-    DEFAULT_FIRST_BUCKET_BYTES,
+    DEFAULT_FIRST_BUCKET_BYTES as _DEFAULT_FIRST_BUCKET_BYTES,
     GradBucket,
     Reducer,
     broadcast_coalesced,
     compute_bucket_assignment_by_size,
     hooks,
 )
-from .dtypes import bfloat16
+from .dtypes import bfloat16 as _bfloat16
 from .diagnostics import flight_recorder
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
                      NumcollError, PeerError)
@@ -124,9 +124,26 @@ from .options import (
 from .process_group import ProcessGroup
 from .memory.sparse import SparseCOO
 from .bootstrap.init_methods import register_rendezvous_handler, rendezvous
-from .bootstrap.store import FileStore, HashStore, PrefixStore, Store, StoreTimeoutError
+from .bootstrap.filestore import FileStore
+from .bootstrap.store import HashStore, PrefixStore, Store, StoreTimeoutError
 from .bootstrap.tcpstore import TCPStore
 from .work import Work
+
+# -- public data: documented here, where the API reference (autodoc) reads their comments --
+#: numcoll's version, from its one source, ``numcoll/_version.py``.
+__version__ = _version
+#: The bfloat16 dtype, ``np.dtype(ml_dtypes.bfloat16)``: use it for arrays of brain
+#: floating point (``np.zeros(4, nc.bfloat16)``). Collectives reduce bfloat16 (and
+#: float16) in float32 and round once, so every rank gets the correctly rounded float32
+#: sum; ``NUMCOLL_HALF_WIRE=native`` keeps 16 bits on the wire instead.
+bfloat16 = _bfloat16
+#: torch's ``group`` namespace: ``nc.group.WORLD`` is the default group (the
+#: :class:`ProcessGroup` that :func:`init_process_group` made), as ``dist.group.WORLD``.
+group = _group
+#: The first gradient bucket's cap in a :class:`Reducer` (1 MiB), torch's
+#: ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts communication early
+#: in the backward pass.
+DEFAULT_FIRST_BUCKET_BYTES = _DEFAULT_FIRST_BUCKET_BYTES
 
 __all__ = [
     # ops and options
@@ -180,7 +197,7 @@ _ALIASES = {
     "numcoll.flight_recorder": "numcoll.diagnostics.flight_recorder",
     "numcoll.fr": "numcoll.diagnostics.fr_trace",
     "numcoll.demo": "numcoll.bench.demo",
-    "numcoll.faults": "numcoll.bench.faults",
+    "numcoll.faults": "numcoll.bench.fault_table",   # the command; the scenarios: bench.faults
 }
 
 

@@ -52,7 +52,7 @@ class Config:
     #: split the reduction among the ranks (``shared_split``: each rank copies
     #: in only what the others reduce, rounds pipelined one step each) instead
     #: of every rank reducing every slot (``shared``: the fewest steps, for
-    #: smaller messages). From measurement: README "How the defaults were picked".
+    #: smaller messages). From measurement: docs/performance/index.md.
     shared_split_nbytes: int = 1 << 20
     #: Collectives on shared arrays (``nc.empty_shared``) of at least this many
     #: bytes per rank read the other ranks' arrays in place (two or three

@@ -57,6 +57,8 @@ class ProcessGroup(persistent.InitMethods):
     rank, world_size : this rank and the number of ranks.
     options : :class:`ProcessGroup.Options`.
 
+    Notes
+    -----
     Every collective returns a :class:`~numcoll.Work`; results are written into
     the caller's arrays and are also the future's value (``*_init``: persistent
     twins). Use as a context manager, or call :meth:`shutdown`.

@@ -47,7 +47,7 @@ def _imports(path, *, top_level_only=False):
 
 #: What each layer must never import (a prefix of a module name). The layers,
 #: top down: api -> process_group -> collectives -> algorithms -> comm ->
-#: memory/kernels/cuda -> transports. See the README's "How it is built".
+#: memory/kernels/cuda -> transports. See docs/contributing.md, "How it is built".
 FORBIDDEN = {
     "transports": ("numcoll",),
     "numcoll/algorithms": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
@@ -256,3 +256,74 @@ def test_demo_runs_in_threads():
                           "thread"], capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr
     assert "every rank agreed" in out.stdout
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the numcoll/transports modules it imports (at any depth of its code,
+    function-level imports included), as module names."""
+    paths = sorted((ROOT / "numcoll").rglob("*.py")) + sorted((ROOT / "transports").rglob("*.py"))
+    modules = {_module_name(p): p for p in paths}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for imported in _imports(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]  # "pkg.mod.Name" -> "pkg.mod"
+            if imported and imported != name and not name.startswith(imported + "."):
+                edges.add(imported)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    import sys as _sys
+    limit = _sys.getrecursionlimit()
+    _sys.setrecursionlimit(max(limit, 10000))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                visit(v)
+    finally:
+        _sys.setrecursionlimit(limit)
+    return out
+
+
+def test_no_two_modules_import_each_other():
+    """Every folder reads top down: no import cycle between modules (a package's
+    ``__init__`` importing its own modules is not one), function-level imports included."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,12 +1,12 @@
 """The regression gate (issue 18): its rule (numcoll.bench.gate), its interleaved
 rounds (numcoll.bench.schedule), its rows (numcoll.bench.rows), and the two
-commands as the README gives them, passing on unchanged code and failing, with
-a short table and no traceback, on an injected slowdown.
+commands as docs/performance/regression-gate.md has them, passing on unchanged code and
+failing, with a short table and no traceback, on an injected slowdown.
 
 The end-to-end runs select the rows that run in this process (kernels,
 references): seconds each. The rows on rank processes are timed for real in
 test_a_schedule_on_rank_processes; how the whole gate holds on a busy machine
-was measured by hand (README, "Regression tracking").
+was measured by hand (docs/performance/regression-gate.md).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def test_a_schedule_on_rank_processes():
                 if d.startswith("numcoll-gate-")]
 
 
-# -- the gate, as the README runs it -----------------------------------------------------
+# -- the gate, as the docs run it -------------------------------------------------------------
 def gate_run(storage: pathlib.Path, *args: str, plugin_dir: pathlib.Path | None = None):
     path = os.pathsep.join(str(p) for p in (ROOT, plugin_dir) if p)
     return subprocess.run(

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.timeout(60)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(nc.__file__)))
 MAX_FILES = 14
-MAX_MOVES = 25
+#: 25 while requests (``PendingRequest``) lived in transports/endpoint.py; moved below
+#: the mailbox into transports/pending.py (so endpoint and mailbox no longer import each
+#: other), the same calls cross three more file boundaries.
+MAX_MOVES = 28
 
 #: Layers from the top (0) down; a file's layer is that of the longest prefix.
 LAYERS = {

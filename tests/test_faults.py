@@ -6,8 +6,8 @@ async + 10,000 back-to-back allreduces.
 
 Each scenario runs once (module fixtures, see :mod:`numcoll.bench.faults`); the tests
 assert on its figures: every survivor raises, promptly, nobody hangs, no wrong
-result, the error names the culprit, nothing is left behind. And the README's
-fault table is what ``python -m numcoll.faults --markdown`` prints for these
+result, the error names the culprit, nothing is left behind. And the fault
+table of docs/guide/faults.md is what ``python -m numcoll.faults --markdown`` prints for these
 figures (issue 21): numbers masked, since times, sizes and RSS change from run
 to run; every word compared.
 """
@@ -168,9 +168,9 @@ def test_the_readme_fault_table_is_what_the_code_prints(killed, stopped, early, 
 
     from numcoll.bench import fault_table
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    theirs = fault_table.readme_table(readme)
-    assert theirs is not None, f"README.md: no {fault_table.BEGIN} ... {fault_table.END}"
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "faults.md"
+    theirs = fault_table.readme_table(page.read_text())
+    assert theirs is not None, f"{page}: no {fault_table.BEGIN} ... {fault_table.END}"
     ours = fault_table.markdown(fault_table.rows({
         "kill": killed, "stop": stopped, "early": early, "mismatch": mismatched,
         "store": store_gone, "strangers": strangers, "strangers_alone": strangers_alone,
@@ -180,8 +180,8 @@ def test_the_readme_fault_table_is_what_the_code_prints(killed, stopped, early, 
     assert len(theirs_lines) == len(ours_lines), (theirs, ours)
     for readme_line, code_line in zip(theirs_lines, ours_lines):
         assert readme_line == code_line, (
-            "the README's fault table differs from what the code prints; rerun "
-            "python -m numcoll.faults --update-readme README.md\nREADME: "
+            "the fault table of docs/guide/faults.md differs from what the code prints; "
+            "rerun python -m numcoll.faults --update-readme docs/guide/faults.md\npage:   "
             + readme_line + "\ncode:   " + code_line)
 
 

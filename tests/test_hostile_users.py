@@ -14,7 +14,7 @@ Every run asserts: the real pair forms and every byte it exchanges is right,
 no rank dies (by a signal or otherwise), the attacker never sees a byte of the
 payload, a rank's peak RSS grows by at most 64 MiB, nothing is left in
 ``/dev/shm``, every refusal is counted and logged. The figures (refusals,
-growth, bytes an attacker could stream) are printed for the README.
+growth, bytes an attacker could stream) are printed for docs/guide/security.md.
 
 Switching to another user needs root; elsewhere the other-user tests skip,
 saying so, and the same-user variants still run.

@@ -294,7 +294,7 @@ def test_torchrun_across_hosts(hosts, tmp_path):
 
 def test_the_cable_bench_measures_bytes_and_limits_the_cable(hosts):
     """``python -m numcoll.bench.cable`` at 2x2 with a 1 MiB allreduce (one
-    iteration, no gloo: a smoke run of what the README's cable table comes
+    iteration, no gloo: a smoke run of what the cable table of docs/guide/many-hosts.md comes
     from): the counters give two-level 1x the payload each way, the flat
     ring 1.5x, and the token bucket on the cable holds (``hosts``: only for
     its skip)."""

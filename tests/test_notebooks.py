@@ -6,7 +6,7 @@ checkout.
 ``NUMCOLL_NOTEBOOK_MAX_NBYTES`` and ``NUMCOLL_NOTEBOOK_ITERS`` keep them small;
 ``NUMCOLL_NOTEBOOK_FIGURES`` (only when set) has them write their PNGs (and the
 rows behind them) to a folder: a temporary one here, ``notebooks/figures``
-when the README's figures are remade. ``history.ipynb`` reads the gate's saved
+when the docs' figures are remade. ``history.ipynb`` reads the gate's saved
 runs from ``NUMCOLL_HISTORY_STORAGE``: runs this test saves.
 """
 
@@ -25,7 +25,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-#: What the README lists; a notebook added without it fails here.
+#: What docs/performance/notebooks.md lists; a notebook added without it fails here.
 NAMES = {"performance", "timeline", "data_parallel", "history"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 #: What a CI-sized run of one notebook may take here (2 shared cores); all of
@@ -81,7 +81,7 @@ def test_there_are_notebooks_and_they_are_saved_without_outputs():
 
 
 def _checkout_state() -> dict[str, str]:
-    """Every file under notebooks/ (and the README's figures) with a hash of its
+    """Every file under notebooks/ (and the docs' figures) with a hash of its
     bytes: a notebook that writes into the checkout changes this."""
     state = {}
     for path in sorted((ROOT / "notebooks").rglob("*")):

@@ -31,7 +31,7 @@ from .base import (
     TransportClosed,
     TransportError,
 )
-from .endpoint import RECV, PendingRequest, describe
+from .pending import RECV, PendingRequest, describe
 
 __all__ = ["Mailbox", "DISCARD", "PayloadReader", "NONE_HELD"]
 

@@ -75,6 +75,8 @@ class GroupMember(metaclass=_GroupMemberMeta):
 
 
 class _GroupNamespace:
+    """torch's ``group`` namespace: ``group.WORLD`` is the default group."""
+
     @property
     def WORLD(self) -> ProcessGroup:  # noqa: N802 - torch's name
         """The default group (``numcoll.group.WORLD``)."""

@@ -1,9 +1,9 @@
 """``python -m numcoll.faults``: run the fault scenarios and print the fault table.
 
-Every row of the README's fault table is printed here, from the figures of
-:mod:`numcoll.bench.faults` (``--markdown`` prints just the table,
-``--update-readme README.md`` writes it between the README's markers), and
-``tests/test_faults.py`` checks the README's table against what this code
+Every row of the fault table of the docs (``docs/guide/faults.md``) is printed here,
+from the figures of :mod:`numcoll.bench.faults` (``--markdown`` prints just the table,
+``--update-readme docs/guide/faults.md`` writes it between the page's markers), and
+``tests/test_faults.py`` checks the page's table against what this code
 prints for the same scenarios, numbers masked (:func:`masked`): detection
 times, sizes and counts change from run to run, the words do not.
 
@@ -27,7 +27,7 @@ __all__ = ["rows", "markdown", "masked", "update_readme", "main", "FAULTS", "BEG
 
 #: What ``--faults`` can name, in the table's order.
 FAULTS = ("kill", "stop", "early", "mismatch", "store", "strangers", "soak")
-BEGIN = "<!-- fault-table: python -m numcoll.faults --update-readme README.md -->"
+BEGIN = "<!-- fault-table: python -m numcoll.faults --update-readme docs/guide/faults.md -->"
 END = "<!-- fault-table end -->"
 _HEADER = ["scenario", "survivors raise after", "what they say", "culprit named by",
            "left behind"]
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-timeout", type=float, default=2.0,
                    help="collective deadline of the stop scenario, seconds (default 2)")
     p.add_argument("--markdown", action="store_true",
-                   help="print only the table, in Markdown, as the README has it")
+                   help="print only the table, in Markdown, as docs/guide/faults.md has it")
     p.add_argument("--update-readme", metavar="PATH", default=None,
                    help=f"write the table into PATH between {BEGIN!r} and {END!r}")
     p.add_argument("--verbose", "-v", action="store_true",
@@ -277,3 +277,7 @@ def main(argv: list[str] | None = None) -> int:
               "something was left behind (see the table)", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

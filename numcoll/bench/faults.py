@@ -5,8 +5,8 @@ long runs of collectives stay correct without growing.
 
 ``python -m numcoll.faults`` (:mod:`numcoll.bench.fault_table`) runs the
 scenarios on ranks launched as processes and prints the fault table;
-``--markdown`` prints it as the README has it. ``tests/test_faults.py`` runs
-the same scenarios, asserts on the figures and checks the README's table.
+``--markdown`` prints it as ``docs/guide/faults.md`` has it. ``tests/test_faults.py`` runs
+the same scenarios, asserts on the figures and checks the docs' table.
 
 Detection time is measured from the fault (the culprit writes the time, from
 the system-wide monotonic clock, just before it kills, stops or returns; for a
@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from ..bootstrap.tcpstore import TCPStore
 from ..ops import ReduceOp
 
 __all__ = ["Figures", "run_scenario", "run_strangers", "run_mismatches", "run_store_gone",
-           "SCENARIOS", "MISMATCHES", "soak", "main"]
+           "SCENARIOS", "MISMATCHES", "soak"]
 
 #: Ranks of the kill / stop / early scenarios by default; the culprit is the last.
 WORLD_SIZE = 4
@@ -485,14 +484,3 @@ def run_store_gone(world_size: int = 3, transport: str | None = None) -> Figures
 
 
 SCENARIOS = ("kill", "stop", "early")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m numcoll.faults``: see :mod:`numcoll.bench.fault_table`."""
-    from .fault_table import main as table_main
-
-    return table_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

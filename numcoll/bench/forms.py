@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from .runners import numcoll_step, rank_buffers
+from .steps import numcoll_step, rank_buffers
 from .sweep import Case, Plan, algorithm_name
 
 __all__ = ["numcoll_buffers", "numcoll_form_step", "algorithm", "mpi_step", "mpi_persistent",
@@ -39,7 +39,7 @@ def describe(plan: Plan) -> str:
 
 
 def numcoll_buffers(plan: Plan, case: Case, rank: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """:func:`~numcoll.bench.runners.rank_buffers`, in shared memory where
+    """:func:`~numcoll.bench.steps.rank_buffers`, in shared memory where
     ``plan.shared_arrays`` asks for it (collective: every rank calls it)."""
     if not plan.shared_arrays or not plan.moves_data:
         return rank_buffers(plan, case, rank)

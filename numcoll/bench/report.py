@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["compare_rows", "join_anchor", "ratio", "format_table", "format_footer",
+__all__ = ["avg_busbw", "compare_rows", "join_anchor", "ratio", "format_table", "format_footer",
            "format_mpi_table"]
 
 
@@ -99,13 +99,18 @@ def format_table(rows: list[dict], *, title: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def avg_busbw(rows: list[dict], key: str = "busbw_gbps") -> float | None:
+    """nccl-tests' "Avg bus bandwidth": the mean busbw over every row (every size
+    and placement) that has one; None when none has (a barrier)."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def format_footer(rows: list[dict], *, baseline: tuple[str, list[dict]] | None = None) -> str:
     """nccl-tests' closing lines: ``# Out of bounds values : 0 OK`` (the wrong
     elements over every row) and ``# Avg bus bandwidth    : 4.52531`` (the mean
     busbw over every row, in GB/s), with the baseline's beside it when given
     as (name, rows)."""
-    from .saved import avg_busbw
-
     wrong = sum(r.get("wrong") or 0 for r in rows)
     lines = [f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}"]
     avg = avg_busbw(rows)

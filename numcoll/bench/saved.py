@@ -16,6 +16,8 @@ import json
 import os
 import pathlib
 
+from .report import avg_busbw, join_anchor, ratio  # avg_busbw: re-exported
+
 __all__ = ["DEFAULT_STORAGE", "run_path", "save_run", "load_run", "check_comparable",
            "with_baseline", "avg_busbw"]
 
@@ -74,18 +76,9 @@ def with_baseline(rows: list[dict], base_rows: list[dict]) -> list[dict]:
     """Copies of ``rows`` with ``base_time_us`` and ``delta_pct`` (time now against
     the baseline's, in percent: +10 is 10% slower) where the baseline has the
     same size and placement."""
-    from .report import join_anchor, ratio
-
     def columns(row, base):
         change = ratio(row["time_us"], base["time_us"])
         return {"base_time_us": base["time_us"],
                 "delta_pct": None if change is None else (change - 1) * 100}
 
     return join_anchor(rows, base_rows, columns)
-
-
-def avg_busbw(rows: list[dict], key: str = "busbw_gbps") -> float | None:
-    """nccl-tests' "Avg bus bandwidth": the mean busbw over every row (every size
-    and placement) that has one; None when none has (a barrier)."""
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None

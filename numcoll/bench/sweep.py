@@ -432,6 +432,8 @@ def metadata(plan: Plan, *, mode: str, transport: str | None, transport_used: st
         "platform": platform.platform(),
         "host_cpu_count": os.cpu_count(),
         "host_cpus_usable": affinity,
+        # how busy the machine was when the run began (1, 5, 15 min), for readers of the JSON
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "timing": ("per iteration: one complete collective, time.perf_counter; iteration time "
                    "= max over ranks; reported time = median over iterations (min, p10, p90, "
                    "max kept)"),

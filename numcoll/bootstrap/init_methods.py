@@ -8,7 +8,7 @@ handlers are looked up by URL scheme:
 - ``env://`` — the same, from ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
   ``WORLD_SIZE`` (torchrun's contract), or from Open MPI's, MPICH's or SLURM's
   variables (:mod:`numcoll.bootstrap.launcher_env`);
-- ``file:///path?rank=R&world_size=W`` — a :class:`~numcoll.bootstrap.store.FileStore`.
+- ``file:///path?rank=R&world_size=W`` — a :class:`~numcoll.bootstrap.filestore.FileStore`.
 
 ``rank`` and ``world_size`` given as arguments are added to the URL's query
 before the handler sees it (as torch does), so custom handlers registered
@@ -28,7 +28,8 @@ from .. import config as _config
 from . import launcher_env as launchers
 from .launcher_env import detect_environment
 from ..logs import get_logger
-from .store import DEFAULT_STORE_TIMEOUT, FileStore, Store, StoreTimeoutError, _as_timeout, _ms
+from .filestore import FileStore
+from .store import DEFAULT_STORE_TIMEOUT, Store, StoreTimeoutError, _as_timeout, _ms
 from .tcpstore import StoreAuthError, StoreConnectionError, TCPStore
 
 __all__ = ["rendezvous", "register_rendezvous_handler", "join"]

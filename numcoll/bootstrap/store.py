@@ -29,7 +29,6 @@ __all__ = [
     "Store",
     "StoreTimeoutError",
     "HashStore",
-    "FileStore",
     "PrefixStore",
 ]
 
@@ -408,8 +407,3 @@ class PrefixStore(Store):
 
     def _num_keys(self):
         return self._store._num_keys()
-
-
-# Defined in its own module (it needs the base class above); exported here too,
-# where it has always been imported from.
-from .filestore import FileStore  # noqa: E402

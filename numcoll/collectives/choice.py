@@ -41,7 +41,7 @@ TWO_LEVEL_FAMILIES = frozenset(f for f, names in CHOICES.items() if TWO_LEVEL & 
 #: The two-level variant chosen automatically: ``twolevel_lanes`` (every rank
 #: of a host carries a share between hosts and combines a share) rather than
 #: ``twolevel`` (one leader per host does both). On a limited cable they tie
-#: (within 2 %: the README's "Many hosts"); where the cable is fast, one
+#: (within 2 %: docs/guide/many-hosts.md); where the cable is fast, one
 #: leader's combining of every slot is what the call waits for, and lanes
 #: spread it over the host's cores (on the 2-core VM, with more ranks than
 #: cores, that could not show: leader and lanes traded places). The barrier

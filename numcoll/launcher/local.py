@@ -75,6 +75,8 @@ def launch(fn: Callable, world_size: int, args: tuple = (), *, mode: str = "proc
         when a rank stalled, with the timeout that found it).
     threads : worker threads of each rank's group.
 
+    Notes
+    -----
     In process mode, ``fn`` and ``args`` must be picklable by cloudpickle
     (functions defined in a script, a notebook or on stdin are), and the ranks
     see ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,

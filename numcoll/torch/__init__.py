@@ -14,7 +14,7 @@ Importing this module registers the backend with
 ``torch.distributed.Backend.register_backend`` (for the ``cpu`` and ``cuda``
 devices; torch's defaults for each device are left as they are). An installed
 numcoll also registers it when torch is imported, through torch's
-``torch.backends`` entry point (see the README: "Use it from torch"), so the
+``torch.backends`` entry point (see docs/guide/torch-backend.md), so the
 import is only needed where that is switched off (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``)
 or numcoll is not installed.
 
@@ -54,6 +54,7 @@ import torch.distributed as dist  # noqa: E402 - after _autoload (see there)
 __all__ = ["BACKEND_NAME", "ProcessGroupNumcoll", "Work", "register", "monitored_barrier",
            "to_torch_error"]
 
+#: The name torch.distributed knows the backend by: ``dist.init_process_group("numcoll")``.
 BACKEND_NAME = "numcoll"
 
 

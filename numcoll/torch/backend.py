@@ -150,21 +150,26 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._pg
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's virtual
+        """The backend's name as torch reports it (``dist.get_backend()``): ``"numcoll"``."""
         return BACKEND_NAME
 
     # torch keeps a group's name and description on its C++ backends, which a
     # Python group has none of: they live here (torch sets them after creating
     # the group, and destroy_process_group reads the name back).
     def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's virtual
+        """torch sets the group's name here when it registers the group."""
         self._group_name = name
 
     def getGroupName(self) -> str:  # noqa: N802 - torch's virtual
+        """The group's name, as torch set it."""
         return self._group_name
 
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802 - torch's virtual
+        """torch sets the group's description (``group_desc=``) here."""
         self._group_desc = desc
 
     def getGroupDesc(self) -> str:  # noqa: N802 - torch's virtual
+        """The group's description, as torch set it."""
         return self._group_desc
 
     def __repr__(self) -> str:
@@ -223,6 +228,8 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
 
     # -- collectives: torch's names and arguments -----------------------------------
     def allreduce(self, tensors, opts=None, op=None):
+        """torch's ``allreduce``: numcoll reduces the tensors in their own memory (sparse COO
+        tensors too); returns a Work."""
         if isinstance(tensors, torch.Tensor):   # torch's pg.allreduce(tensor, op=...) form
             tensors = [tensors]
         if opts is None and op is not None:
@@ -270,6 +277,7 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, tensors, write_back)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """torch's ``allreduce_coalesced``: several tensors reduced in one call; returns a Work."""
         op = _reduce_op(opts.reduceOp) if opts is not None else ReduceOp.SUM
         call = partial(
             self._pg.allreduce_coalesced,
@@ -277,6 +285,7 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, tensors)
 
     def reduce(self, tensors, opts=None):
+        """torch's ``reduce``: the result lands in the root's tensor; returns a Work."""
         opts = opts or dist.ReduceOptions()
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
@@ -287,6 +296,7 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, tensors)
 
     def broadcast(self, tensors, opts=None, root=None):
+        """torch's ``broadcast``: the root's tensor is copied into every rank's; returns a Work."""
         if isinstance(tensors, torch.Tensor):   # torch's pg.broadcast(tensor, root=...) form
             tensors = [tensors]
         if opts is None:
@@ -300,6 +310,8 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, tensors)
 
     def allgather(self, output_lists, input_list, opts=None):
+        """torch's ``allgather``: every rank's tensor into each rank's output list; returns a
+        Work."""
         other = self._device_backend(input_list[0]) if input_list else None
         if other is not None:
             return other.allgather(output_lists, input_list, opts or dist.AllgatherOptions())
@@ -308,11 +320,13 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, output_lists)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """torch's ``allgather_coalesced``: several allgathers in one call; returns a Work."""
         call = partial(self._pg.allgather_coalesced, output_lists, input_list,
                                             AllgatherOptions(timeout=_timeout(opts)))
         return self._finish(call, opts, output_lists)
 
     def all_gather_single(self, output, input, opts=None):
+        """torch's ``_allgather_base``: every rank's tensor into one flat output; returns a Work."""
         other = self._device_backend(input)
         if other is not None:
             return other._allgather_base(output, input, opts or dist.AllgatherOptions())
@@ -321,16 +335,21 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """The coalesced form of :meth:`all_gather_single`; returns a Work."""
         call = partial(
             self._pg.allgather_into_tensor_coalesced,
             outputs, inputs, AllgatherOptions(timeout=_timeout(opts)))
         return self._finish(call, opts, outputs)
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
+        """torch's ``reduce_scatter``: reduce lists of tensors, each rank keeping its share;
+        returns a Work."""
         call = partial(self._pg.reduce_scatter, output_list, input_lists, _scatter_options(opts))
         return self._finish(call, opts, output_list)
 
     def reduce_scatter_single(self, output, input, opts=None):
+        """torch's ``_reduce_scatter_base``: reduce one flat input, each rank keeping its share;
+        returns a Work."""
         other = self._device_backend(input)
         if other is not None:
             return other._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
@@ -338,16 +357,20 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, [output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """The coalesced form of :meth:`reduce_scatter_single`; returns a Work."""
         call = partial(self._pg.reduce_scatter_tensor_coalesced, outputs, inputs, _scatter_options(opts))
         return self._finish(call, opts, outputs)
 
     def alltoall(self, output_list, input_list, opts=None):
+        """torch's ``alltoall``: tensor *i* of each rank goes to rank *i*; returns a Work."""
         call = partial(self._pg.alltoall, output_list, input_list,
                        AllToAllOptions(timeout=_timeout(opts)))
         return self._finish(call, opts, output_list)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
                           opts=None):
+        """torch's ``alltoall_base``: one flat input and output, with optional split sizes;
+        returns a Work."""
         other = self._device_backend(input)
         if other is not None:
             return other.alltoall_base(output, input, output_split_sizes or [],
@@ -359,33 +382,41 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         return self._finish(call, opts, [output])
 
     def gather(self, output_lists, input_list, opts=None):
+        """torch's ``gather``: every rank's tensor into the root's output list; returns a Work."""
         opts = opts or dist.GatherOptions()
         call = partial(self._pg.gather, output_lists, input_list,
                                GatherOptions(root_rank=opts.rootRank, timeout=_timeout(opts)))
         return self._finish(call, opts, output_lists)
 
     def scatter(self, output_list, input_lists, opts=None):
+        """torch's ``scatter``: the root's list of tensors, one to each rank; returns a Work."""
         opts = opts or dist.ScatterOptions()
         call = partial(self._pg.scatter, output_list, input_lists,
                                 ScatterOptions(root_rank=opts.rootRank, timeout=_timeout(opts)))
         return self._finish(call, opts, output_list)
 
     def send(self, tensors, dst: int, tag: int = 0):
+        """torch's ``send``: the tensor to rank ``dst`` (a rank of this group) with ``tag``;
+        returns a Work."""
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.send(tensors, dst, tag)
         return Work(self._pg.send(tensors, dst, tag), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
+        """torch's ``recv``: into the tensor from rank ``src`` with ``tag``; returns a Work."""
         other = self._device_backend(tensors[0]) if tensors else None
         if other is not None:
             return other.recv(tensors, src, tag)
         return Work(self._pg.recv(tensors, src, tag), tensors)
 
     def recv_anysource(self, tensors, tag: int = 0):
+        """torch's ``recv_anysource``: into the tensor from any rank; the Work's
+        ``source_rank()`` says which."""
         return Work(self._pg.recv_anysource(tensors, tag), tensors)
 
     def barrier(self, opts=None):
+        """torch's ``barrier``: returns a Work that completes when every rank has arrived."""
         call = partial(self._pg.barrier, BarrierOptions(timeout=_timeout(opts)))
         return self._finish(call, opts, [])
 

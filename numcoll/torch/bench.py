@@ -1,4 +1,4 @@
-"""numcoll's torch backend beside gloo, measured in one run (the README's table).
+"""numcoll's torch backend beside gloo, measured in one run (docs/performance/index.md).
 
 ::
 

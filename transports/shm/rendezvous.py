@@ -41,7 +41,7 @@ Never stalled, never failed by a stranger
 
 A process of the *same* user is not kept out by this (it can read the ranks'
 memory and environment, token included, through ``/proc`` and ``ptrace``);
-the README's threat model says what it can do.
+the threat model (docs/guide/security.md) says what it can do.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ file whose name is one SharedSlabs makes, that is no link, belongs to this
 user, is readable by no one else and is large enough: a name planted in the
 store cannot make it map another user's file (whose owner could truncate it
 under the mapping: a SIGBUS). A process of the same user still could; see the
-README's threat model. What is refused is counted in ``refusals``.
+threat model (docs/guide/security.md). What is refused is counted in ``refusals``.
 """
 
 from __future__ import annotations

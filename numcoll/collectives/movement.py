@@ -384,11 +384,9 @@ def alltoall(ctx: GroupContext, output_list, input_list, opts: AllToAllOptions |
             if a.dtype != arrays[0].dtype or type(a) is not type(arrays[0]):
                 raise TypeError(f"{name}: invalid tensor type: {what} {i} is "
                                 f"{_describe(a)}, {what} 0 is {_describe(arrays[0])}")
-    if inputs[0].dtype != outputs[0].dtype or type(inputs[0]) is not type(outputs[0]):
-        raise TypeError(f"{name}: input and output tensors must have the same type "
-                        f"({_describe(inputs[0])} vs {_describe(outputs[0])})")
-    for what, arrays in (("input", inputs), ("output", outputs)):
-        for i, a in enumerate(arrays):
+            if a.dtype != outputs[0].dtype or type(a) is not type(outputs[0]):  # torch's words
+                raise TypeError(f"{name}: input and output tensors must have the same type "
+                                f"({_describe(a)} vs {_describe(outputs[0])})")
             if a.size != outputs[0].size:
                 raise ValueError(f"{name}: invalid tensor size: {what} {i} has {a.size} "
                                  f"elements, output 0 has {outputs[0].size}")

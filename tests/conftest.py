@@ -66,14 +66,58 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("placement", params, ids=[f"{t}-{n}" for t, n in params])
 
 
-# --- a test that runs out of time says what every rank was waiting for ------------------
+# --- a test that runs out of time says what every rank was waiting for ----------------
+#
+# pytest-timeout interrupts the test, whose cleanup (finally:, fixtures) then ends the
+# collectives it was stuck in; so what every rank waited for is read just before the
+# deadline, by a timer, and added to the failure's report if the test ran out of time.
+
+_SNAPSHOT_LEAD_S = 0.5
+
+
+def _timeout_s(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    try:
+        return float(item.config.getoption("timeout") or item.config.getini("timeout") or 0)
+    except (ValueError, TypeError):
+        return 0.0
+
+
+def _waits(since_ns: int) -> str:
+    from numcoll.diagnostics import flight_recorder
+
+    recorder = flight_recorder.recorder()
+    lines = [] if recorder is None else recorder.in_progress(since_ns)
+    threads = sorted(t.name for t in threading.enumerate() if "numcoll" in t.name.lower())
+    return "\n".join(lines or ["no collective of this process was in progress (ranks in "
+                               "other processes report through their launcher)"]) + \
+        f"\nnumcoll threads alive: {threads}"
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     import time
 
-    item._numcoll_started_ns = time.time_ns()
-    yield
+    started = time.time_ns()
+    item._numcoll_waits = None
+    timeout_s = _timeout_s(item)
+    timer = None
+    if timeout_s > 2 * _SNAPSHOT_LEAD_S:
+        def snapshot():
+            item._numcoll_waits = _waits(started)
+
+        timer = threading.Timer(timeout_s - _SNAPSHOT_LEAD_S, snapshot)
+        timer.name = "test-deadline-snapshot"
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -82,14 +126,6 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.when != "call" or not report.failed or "Timeout" not in str(report.longrepr):
         return
-    from numcoll.diagnostics import flight_recorder
-
-    recorder = flight_recorder.recorder()
-    lines = ([] if recorder is None
-             else recorder.in_progress(getattr(item, "_numcoll_started_ns", 0)))
-    threads = sorted(t.name for t in threading.enumerate() if "numcoll" in t.name.lower())
     report.sections.append((
         "numcoll: what every rank was waiting for when the test ran out of time",
-        "\n".join(lines or ["no collective of this process was in progress (ranks in other "
-                            "processes report through their launcher)"])
-        + f"\nnumcoll threads alive: {threads}"))
+        getattr(item, "_numcoll_waits", None) or _waits(0)))

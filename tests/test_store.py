@@ -18,9 +18,9 @@ import pytest
 
 import numcoll.bootstrap.init_methods as rdzv
 from numcoll.errors import CollectiveTimeoutError, NumcollError
+from numcoll.bootstrap.filestore import FileStore
 from numcoll.bootstrap.store import (
     DEFAULT_STORE_TIMEOUT,
-    FileStore,
     HashStore,
     PrefixStore,
     Store,

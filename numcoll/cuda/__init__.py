@@ -55,7 +55,7 @@ Importing this package does not import numba.cuda; its modules do, and
 they are imported only once device arrays are seen.
 """
 
-__all__ = ["release_idle"]
+__all__ = ["release_idle", "to_device", "to_host"]
 
 
 def release_idle() -> int:
@@ -63,3 +63,35 @@ def release_idle() -> int:
     from .pinned_pool import release_idle as release
 
     return release()
+
+
+def to_device(host, stream=0):
+    """A device copy of the host array ``host``, of any dtype numcoll takes (bfloat16 too).
+
+    ``numba.cuda.to_device`` refuses ml_dtypes' bfloat16 ("cannot include
+    dtype 'E' in a buffer"); this copies its bits. See
+    :func:`numcoll.cuda.copies.to_device`.
+
+    Examples
+    --------
+    >>> import numpy as np, numcoll as nc, numcoll.cuda       # doctest: +SKIP
+    >>> d = numcoll.cuda.to_device(np.ones(3, nc.bfloat16))     # doctest: +SKIP
+    """
+    from .copies import to_device as copy
+
+    return copy(host, stream)
+
+
+def to_host(dev, stream=0):
+    """A host copy of the device array ``dev``, of any dtype numcoll takes (bfloat16 too).
+
+    See :func:`numcoll.cuda.copies.to_host`.
+
+    Examples
+    --------
+    >>> numcoll.cuda.to_host(d)                                 # doctest: +SKIP
+    array([1, 1, 1], dtype=bfloat16)
+    """
+    from .copies import to_host as copy
+
+    return copy(dev, stream)

@@ -56,6 +56,7 @@ class DeviceArrays:
         self._pool = pool
         self._stream = None
         self._blocks: list[np.ndarray] = []
+        self._buffers: list[DeviceBuffer] = []
         self._after = []
         seen = set()
         for a in arrays:
@@ -68,12 +69,19 @@ class DeviceArrays:
 
     @property
     def stream(self):
-        # Made on the thread that runs the collective, at first use.
+        """The collective's stream (made on the thread that runs it, at first use).
+
+        Everything this call queues goes through here, so here is where the
+        staged buffers' results are queued back to the device first: whatever
+        is queued next (a kernel reading the result, a copy out, the final
+        synchronisation) runs after them (see :mod:`.buffer`)."""
         if self._stream is None:
             stream = _new_stream()
             for event in self._after:
                 event.wait(stream)
             self._stream = stream
+        for buf in self._buffers:
+            buf.flush()
         return self._stream
 
     # -- lifecycle -------------------------------------------------------------------
@@ -85,7 +93,7 @@ class DeviceArrays:
             try:
                 value = run(comm, work)
                 if self._stream is not None:
-                    self._stream.synchronize()
+                    self.stream.synchronize()       # the property flushes staged buffers
             except BaseException:
                 self._close(reuse_staging=False)
                 raise
@@ -96,6 +104,7 @@ class DeviceArrays:
 
     def _close(self, reuse_staging: bool) -> None:
         blocks, self._blocks = self._blocks, []
+        self._buffers = []
         if not reuse_staging:
             # After a failure a zero-copy send may still hold a block, or a copy may
             # still be queued: let those blocks go with their last reference.
@@ -144,16 +153,17 @@ class DeviceArrays:
         """``dst[...] = src`` for same-shape device arrays of any layout, on the stream."""
         if dst.size == 0:
             return
+        stream = self.stream        # first: staged buffers are flushed ahead of this copy
         # 16-bit floats are copied as their bits: Numba cannot type ml_dtypes'
         # bfloat16, and the simulator's copies lose it (to NumPy it is "V2").
         dst, src = _bits(dst), _bits(src)
         if dst.is_c_contiguous() and src.is_c_contiguous():
-            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
+            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=stream)
         elif _SIMULATED:
             dst[...] = src
         else:
             # Numba's strided assignment kernel.
-            dst.setitem((slice(None),) * dst.ndim, src, stream=self.stream)
+            dst.setitem((slice(None),) * dst.ndim, src, stream=stream)
 
     def write(self, out, flat) -> None:
         """Store the flat contiguous ``flat`` into ``out`` (any layout)."""
@@ -167,7 +177,12 @@ class DeviceArrays:
             start += a.size
 
     def buffer(self, flat, reduce=None) -> DeviceBuffer:
-        return DeviceBuffer(flat, self.stream, self._staging, reduce)
+        """The work buffer over the flat device array ``flat``; ``reduce``: a
+        :class:`DeviceSteps`' ``reduce`` (the buffer applies its host twin)."""
+        buf = DeviceBuffer(flat, self.stream, self._staging,
+                           None if reduce is None else reduce.host)
+        self._buffers.append(buf)
+        return buf
 
     def _staging(self, nbytes: int) -> np.ndarray:
         """A pinned block from the pool, given back when the collective completes."""
@@ -193,6 +208,20 @@ class DeviceArrays:
         return out
 
 
+class _DeviceReduce:
+    """``reduce(acc, x)``: acc = op(acc, x) on device arrays, queued on the
+    collective's stream; ``host``: the same op's CPU kernel, which a staged
+    :class:`DeviceBuffer` applies to the bytes in its host mirror."""
+
+    __slots__ = ("_kernel", "_xp", "host")
+
+    def __init__(self, red, xp):
+        self._kernel, self._xp, self.host = red.kernel, xp, red.host_kernel
+
+    def __call__(self, acc, x) -> None:
+        self._kernel(acc, x, stream=self._xp.stream)
+
+
 class DeviceSteps:
     """The steps of a :class:`~numcoll.memory.reduction.Reduction`, run on the device.
 
@@ -204,12 +233,9 @@ class DeviceSteps:
         self._red = red
         self._xp = xp
         self.wire_dtype = red.wire_dtype
-        self._kernel = red.kernel
+        #: acc = op(acc, x), elementwise, in the wire dtype, on the stream.
+        self.reduce = _DeviceReduce(red, xp)
         self._factors = None
-
-    def reduce(self, acc, x) -> None:
-        """acc = op(acc, x), elementwise, in the wire dtype."""
-        self._kernel(acc, x, stream=self._xp.stream)
 
     def to_wire(self, src, out=None):
         """``src`` (any layout) as a flat wire-dtype device array (new unless ``out``)."""

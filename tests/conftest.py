@@ -3,6 +3,9 @@ import threading
 
 import pytest
 
+#: The one command that runs the tests needing a real GPU (marked ``gpu``).
+GPU_COMMAND = "NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu"
+
 # Every wait in the library has a deadline; this is the test-side backstop.
 DEFAULT_TEST_TIMEOUT_S = 120
 
@@ -64,3 +67,32 @@ def pytest_generate_tests(metafunc):
         params = [("inproc", n) for n in matrix_world_sizes(metafunc.config)]
         params += list(SOCKET_SLICE)
         metafunc.parametrize("placement", params, ids=[f"{t}-{n}" for t, n in params])
+
+
+# --- tests that need a real GPU ----------------------------------------------------
+
+def _real_gpu() -> str | None:
+    """None if a real CUDA GPU is usable here, else why not. Asked only when a
+    ``gpu`` test is about to run, so numba.cuda is imported after the CUDA test
+    modules have chosen the simulator or not."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return "the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)"
+    try:
+        from numba import cuda
+    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU here
+        return f"numba.cuda cannot be imported ({exc})"
+    if cuda.jit.__module__.startswith("numba.cuda.simulator"):
+        return "numba.cuda was imported with the simulator on"
+    try:
+        if not cuda.is_available():
+            return "no CUDA GPU is available"
+    except Exception as exc:  # noqa: BLE001 - a broken driver means no GPU
+        return f"the CUDA driver fails ({exc})"
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        why = _real_gpu()
+        if why is not None:
+            pytest.skip(f"needs a real GPU: {why}; on a GPU machine run {GPU_COMMAND}")

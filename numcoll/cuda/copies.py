@@ -129,11 +129,11 @@ def to_device(host, stream=0):
     >>> nc.cuda.to_host(d)                                       # doctest: +SKIP
     array([1, 1, 1, 1], dtype=bfloat16)
     """
-    host = np.asarray(host)
+    host = np.ascontiguousarray(host)       # Numba copies one contiguous region
     bits = _bits_dtype(host.dtype)
     if bits is None:
         return _to_device(host, stream=stream)
-    return _to_device(np.ascontiguousarray(host).view(bits), stream=stream).view(host.dtype)
+    return _to_device(host.view(bits), stream=stream).view(host.dtype)
 
 
 def to_host(dev, stream=0) -> np.ndarray:

@@ -129,3 +129,17 @@ def test_large_allreduce_on_the_gpu():
         np.testing.assert_array_equal(x, np.full(count, 3.0, np.float32))
         np.testing.assert_array_equal(h.astype(np.float32), np.full(count, 1.5, np.float32))
     assert pinned_pool.POOL.pinned_nbytes >= count * 4
+
+
+def test_a_toolchain_that_cannot_compile_raises_one_clear_error(monkeypatch):
+    """numba-cuda 0.30 with numpy 2.5 fails inside numba at the first compile
+    (np.row_stack is gone); numcoll says what to install instead."""
+    from numcoll.cuda import kernels as K
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(K, "_trial_launch", broken)
+    monkeypatch.setattr(K, "_compiled", {})
+    with pytest.raises(nc.NumcollError, match=r'row_stack.*pip install "numcoll\[cuda\]"'):
+        K.compile_op(nc.ReduceOp.SUM, np.float32)

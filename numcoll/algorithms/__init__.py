@@ -15,6 +15,7 @@ from .allreduce import allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .broadcast import broadcast_binomial, broadcast_chain
+from .peers import allreduce_ipc
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
@@ -36,6 +37,7 @@ __all__ = [
     "broadcast_shared",
     "reduce_scatter_shared",
     "reduce_shared",
+    "allreduce_ipc",
     "allreduce_recursive_doubling",
     "allreduce_ring",
     "alltoall_pairwise",
@@ -75,7 +77,8 @@ __all__ = [
 CHOICES = {
     "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
                   "shared": allreduce_shared, "shared_split": allreduce_shared_split,
-                  "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes},
+                  "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes,
+                  "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
                   "shared": broadcast_shared, "twolevel": broadcast_twolevel,
                   "twolevel_lanes": broadcast_twolevel_lanes},
@@ -104,3 +107,6 @@ SHARED = frozenset({"shared", "shared_split", "shared_arrays"})
 TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})
 #: Every algorithm that takes steps of an arena, so runs in sequence-number order.
 ARENA = SHARED | TWO_LEVEL
+#: The algorithms over the peers' device memory (:mod:`.peers`): device arrays
+#: only, between ranks of one host that can address each other's device memory.
+DEVICE_PEERS = frozenset({"ipc"})

@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..memory.host import HostBuffer
+from . import ipc
 from . import kernels as cuda_kernels
 
 __all__ = ["DeviceBuffer"]
@@ -53,12 +54,13 @@ class DeviceBuffer:
     take_mirror : ``take_mirror(nbytes)`` -> host uint8 array of at least ``nbytes``
         bytes (pinned, from the pool); called at the first use, so a buffer
         the algorithm never touches (the root's own block in gather) takes none
-    reduce : ``reduce(acc, x)`` on NumPy arrays of the buffer's dtype (the
-        op's CPU kernel), or None for collectives that only move data
+    reduce : ``reduce(acc, x)`` on device arrays of the buffer's dtype, whose
+        ``host`` attribute is the same op's CPU kernel (the staged mirror
+        reduces with it), or None for collectives that only move data
     """
 
     __slots__ = ("array", "count", "itemsize", "dtype", "_stream", "_take_mirror", "_host",
-                 "_reduce", "_dirty", "_queued")
+                 "_reduce", "_device_reduce", "_dirty", "_queued")
 
     def __init__(self, array, stream, take_mirror, reduce=None):
         self.array = array
@@ -68,7 +70,10 @@ class DeviceBuffer:
         self._stream = stream
         self._take_mirror = take_mirror
         self._host: HostBuffer | None = None
-        self._reduce = reduce
+        # reduce(acc, x) on device arrays, queued on the stream; its .host twin
+        # reduces NumPy arrays (the staged mirror).
+        self._device_reduce = reduce
+        self._reduce = None if reduce is None else reduce.host
         self._dirty = False     # the mirror holds bytes the device does not
         self._queued = False    # a flush may still be reading the mirror
 
@@ -118,3 +123,36 @@ class DeviceBuffer:
             self._queued = False
         self._dirty = True
         return host
+
+    # -- peers' device memory (the ``ipc`` algorithms) ------------------------------
+    def peer_export(self) -> bytes:
+        """What peers need to read this buffer in place (:func:`numcoll.cuda.ipc.describe`),
+        once everything queued on it has run: peers read it as soon as they have this."""
+        self._stream.synchronize()
+        return ipc.describe(self.array)
+
+    def peer_views(self, described: list, op: str) -> list:
+        """Each rank's buffer as a device array here (None for this rank's own,
+        and for empty ones), from what every rank's :meth:`peer_export` said."""
+        return [None if data is None else ipc.PEERS.view(data, self.dtype, op, peer)
+                for peer, data in enumerate(described)]
+
+    def reduce_peers(self, peers: list, start: int, count: int) -> None:
+        """Elements ``start:start + count`` := op(themselves, every peer's same
+        elements), reading the peers' memory directly; done when this returns."""
+        if count:
+            acc = self.array[start:start + count]
+            for other in peers:
+                if other is not None:
+                    self._device_reduce(acc, other[start:start + count])   # on the stream
+        self._stream.synchronize()
+
+    def copy_from_peers(self, peers: list, chunks: list) -> None:
+        """Chunk r (``chunks[r] = (start, count)``) copied from rank r's buffer,
+        for every peer r; done when this returns."""
+        for other, (start, count) in zip(peers, chunks):
+            if other is not None and count:
+                mine = self.array[start:start + count].view(np.uint8)
+                mine.copy_to_device(other[start:start + count].view(np.uint8),
+                                    stream=self._stream)
+        self._stream.synchronize()

@@ -179,8 +179,7 @@ class DeviceArrays:
     def buffer(self, flat, reduce=None) -> DeviceBuffer:
         """The work buffer over the flat device array ``flat``; ``reduce``: a
         :class:`DeviceSteps`' ``reduce`` (the buffer applies its host twin)."""
-        buf = DeviceBuffer(flat, self.stream, self._staging,
-                           None if reduce is None else reduce.host)
+        buf = DeviceBuffer(flat, self.stream, self._staging, reduce)
         self._buffers.append(buf)
         return buf
 

@@ -1,0 +1,76 @@
+"""Algorithms over the peers' device memory: ranks on one host that can
+address each other's buffers (threads of one process, or processes through
+CUDA IPC) reduce and copy straight from them, as NCCL's intra-node transport
+does. Messages carry only where the buffers are and when they are ready; the
+data never leaves the device.
+
+They are written against the buffer's peer verbs (``peer_export``,
+``peer_views``, ``reduce_peers``, ``copy_from_peers``: see
+:class:`numcoll.cuda.buffer.DeviceBuffer`) and the Comm's messages, like every
+algorithm here; device buffers offer them, and :mod:`numcoll.collectives.choice`
+chooses these only for device arrays.
+"""
+
+from __future__ import annotations
+
+from .partition import chunk_bounds
+
+__all__ = ["allreduce_ipc"]
+
+_EXCHANGE_STEP = 0
+_REDUCED_STEP = 1           # a barrier's steps: this and the next ceil(log2 P) - 1
+_COPIED_STEP = 1 + 64       # past any barrier's steps (P < 2**64)
+
+
+def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
+    """Reduce-scatter then allgather by direct loads from the peers' device memory.
+
+    1. every rank waits for its buffer to be ready on the device and sends
+       every other rank where it is (the CUDA IPC handle of its allocation and
+       its offset, or its address between threads of one process);
+    2. rank r reduces chunk r of every peer's buffer into chunk r of its own
+       (P - 1 kernel launches, reading the peers' memory), then a barrier;
+    3. rank r copies chunk q from rank q's buffer, for every q != r (device to
+       device), then a barrier, so that no rank changes its buffer while a peer
+       may still read it.
+
+    Why safe: in step 2 rank r writes only chunk r of its own buffer, and the
+    peers read only their own chunks of it; in step 3 it writes only chunks
+    q != r of its own buffer, and the peers read only chunk r of it. Every rank
+    synchronises its stream before it signals, so what a peer reads after a
+    message is complete. Each chunk is reduced by one rank and copied by the
+    others: every rank gets the same bits.
+
+    Cost: messages of a few hundred bytes to each of P - 1 peers, and two
+    dissemination barriers (2 ceil(log2 P) steps of 0 bytes); on the device,
+    each rank reads (P - 1) S/P bytes from peers to reduce and (P - 1) S/P
+    bytes to copy. Host work per call does not depend on S.
+    Source: the direct-load intra-node schedule of NCCL (``p2p`` transport);
+    barriers: Hensgen, Finkel & Manber (IJPP 1988).
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or buf.count == 0:
+        return
+    mine = buf.peer_export()
+    receives = {peer: comm.irecv(peer, _EXCHANGE_STEP) for peer in range(size) if peer != rank}
+    sends = [comm.isend(peer, _EXCHANGE_STEP, mine) for peer in receives]
+    described = [None] * size
+    for peer, pending in receives.items():
+        described[peer] = bytes(comm.wait(pending))
+    comm.wait_all(sends)
+    peers = buf.peer_views(described, comm.op_name)
+    chunks = chunk_bounds(buf.count, size)
+    buf.reduce_peers(peers, *chunks[rank])
+    _barrier(comm, _REDUCED_STEP)
+    buf.copy_from_peers(peers, [(0, 0) if q == rank else chunks[q] for q in range(size)])
+    _barrier(comm, _COPIED_STEP)
+
+
+def _barrier(comm, first_step: int) -> None:
+    """A dissemination barrier on steps ``first_step``, ``first_step + 1``, ..."""
+    size, rank = comm.size, comm.rank
+    distance, step = 1, first_step
+    while distance < size:
+        comm.sendrecv((rank + distance) % size, (rank - distance) % size, step, b"")
+        distance <<= 1
+        step += 1

@@ -9,7 +9,10 @@ Two ranks as threads allreduce float32 device arrays (SUM, ``ring``) of
 several sizes. For each size it prints, per rank and per call: the Python
 function calls (``call`` and ``c_call`` profile events, as cProfile counts
 them) made on numcoll's threads -- the simulator's own kernel threads, which
-stand in for the GPU, are not counted -- and how many device copies
+stand in for the GPU, are not counted; waits that poll (the simulator's
+launcher, lock waits) add calls in proportion to the time waited -- then the
+calls of numcoll's own Python functions (``numcoll fns``: work, not waiting;
+the launcher's harness left out), and how many device copies
 (``copy_to_host``/``copy_to_device``) and device-array slices
 (``__getitem__``) the call made. The point is the trend: whether the host
 work grows with the array's size.
@@ -30,6 +33,8 @@ import numcoll.cuda  # noqa: E402
 
 SIZES = (64 << 10, 256 << 10, 1 << 20)
 CALLS = 3
+_NUMCOLL = os.sep + "numcoll" + os.sep
+_LAUNCHER = os.sep + "launcher" + os.sep       # the ranks' harness, not the collective
 
 
 def _classes():
@@ -46,7 +51,7 @@ def _classes():
 
 def main() -> None:
     kinds, block_thread, simulated_run = _classes()
-    counts = {"calls": 0, "copies": 0, "slices": 0}
+    counts = {"calls": 0, "numcoll": 0, "copies": 0, "slices": 0}
     active = threading.Event()
     lock = threading.Lock()
 
@@ -65,8 +70,11 @@ def main() -> None:
             elif event == "return":
                 local.depth = depth - 1
         if event in ("call", "c_call") and not depth:
+            own = event == "call" and _NUMCOLL in frame.f_code.co_filename and \
+                _LAUNCHER not in frame.f_code.co_filename
             with lock:
                 counts["calls"] += 1
+                counts["numcoll"] += own
 
     originals = {}
     for cls in kinds:
@@ -87,7 +95,8 @@ def main() -> None:
 
     print(f"segment_nbytes={nc.config.get('segment_nbytes')} simulator="
           f"{os.environ.get('NUMBA_ENABLE_CUDASIM')}")
-    print(f"{'nbytes':>10} {'python calls':>13} {'copies':>7} {'slices':>7}   (per rank, per call)")
+    print(f"{'nbytes':>10} {'python calls':>13} {'numcoll fns':>12} {'copies':>7} "
+          f"{'slices':>7}   (per rank, per call)")
     for nbytes in SIZES:
         count = nbytes // 4
 
@@ -119,8 +128,8 @@ def main() -> None:
             sys.setprofile(None)
             threading.setprofile(None)
         per = CALLS * 2
-        print(f"{nbytes:>10} {got['calls'] // per:>13} {got['copies'] // per:>7} "
-              f"{got['slices'] // per:>7}")
+        print(f"{nbytes:>10} {got['calls'] // per:>13} {got['numcoll'] // per:>12} "
+              f"{got['copies'] // per:>7} {got['slices'] // per:>7}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
     for peer, pending in receives.items():
         described[peer] = bytes(comm.wait(pending))
     comm.wait_all(sends)
-    peers = buf.peer_views(described, comm.op_name)
+    peers = buf.peer_views(described, "allreduce")
     chunks = chunk_bounds(buf.count, size)
     buf.reduce_peers(peers, *chunks[rank])
     _barrier(comm, _REDUCED_STEP)

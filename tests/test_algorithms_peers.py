@@ -1,0 +1,73 @@
+"""The algorithms over the peers' memory (numcoll.algorithms.peers) against NumPy,
+at 1..33 ranks, with a host twin of the device buffer's peer verbs: ranks are
+threads (numcoll.testing's in-memory comm), a peer's buffer is its NumPy array.
+The device buffer itself is tested in tests/test_cuda_ipc.py."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from numcoll.algorithms import CHOICES, DEVICE_PEERS
+from numcoll.testing import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class PeerBuffer:
+    """A NumPy buffer with the peer verbs of numcoll.cuda.buffer.DeviceBuffer,
+    which records who read and wrote what, to check the schedule's claims."""
+
+    registry: dict = {}
+    lock = threading.Lock()
+
+    def __init__(self, array, rank, log):
+        self.array, self.count, self.itemsize = array, array.size, array.itemsize
+        self.rank, self.log = rank, log
+
+    def peer_export(self) -> bytes:
+        key = f"{id(self)}".encode()
+        with self.lock:
+            self.registry[key] = self
+        return key
+
+    def peer_views(self, described, op):
+        return [None if d is None else self.registry[d] for d in described]
+
+    def reduce_peers(self, peers, start, count):
+        self.log.append(("reduce", self.rank, start, count))
+        for other in peers:
+            if other is not None:
+                self.array[start:start + count] += other.array[start:start + count]
+
+    def copy_from_peers(self, peers, chunks):
+        for other, (start, count) in zip(peers, chunks):
+            if other is not None:
+                self.log.append(("copy", self.rank, other.rank, start, count))
+                self.array[start:start + count] = other.array[start:start + count]
+
+
+def data(rank, count):
+    return (np.arange(count, dtype=np.int64) * 7 + rank * 1000 + 1).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_PEERS & set(CHOICES["allreduce"])))
+@pytest.mark.parametrize("size", list(range(1, 34)))
+def test_allreduce_over_peers(name, size):
+    algorithm = CHOICES["allreduce"][name]
+    for count in sorted({0, 1, max(size - 1, 2), 2 * size + 3}):
+        log = []
+
+        def rank_fn(comm):
+            buf = PeerBuffer(data(comm.rank, count), comm.rank, log)
+            algorithm(comm, buf, 3)
+            return buf.array
+
+        expected = sum(data(r, count) for r in range(size))
+        for got in run_ranks(size, rank_fn):
+            np.testing.assert_array_equal(got, expected)
+        # each rank reduces only its own chunk, and copies each other chunk from its owner
+        if size > 1 and count:
+            reduced = sorted(e[1:] for e in log if e[0] == "reduce")
+            assert [r for r, _, _ in reduced] == list(range(size))
+            assert all(src != dst for kind, dst, src, *_ in log if kind == "copy")

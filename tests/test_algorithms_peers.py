@@ -9,21 +9,28 @@ import numpy as np
 import pytest
 
 from numcoll.algorithms import CHOICES, DEVICE_PEERS
+from numcoll.memory.host import HostBuffer
 from numcoll.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class PeerBuffer:
-    """A NumPy buffer with the peer verbs of numcoll.cuda.buffer.DeviceBuffer,
-    which records who read and wrote what, to check the schedule's claims."""
+def add(acc, x):
+    np.add(acc, x, out=acc)
 
+
+class PeerBuffer(HostBuffer):
+    """A NumPy buffer with the peer verbs of numcoll.cuda.buffer.DeviceBuffer,
+    which records who read and wrote what, to check the schedule's claims;
+    ``refuse``: this rank cannot reach its peers (the staged fallback)."""
+
+    __slots__ = ("rank", "log", "refuse")
     registry: dict = {}
     lock = threading.Lock()
 
-    def __init__(self, array, rank, log):
-        self.array, self.count, self.itemsize = array, array.size, array.itemsize
-        self.rank, self.log = rank, log
+    def __init__(self, array, rank, log, refuse=False):
+        super().__init__(array, add)
+        self.rank, self.log, self.refuse = rank, log, refuse
 
     def peer_export(self) -> bytes:
         key = f"{id(self)}".encode()
@@ -32,7 +39,9 @@ class PeerBuffer:
         return key
 
     def peer_views(self, described, op):
-        return [None if d is None else self.registry[d] for d in described]
+        if self.refuse:
+            return [], "cannot reach them"
+        return [None if d is None else self.registry[d] for d in described], None
 
     def reduce_peers(self, peers, start, count):
         self.log.append(("reduce", self.rank, start, count))
@@ -71,3 +80,20 @@ def test_allreduce_over_peers(name, size):
             reduced = sorted(e[1:] for e in log if e[0] == "reduce")
             assert [r for r, _, _ in reduced] == list(range(size))
             assert all(src != dst for kind, dst, src, *_ in log if kind == "copy")
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_one_rank_that_cannot_reach_its_peers_sends_everyone_to_the_staged_ring(size):
+    algorithm = CHOICES["allreduce"]["ipc"]
+    count = 2 * size + 3
+    log = []
+
+    def rank_fn(comm):
+        buf = PeerBuffer(data(comm.rank, count), comm.rank, log, refuse=comm.rank == size - 1)
+        algorithm(comm, buf, 3)
+        return buf.array
+
+    expected = sum(data(r, count) for r in range(size))
+    for got in run_ranks(size, rank_fn):
+        np.testing.assert_array_equal(got, expected)
+    assert log == []            # nobody read a peer's memory

@@ -176,3 +176,31 @@ def test_process_ranks_on_a_gpu_use_cuda_ipc(world_size):
             assert algorithm == "ipc", name
             np.testing.assert_array_equal(values, np.full(count, total, np.float32), name)
         assert opened >= world_size - 1
+
+
+def test_a_peer_that_cannot_be_reached_sends_every_rank_to_the_staged_ring(monkeypatch):
+    """If some rank cannot open some peer's memory, the ranks agree and all
+    stage through host memory instead: the result is the same."""
+    from numcoll.cuda import ipc
+
+    real_view = ipc.PEERS.view
+
+    def view(data, dtype, op, peer):
+        if peer == 0:
+            raise nc.NumcollError(f"{op}: rank 0's device memory cannot be opened here: test")
+        return real_view(data, dtype, op, peer)
+
+    monkeypatch.setattr(ipc.PEERS, "view", view)
+
+    def body():
+        rank = nc.get_rank()
+        x = to_device(make_input(np.float32, 11, rank, nc.ReduceOp.SUM))
+        work = nc.all_reduce(x, async_op=True)
+        work.wait()
+        return work.call.algorithm, to_host(x)
+
+    expect = reduce_reference(nc.ReduceOp.SUM, np.float32,
+                              [make_input(np.float32, 11, r, nc.ReduceOp.SUM) for r in range(3)])
+    for algorithm, x in nc.launch(body, 3, mode="thread", timeout=150):
+        assert algorithm == "ipc"
+        assert_reduced(x, expect, nc.ReduceOp.SUM, np.float32, "fallback")

@@ -13,13 +13,18 @@ chooses these only for device arrays.
 
 from __future__ import annotations
 
+from .allreduce import allreduce_ring
 from .partition import chunk_bounds
 
 __all__ = ["allreduce_ipc"]
 
-_EXCHANGE_STEP = 0
-_REDUCED_STEP = 1           # a barrier's steps: this and the next ceil(log2 P) - 1
-_COPIED_STEP = 1 + 64       # past any barrier's steps (P < 2**64)
+# Steps far above any other algorithm's, so that the staged fallback (the
+# ring, steps 0 .. 2P-3) never shares a tag with them. Each dissemination
+# round takes a step: at most 64 of them.
+_EXCHANGE_STEP = 1 << 20
+_AGREE_STEP = _EXCHANGE_STEP + 1
+_REDUCED_STEP = _AGREE_STEP + 64
+_COPIED_STEP = _REDUCED_STEP + 64
 
 
 def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
@@ -27,7 +32,10 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
 
     1. every rank waits for its buffer to be ready on the device and sends
        every other rank where it is (the CUDA IPC handle of its allocation and
-       its offset, or its address between threads of one process);
+       its offset, or its address between threads of one process); every rank
+       opens the peers' memory and the ranks agree whether all of them could
+       (if one could not -- GPUs without peer access, memory CUDA will not
+       share -- they all run the staged ring instead, :func:`allreduce_ring`);
     2. rank r reduces chunk r of every peer's buffer into chunk r of its own
        (P - 1 kernel launches, reading the peers' memory), then a barrier;
     3. rank r copies chunk q from rank q's buffer, for every q != r (device to
@@ -41,8 +49,8 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
     message is complete. Each chunk is reduced by one rank and copied by the
     others: every rank gets the same bits.
 
-    Cost: messages of a few hundred bytes to each of P - 1 peers, and two
-    dissemination barriers (2 ceil(log2 P) steps of 0 bytes); on the device,
+    Cost: messages of a few hundred bytes to each of P - 1 peers, and three
+    dissemination rounds (3 ceil(log2 P) steps of at most 1 byte); on the device,
     each rank reads (P - 1) S/P bytes from peers to reduce and (P - 1) S/P
     bytes to copy. Host work per call does not depend on S.
     Source: the direct-load intra-node schedule of NCCL (``p2p`` transport);
@@ -58,7 +66,10 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
     for peer, pending in receives.items():
         described[peer] = bytes(comm.wait(pending))
     comm.wait_all(sends)
-    peers = buf.peer_views(described, "allreduce")
+    peers, why = buf.peer_views(described, "allreduce")
+    if _any(comm, _AGREE_STEP, why is not None):
+        allreduce_ring(comm, buf, segment_count or buf.count)
+        return
     chunks = chunk_bounds(buf.count, size)
     buf.reduce_peers(peers, *chunks[rank])
     _barrier(comm, _REDUCED_STEP)
@@ -74,3 +85,18 @@ def _barrier(comm, first_step: int) -> None:
         comm.sendrecv((rank + distance) % size, (rank - distance) % size, step, b"")
         distance <<= 1
         step += 1
+
+
+def _any(comm, first_step: int, mine: bool) -> bool:
+    """Whether ``mine`` is true on any rank: a dissemination barrier whose
+    messages carry what the sender has heard so far (OR is idempotent, so
+    hearing a rank twice does no harm); every rank gets the same answer."""
+    size, rank = comm.size, comm.rank
+    distance, step, heard = 1, first_step, mine
+    while distance < size:
+        got = comm.sendrecv((rank + distance) % size, (rank - distance) % size, step,
+                            b"\x01" if heard else b"\x00")
+        heard = heard or bytes(got) == b"\x01"
+        distance <<= 1
+        step += 1
+    return heard

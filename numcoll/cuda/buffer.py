@@ -131,11 +131,17 @@ class DeviceBuffer:
         self._stream.synchronize()
         return ipc.describe(self.array)
 
-    def peer_views(self, described: list, op: str) -> list:
+    def peer_views(self, described: list, op: str) -> tuple[list, str | None]:
         """Each rank's buffer as a device array here (None for this rank's own,
-        and for empty ones), from what every rank's :meth:`peer_export` said."""
-        return [None if data is None else ipc.PEERS.view(data, self.dtype, op, peer)
-                for peer, data in enumerate(described)]
+        and for empty ones), from what every rank's :meth:`peer_export` said;
+        and None, or why some peer's memory cannot be reached from here."""
+        from ..errors import NumcollError
+
+        try:
+            return [None if data is None else ipc.PEERS.view(data, self.dtype, op, peer)
+                    for peer, data in enumerate(described)], None
+        except NumcollError as exc:
+            return [], str(exc)
 
     def reduce_peers(self, peers: list, start: int, count: int) -> None:
         """Elements ``start:start + count`` := op(themselves, every peer's same

@@ -31,6 +31,7 @@ Import lazily (it loads ``numba.cuda``).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import pickle
 import sys
@@ -48,6 +49,7 @@ _DeviceNDArray = getattr(_devicearray, "DeviceNDArray", None)   # the simulator 
 _current_context = None if _SIMULATED else cuda.current_context
 
 
+@functools.lru_cache(maxsize=1)
 def supported() -> str | None:
     """None if this process can share device memory with other processes
     through CUDA IPC, else why not (the simulator, another OS, no GPU)."""
@@ -144,8 +146,13 @@ class PeerMemory:
                 self._opened.move_to_end(handle)
                 return found[1]
         ipc = pickle.loads(handle)
+        context = _current_context()
         try:
-            memory = ipc.open(_current_context())
+            if not ipc.can_access_peer(context):
+                # (numba would stage through host memory, behind our back: the
+                # staged path does that better, with every rank agreeing.)
+                raise RuntimeError("its GPU is not peer-accessible from this one")
+            memory = ipc.open_direct(context)
         except Exception as exc:  # noqa: BLE001 - the driver's reasons are many
             from ..errors import NumcollError
 

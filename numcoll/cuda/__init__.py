@@ -1,12 +1,17 @@
-"""Collectives on CUDA arrays: staging through pinned host memory, one stream per call.
+"""Collectives on CUDA arrays: straight from the peers' device memory, or staged
+through pinned host memory; one stream per call.
 
 Every collective accepts CUDA arrays -- anything with
 ``__cuda_array_interface__`` (Numba device arrays, CuPy arrays, torch CUDA
-tensors) -- in place of NumPy arrays; one call takes host arrays only or
-device arrays only. Reductions run in numba.cuda kernels on the device
-(:mod:`.kernels`); the bytes cross ZeroMQ through pinned host
-staging memory (:mod:`.pinned_pool`, pooled per process), segment by segment, so
-device <-> host copies overlap the network (:mod:`.buffer`).
+tensors, and torch bfloat16 CUDA tensors through their int16 view) -- in place
+of NumPy arrays; one call takes host arrays only or device arrays only. Local
+steps (several arrays reduced into one, float16/bfloat16 widened to float32
+and rounded once at the end, AVG's division) run in numba.cuda kernels on the
+device (:mod:`.kernels`). Between ranks, a device allreduce on one host reads
+the peers' device memory directly (:mod:`.ipc`, the ``ipc`` algorithm of
+:mod:`numcoll.algorithms.peers`); everything else moves whole buffers
+through pinned host memory (:mod:`.pinned_pool`, pooled per process) and runs
+the host algorithms there (:mod:`.buffer`).
 
 Everything about CUDA lives in this package:
 
@@ -16,7 +21,10 @@ Everything about CUDA lives in this package:
   the one view of a foreign ``__cuda_array_interface__``, layout checks);
 - :mod:`.loops` and :mod:`.kernels`: the reduction and conversion kernels and
   their validating wrappers (the GPU twins of :mod:`numcoll.kernels.cpu`);
-- :mod:`.copies`: asynchronous host <-> device staging copies;
+- :mod:`.copies`: asynchronous host <-> device staging copies, and
+  :func:`to_device` / :func:`to_host` for every dtype numcoll takes;
+- :mod:`.ipc`: the one module that asks the CUDA driver to share device
+  memory between processes (CUDA IPC handles, opened once per allocation);
 - :mod:`.pinned_pool`: the process's pool of pinned host memory;
 - :mod:`.buffer` and :mod:`.memory`: the work buffer and the memory kind the
   collectives use for device arrays.

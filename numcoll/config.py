@@ -78,6 +78,10 @@ class Config:
     cuda_blocks: int = 1024
     #: Idle pinned host memory the CUDA staging pool keeps for reuse (bytes).
     cuda_staging_idle_nbytes: int = 1 << 30
+    #: Idle device memory kept for the collectives' device temporaries (bytes;
+    #: the most recently released block is kept whatever its size). Reusing the
+    #: same allocations also lets peers keep them open for CUDA IPC.
+    cuda_device_idle_nbytes: int = 256 << 20
     #: Device allreduce between ranks on one host that can address each
     #: other's device memory (threads of one process, or processes with CUDA
     #: IPC): "auto" chooses the ``ipc`` algorithm there (kernels reduce straight
@@ -141,7 +145,7 @@ _DEFAULTS = Config()
 #: Inclusive ranges of the integer tunables that have one.
 _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
-           "cuda_ipc_open_max": (1, None),
+           "cuda_ipc_open_max": (1, None), "cuda_device_idle_nbytes": (0, None),
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),

@@ -143,3 +143,29 @@ def test_a_toolchain_that_cannot_compile_raises_one_clear_error(monkeypatch):
     monkeypatch.setattr(K, "_compiled", {})
     with pytest.raises(nc.NumcollError, match=r'row_stack.*pip install "numcoll\[cuda\]"'):
         K.compile_op(nc.ReduceOp.SUM, np.float32)
+
+
+def test_device_temporaries_are_pooled_and_reused():
+    """A bfloat16 allreduce widens into a float32 temporary every call: after the
+    first call, the temporaries come back from the pool (no new allocation, and
+    on a GPU the same allocation, which peers keep open for CUDA IPC)."""
+    from numcoll.cuda.memory import DEVICE_POOL
+
+    allocated = []
+
+    def body():
+        rank = nc.get_rank()
+        for i in range(4):
+            x = to_device(np.full(50, rank + 1.0, nc.bfloat16))
+            nc.all_reduce(x)
+            assert float(to_host(x)[0]) == 3.0
+            nc.barrier()
+            if i == 0 and rank == 0:
+                allocated.append(DEVICE_POOL.pinned_nbytes)
+            nc.barrier()
+        return True
+
+    assert all(nc.launch(body, 2, mode="thread", timeout=150))
+    assert DEVICE_POOL.pinned_nbytes == allocated[0]
+    assert numcoll.cuda.release_idle() >= 0
+    assert DEVICE_POOL._idle_nbytes == 0

@@ -67,10 +67,19 @@ __all__ = ["release_idle", "to_device", "to_host"]
 
 
 def release_idle() -> int:
-    """Free the idle pinned staging memory of this process; returns the bytes freed."""
+    """Free the idle pinned staging memory and the idle device temporaries of
+    this process; returns the bytes freed.
+
+    Examples
+    --------
+    >>> import numcoll.cuda                                   # doctest: +SKIP
+    >>> numcoll.cuda.release_idle()                             # doctest: +SKIP
+    0
+    """
+    from .memory import DEVICE_POOL
     from .pinned_pool import release_idle as release
 
-    return release()
+    return release() + DEVICE_POOL.release_idle()
 
 
 def to_device(host, stream=0):

@@ -16,8 +16,9 @@ from numba import cuda as _cuda
 
 from ..dtypes import is_half
 from . import kernels as cuda_kernels
+from .. import config
 from .buffer import DeviceBuffer
-from .pinned_pool import POOL
+from .pinned_pool import POOL, StagingPool
 
 __all__ = ["DeviceArrays", "DeviceSteps"]
 
@@ -32,6 +33,18 @@ _U16 = np.dtype(np.uint16)
 # The first elements of a filled array come from the host; the rest are
 # doubled on the device (log2 copies instead of a host array of full size).
 _FILL_SEED_COUNT = 1024
+
+
+def _device_block(nbytes: int):
+    return _device_array(nbytes, np.uint8)
+
+
+#: The process's device temporaries (work buffers, widened copies, scratch),
+#: handed out per call and kept for reuse: an allocation per call would cost
+#: a cudaMalloc/cudaFree each time, and peers reading a rank's work buffer
+#: through CUDA IPC open each allocation once (:mod:`.ipc`).
+DEVICE_POOL = StagingPool(pin=_device_block,
+                          idle_limit=lambda: config.get("cuda_device_idle_nbytes"))
 
 
 def _bits(a):
@@ -52,10 +65,12 @@ class DeviceArrays:
 
     is_device = True
 
-    def __init__(self, arrays=(), pool=POOL):
+    def __init__(self, arrays=(), pool=POOL, device_pool=DEVICE_POOL):
         self._pool = pool
+        self._device_pool = device_pool
         self._stream = None
         self._blocks: list[np.ndarray] = []
+        self._device_blocks: list = []
         self._buffers: list[DeviceBuffer] = []
         self._after = []
         seen = set()
@@ -104,6 +119,7 @@ class DeviceArrays:
 
     def _close(self, reuse_staging: bool) -> None:
         blocks, self._blocks = self._blocks, []
+        device_blocks, self._device_blocks = self._device_blocks, []
         self._buffers = []
         if not reuse_staging:
             # After a failure a zero-copy send may still hold a block, or a copy may
@@ -116,6 +132,8 @@ class DeviceArrays:
             return
         for block in blocks:
             self._pool.give(block)
+        for block in device_blocks:
+            self._device_pool.give(block)
 
     # -- memory ----------------------------------------------------------------------
     @staticmethod
@@ -123,7 +141,15 @@ class DeviceArrays:
         return a.is_c_contiguous()
 
     def empty(self, count: int, dtype):
-        return _device_array(count, dtype)
+        """A device temporary of ``count`` elements, from :data:`DEVICE_POOL`
+        (given back when the collective completes)."""
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        if not nbytes:
+            return _device_array(count, dtype)
+        block = self._device_pool.take(nbytes)
+        self._device_blocks.append(block)
+        return block[:nbytes].view(dtype)
 
     def flat(self, a, copy_in: bool):
         """``a``'s memory as a flat array, or a flat copy (filled from ``a`` if

@@ -97,3 +97,37 @@ def test_one_rank_that_cannot_reach_its_peers_sends_everyone_to_the_staged_ring(
     for got in run_ranks(size, rank_fn):
         np.testing.assert_array_equal(got, expected)
     assert log == []            # nobody read a peer's memory
+
+
+@pytest.mark.parametrize("size", list(range(1, 34)))
+def test_broadcast_over_peers(size):
+    algorithm = CHOICES["broadcast"]["ipc"]
+    for root in sorted({0, size // 2, size - 1}):
+        for count in (0, 1, 2 * size + 3):
+            log = []
+
+            def rank_fn(comm):
+                buf = PeerBuffer(data(comm.rank, count), comm.rank, log)
+                algorithm(comm, buf, root, 3)
+                return buf.array
+
+            for got in run_ranks(size, rank_fn):
+                np.testing.assert_array_equal(got, data(root, count))
+            if count and size > 1:      # every other rank copied from the root, once
+                assert sorted(e[1] for e in log) == [r for r in range(size) if r != root]
+                assert {e[2] for e in log} == {root}
+
+
+@pytest.mark.parametrize("size", [2, 5])
+def test_broadcast_falls_back_together(size):
+    algorithm = CHOICES["broadcast"]["ipc"]
+    log = []
+
+    def rank_fn(comm):
+        buf = PeerBuffer(data(comm.rank, 9), comm.rank, log, refuse=comm.rank == 1)
+        algorithm(comm, buf, 0, 3)
+        return buf.array
+
+    for got in run_ranks(size, rank_fn):
+        np.testing.assert_array_equal(got, data(0, 9))
+    assert log == []

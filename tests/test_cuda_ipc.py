@@ -204,3 +204,20 @@ def test_a_peer_that_cannot_be_reached_sends_every_rank_to_the_staged_ring(monke
     for algorithm, x in nc.launch(body, 3, mode="thread", timeout=150):
         assert algorithm == "ipc"
         assert_reduced(x, expect, nc.ReduceOp.SUM, np.float32, "fallback")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_broadcast_from_every_root_reads_the_root_directly(world_size):
+    def body():
+        pg, rank = nc.get_default_group(), nc.get_rank()
+        got = []
+        for root in range(world_size):
+            for dtype in (np.float32, nc.bfloat16, np.complex128):
+                x = to_device(make_input(dtype, 13, rank, None))
+                work = pg.broadcast(x, nc.BroadcastOptions(root_rank=root))
+                work.wait()
+                np.testing.assert_array_equal(to_host(x), make_input(dtype, 13, root, None))
+                got.append(work.call.algorithm)
+        return set(got)
+
+    assert nc.launch(body, world_size, mode="thread", timeout=150) == [{"ipc"}] * world_size

@@ -15,7 +15,7 @@ from .allreduce import allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .broadcast import broadcast_binomial, broadcast_chain
-from .peers import allreduce_ipc
+from .peers import allreduce_ipc, broadcast_ipc
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
@@ -44,6 +44,7 @@ __all__ = [
     "alltoall_shared",
     "barrier_dissemination",
     "broadcast_binomial",
+    "broadcast_ipc",
     "broadcast_chain",
     "gather_direct",
     "gather_shared",
@@ -81,7 +82,7 @@ CHOICES = {
                   "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
                   "shared": broadcast_shared, "twolevel": broadcast_twolevel,
-                  "twolevel_lanes": broadcast_twolevel_lanes},
+                  "twolevel_lanes": broadcast_twolevel_lanes, "ipc": broadcast_ipc},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
                "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared,

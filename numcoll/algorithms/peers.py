@@ -14,9 +14,10 @@ chooses these only for device arrays.
 from __future__ import annotations
 
 from .allreduce import allreduce_ring
+from .broadcast import broadcast_binomial
 from .partition import chunk_bounds
 
-__all__ = ["allreduce_ipc"]
+__all__ = ["allreduce_ipc", "broadcast_ipc"]
 
 # Steps far above any other algorithm's, so that the staged fallback (the
 # ring, steps 0 .. 2P-3) never shares a tag with them. Each dissemination
@@ -85,6 +86,40 @@ def _barrier(comm, first_step: int) -> None:
         comm.sendrecv((rank + distance) % size, (rank - distance) % size, step, b"")
         distance <<= 1
         step += 1
+
+
+def broadcast_ipc(comm, buf, root: int, segment_count: int | None = None) -> None:
+    """Every rank copies the root's buffer straight from the root's device memory.
+
+    The root waits for its buffer to be ready and sends where it is; every
+    other rank opens it, the ranks agree that all could (else they all run
+    :func:`broadcast_binomial`), every other rank copies the whole buffer
+    (device to device), and a barrier keeps the root's buffer unchanged until
+    every copy is done.
+
+    Cost: P - 1 messages of a few hundred bytes from the root, two
+    dissemination rounds; on the device, P - 1 reads of S bytes from the
+    root's memory. Host work per call does not depend on S.
+    Source: NCCL's intra-node direct reads (``p2p`` transport).
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or buf.count == 0:
+        return
+    described = [None] * size
+    if rank == root:
+        mine = buf.peer_export()
+        comm.wait_all([comm.isend(peer, _EXCHANGE_STEP, mine)
+                       for peer in range(size) if peer != root])
+    else:
+        described[root] = bytes(comm.wait(comm.irecv(root, _EXCHANGE_STEP)))
+    peers, why = buf.peer_views(described, "broadcast")
+    if _any(comm, _AGREE_STEP, why is not None):
+        broadcast_binomial(comm, buf, root, segment_count)
+        return
+    if rank != root:
+        buf.copy_from_peers(peers, [(0, buf.count) if q == root else (0, 0)
+                                    for q in range(size)])
+    _barrier(comm, _COPIED_STEP)
 
 
 def _any(comm, first_step: int, mine: bool) -> bool:

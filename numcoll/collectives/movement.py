@@ -6,6 +6,8 @@ Builders (see :mod:`.context`): ``broadcast(ctx, arrays, opts, root) -> (Call, r
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_same_type_and_size,
                              check_writable, memory_of, uniform_arrays)
@@ -62,7 +64,7 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
 def _broadcast_plan(ctx, name, arrays, root_rank, opts):
     src = arrays[opts.root_tensor]
     nbytes = src.size * src.dtype.itemsize
-    algorithm = ctx.choose(name, opts.algorithm, nbytes)
+    algorithm = ctx.choose(name, opts.algorithm, nbytes, device=not isinstance(src, np.ndarray))
     call = Call(name, ctx.timeout_for(opts, name), src.dtype, src.size, root=root_rank,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings)

@@ -131,3 +131,45 @@ def test_broadcast_falls_back_together(size):
     for got in run_ranks(size, rank_fn):
         np.testing.assert_array_equal(got, data(0, 9))
     assert log == []
+
+
+def _chunks(sizes):
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    return [(int(s), int(n)) for s, n in zip(starts, sizes)]
+
+
+@pytest.mark.parametrize("family", ["allgather", "reduce_scatter"])
+@pytest.mark.parametrize("size", list(range(1, 34)))
+@pytest.mark.parametrize("refuse", [False, True])
+def test_uneven_chunks_over_peers(family, size, refuse):
+    """Rank r owns r % 3 * 2 elements (some none); with ``refuse`` the last rank
+    cannot reach its peers and everyone takes the ring instead."""
+    algorithm = CHOICES[family]["ipc"]
+    sizes = [r % 3 * 2 for r in range(size)]
+    chunks, total = _chunks(sizes), sum(sizes)
+    log = []
+
+    def rank_fn(comm):
+        mine = refuse and comm.rank == size - 1
+        s, n = chunks[comm.rank]
+        if family == "allgather":
+            buf = np.zeros(total)
+            buf[s:s + n] = data(comm.rank, n)
+            algorithm(comm, PeerBuffer(buf, comm.rank, log, refuse=mine), chunks, 3)
+            return buf
+        buf = data(comm.rank, total)
+        algorithm(comm, PeerBuffer(buf, comm.rank, log, refuse=mine), chunks, 3)
+        return buf[s:s + n]
+
+    results = run_ranks(size, rank_fn)
+    if family == "allgather":
+        expected = np.concatenate([data(r, n) for r, n in enumerate(sizes)])
+        for got in results:
+            np.testing.assert_array_equal(got, expected)
+    else:
+        whole = sum(data(r, total) for r in range(size))
+        for r, got in enumerate(results):
+            s, n = chunks[r]
+            np.testing.assert_array_equal(got, whole[s:s + n])
+    if refuse and size > 1:
+        assert log == []

@@ -221,3 +221,33 @@ def test_broadcast_from_every_root_reads_the_root_directly(world_size):
         return set(got)
 
     assert nc.launch(body, world_size, mode="thread", timeout=150) == [{"ipc"}] * world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_allgather_and_reduce_scatter_read_the_peers_directly(world_size):
+    op = nc.ReduceOp.SUM
+
+    def body():
+        pg, rank = nc.get_default_group(), nc.get_rank()
+        algorithms = set()
+        for dtype in (np.float32, nc.bfloat16, np.int32):
+            mine = make_input(dtype, 5, rank, None)
+            out = to_device(np.zeros(5 * world_size, dtype))
+            work = pg.allgather_into_tensor(out, to_device(mine))
+            work.wait()
+            algorithms.add(work.call.algorithm)
+            np.testing.assert_array_equal(
+                to_host(out), np.concatenate([make_input(dtype, 5, r, None)
+                                              for r in range(world_size)]))
+            whole = make_input(dtype, 4 * world_size, rank, op)
+            part = to_device(np.zeros(4, dtype))
+            work = pg.reduce_scatter_tensor(part, to_device(whole))
+            work.wait()
+            algorithms.add(work.call.algorithm)
+            expect = reduce_reference(op, dtype, [make_input(dtype, 4 * world_size, r, op)
+                                                  for r in range(world_size)])
+            assert_reduced(to_host(part), expect[4 * rank:4 * rank + 4], op, dtype,
+                           f"reduce_scatter {dtype}")
+        return algorithms
+
+    assert nc.launch(body, world_size, mode="thread", timeout=150) == [{"ipc"}] * world_size

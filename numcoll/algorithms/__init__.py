@@ -15,7 +15,7 @@ from .allreduce import allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .broadcast import broadcast_binomial, broadcast_chain
-from .peers import allreduce_ipc, broadcast_ipc
+from .peers import allgather_ipc, allreduce_ipc, broadcast_ipc, reduce_scatter_ipc
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
@@ -29,6 +29,7 @@ from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
                                reduce_scatter_twolevel, reduce_scatter_twolevel_lanes)
 
 __all__ = [
+    "allgather_ipc",
     "allgather_ring",
     "allgather_shared",
     "allreduce_shared",
@@ -50,6 +51,7 @@ __all__ = [
     "gather_shared",
     "reduce_binomial",
     "reduce_ring",
+    "reduce_scatter_ipc",
     "reduce_scatter_ring",
     "scatter_direct",
     "scatter_shared",
@@ -86,12 +88,13 @@ CHOICES = {
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
                "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared,
-                  "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes},
+                  "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes,
+                  "ipc": allgather_ipc},
     "gather": {"direct": gather_direct, "shared": gather_shared},
     "scatter": {"direct": scatter_direct, "shared": scatter_shared},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
                        "twolevel": reduce_scatter_twolevel,
-                       "twolevel_lanes": reduce_scatter_twolevel_lanes},
+                       "twolevel_lanes": reduce_scatter_twolevel_lanes, "ipc": reduce_scatter_ipc},
     "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
                 "twolevel": barrier_twolevel},

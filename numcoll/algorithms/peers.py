@@ -13,11 +13,13 @@ chooses these only for device arrays.
 
 from __future__ import annotations
 
+from .allgather import allgather_ring
 from .allreduce import allreduce_ring
 from .broadcast import broadcast_binomial
 from .partition import chunk_bounds
+from .reduce_scatter import reduce_scatter_ring
 
-__all__ = ["allreduce_ipc", "broadcast_ipc"]
+__all__ = ["allreduce_ipc", "broadcast_ipc", "allgather_ipc", "reduce_scatter_ipc"]
 
 # Steps far above any other algorithm's, so that the staged fallback (the
 # ring, steps 0 .. 2P-3) never shares a tag with them. Each dissemination
@@ -60,15 +62,8 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
     size, rank = comm.size, comm.rank
     if size == 1 or buf.count == 0:
         return
-    mine = buf.peer_export()
-    receives = {peer: comm.irecv(peer, _EXCHANGE_STEP) for peer in range(size) if peer != rank}
-    sends = [comm.isend(peer, _EXCHANGE_STEP, mine) for peer in receives]
-    described = [None] * size
-    for peer, pending in receives.items():
-        described[peer] = bytes(comm.wait(pending))
-    comm.wait_all(sends)
-    peers, why = buf.peer_views(described, "allreduce")
-    if _any(comm, _AGREE_STEP, why is not None):
+    peers = _open_all(comm, buf, "allreduce")
+    if peers is None:
         allreduce_ring(comm, buf, segment_count or buf.count)
         return
     chunks = chunk_bounds(buf.count, size)
@@ -78,14 +73,60 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
     _barrier(comm, _COPIED_STEP)
 
 
-def _barrier(comm, first_step: int) -> None:
-    """A dissemination barrier on steps ``first_step``, ``first_step + 1``, ..."""
+def reduce_scatter_ipc(comm, buf, chunks, segment_count: int | None = None) -> None:
+    """Rank r reduces chunk r (``chunks[r]``, sizes may differ) straight from
+    every peer's device buffer: step 2 of :func:`allreduce_ipc`, then a barrier
+    so that no rank reuses its buffer while a peer may still read it.
+
+    Cost: messages of a few hundred bytes to each of P - 1 peers, two
+    dissemination rounds; on the device, each rank reads its share from each
+    of the P - 1 peers. Source: as :func:`allreduce_ipc`.
+    """
     size, rank = comm.size, comm.rank
-    distance, step = 1, first_step
-    while distance < size:
-        comm.sendrecv((rank + distance) % size, (rank - distance) % size, step, b"")
-        distance <<= 1
-        step += 1
+    if size == 1 or buf.count == 0:
+        return
+    peers = _open_all(comm, buf, "reduce_scatter")
+    if peers is None:
+        reduce_scatter_ring(comm, buf, chunks, segment_count or buf.count)
+        return
+    buf.reduce_peers(peers, *chunks[rank])
+    _barrier(comm, _COPIED_STEP)
+
+
+def allgather_ipc(comm, buf, chunks, segment_count: int | None = None) -> None:
+    """Rank r copies chunk q straight from rank q's device buffer, for every
+    q != r (``buf``'s chunk ``comm.rank`` holds this rank's input on entry);
+    then a barrier so that no rank changes its buffer while a peer reads it.
+    Every rank reads only its peers' own chunks, which their owners never write.
+
+    Cost: messages of a few hundred bytes to each of P - 1 peers, two
+    dissemination rounds; on the device, each rank reads S (P-1)/P bytes.
+    Source: as :func:`allreduce_ipc`.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or buf.count == 0:
+        return
+    peers = _open_all(comm, buf, "allgather")
+    if peers is None:
+        allgather_ring(comm, buf, chunks, segment_count or buf.count)
+        return
+    buf.copy_from_peers(peers, [(0, 0) if q == rank else chunks[q] for q in range(size)])
+    _barrier(comm, _COPIED_STEP)
+
+
+def _open_all(comm, buf, op: str):
+    """Every rank's buffer as seen from here, exchanged through messages; None
+    if some rank (any, all agree) cannot reach its peers' memory."""
+    size, rank = comm.size, comm.rank
+    mine = buf.peer_export()
+    receives = {peer: comm.irecv(peer, _EXCHANGE_STEP) for peer in range(size) if peer != rank}
+    sends = [comm.isend(peer, _EXCHANGE_STEP, mine) for peer in receives]
+    described = [None] * size
+    for peer, pending in receives.items():
+        described[peer] = bytes(comm.wait(pending))
+    comm.wait_all(sends)
+    peers, why = buf.peer_views(described, op)
+    return None if _any(comm, _AGREE_STEP, why is not None) else peers
 
 
 def broadcast_ipc(comm, buf, root: int, segment_count: int | None = None) -> None:
@@ -135,3 +176,13 @@ def _any(comm, first_step: int, mine: bool) -> bool:
         distance <<= 1
         step += 1
     return heard
+
+
+def _barrier(comm, first_step: int) -> None:
+    """A dissemination barrier on steps ``first_step``, ``first_step + 1``, ..."""
+    size, rank = comm.size, comm.rank
+    distance, step = 1, first_step
+    while distance < size:
+        comm.sendrecv((rank + distance) % size, (rank - distance) % size, step, b"")
+        distance <<= 1
+        step += 1

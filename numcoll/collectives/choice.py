@@ -136,8 +136,8 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         return "binomial" if nbytes <= cfg.broadcast_small_nbytes else "chain"
     if collective == "reduce":
         return "binomial" if nbytes <= cfg.allreduce_small_nbytes else "ring"
-    # One algorithm each, besides the arena's: the table's other entry.
-    (only,) = (name for name in CHOICES[collective] if name not in ARENA)
+    # One algorithm each, besides the arena's and the device peers': the table's other entry.
+    (only,) = (name for name in CHOICES[collective] if name not in ARENA | DEVICE_PEERS)
     return only
 
 

@@ -239,7 +239,8 @@ def _gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
 
 def _build_gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
     dtype = inputs[0].dtype
-    algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize)
+    algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize,
+                           device=not isinstance(inputs[0], np.ndarray))
     call = Call(name, ctx.timeout_for(opts, name), dtype, per_rank,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),

@@ -249,7 +249,8 @@ def _reduction_plan(ctx, name, collective, inputs, outputs, total, xp, opts):
     coalesced allreduce or of the reduce_scatter family; ``total`` is the
     elements of a rank's whole input."""
     red = ctx.reduction(opts.reduce_op, outputs[0].dtype, name, xp.is_device)
-    algorithm = ctx.choose(collective, opts.algorithm, total * red.wire_dtype.itemsize)
+    algorithm = ctx.choose(collective, opts.algorithm, total * red.wire_dtype.itemsize,
+                           device=xp.is_device)
     call = Call(name, ctx.timeout_for(opts, name), outputs[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),

@@ -78,6 +78,19 @@ class Config:
     cuda_blocks: int = 1024
     #: Idle pinned host memory the CUDA staging pool keeps for reuse (bytes).
     cuda_staging_idle_nbytes: int = 1 << 30
+    #: Idle device memory kept for the collectives' device temporaries (bytes;
+    #: the most recently released block is kept whatever its size). Reusing the
+    #: same allocations also lets peers keep them open for CUDA IPC.
+    cuda_device_idle_nbytes: int = 256 << 20
+    #: Device allreduce between ranks on one host that can address each
+    #: other's device memory (threads of one process, or processes with CUDA
+    #: IPC): "auto" chooses the ``ipc`` algorithm there (kernels reduce straight
+    #: from the peers' memory); "off" never chooses it (device data is staged
+    #: through pinned host memory). Forcing it: ``NUMCOLL_ALGORITHM=allreduce:ipc``.
+    cuda_ipc: str = "auto"
+    #: Peers' device allocations a process keeps open (CUDA IPC mappings), the
+    #: least recently used closed beyond this.
+    cuda_ipc_open_max: int = 16
     #: Flight recorder: collectives kept per process (0: off); read when the
     #: first group is created.
     fr_buffer_size: int = 2000
@@ -113,7 +126,7 @@ class Config:
 #: :func:`fingerprint`, so such ranks fail at their first call naming these.
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
-          "sparse_dense_ratio")
+          "sparse_dense_ratio", "cuda_ipc")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -132,6 +145,7 @@ _DEFAULTS = Config()
 #: Inclusive ranges of the integer tunables that have one.
 _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
+           "cuda_ipc_open_max": (1, None), "cuda_device_idle_nbytes": (0, None),
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),
@@ -164,6 +178,8 @@ def _check(name: str, value):
                          f"multiple of 64 of at least 4096, got {value}")
     if name == "half_wire" and value not in ("float32", "native"):
         raise ValueError(f"half_wire must be 'float32' or 'native', got {value!r}")
+    if name == "cuda_ipc" and value not in ("auto", "off"):
+        raise ValueError(f"cuda_ipc (NUMCOLL_CUDA_IPC) must be 'auto' or 'off', got {value!r}")
     return value
 
 

@@ -3,6 +3,9 @@ import threading
 
 import pytest
 
+#: The one command that runs the tests needing a real GPU (marked ``gpu``).
+GPU_COMMAND = "NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu"
+
 # Every wait in the library has a deadline; this is the test-side backstop.
 DEFAULT_TEST_TIMEOUT_S = 120
 
@@ -129,3 +132,32 @@ def pytest_runtest_makereport(item, call):
     report.sections.append((
         "numcoll: what every rank was waiting for when the test ran out of time",
         getattr(item, "_numcoll_waits", None) or _waits(0)))
+
+
+# --- tests that need a real GPU ----------------------------------------------------
+
+def _real_gpu() -> str | None:
+    """None if a real CUDA GPU is usable here, else why not. Asked only when a
+    ``gpu`` test is about to run, so numba.cuda is imported after the CUDA test
+    modules have chosen the simulator or not."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return "the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)"
+    try:
+        from numba import cuda
+    except Exception as exc:  # noqa: BLE001 - any import failure means no GPU here
+        return f"numba.cuda cannot be imported ({exc})"
+    if cuda.jit.__module__.startswith("numba.cuda.simulator"):
+        return "numba.cuda was imported with the simulator on"
+    try:
+        if not cuda.is_available():
+            return "no CUDA GPU is available"
+    except Exception as exc:  # noqa: BLE001 - a broken driver means no GPU
+        return f"the CUDA driver fails ({exc})"
+    return None
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        why = _real_gpu()
+        if why is not None:
+            pytest.skip(f"needs a real GPU: {why}; on a GPU machine run {GPU_COMMAND}")

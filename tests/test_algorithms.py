@@ -6,7 +6,7 @@ not divide by the world size, and empty chunks, are included."""
 import numpy as np
 import pytest
 
-from numcoll.algorithms import CHOICES, TWO_LEVEL
+from numcoll.algorithms import CHOICES, DEVICE_PEERS, TWO_LEVEL
 from numcoll.algorithms.partition import chunk_bounds
 from numcoll.memory.host import HostBuffer
 
@@ -38,7 +38,7 @@ def counts(size):
     return sorted({0, 1, size - 1 if size > 1 else 2, 2 * size + 3})
 
 
-@pytest.mark.parametrize("name", sorted(CHOICES["allreduce"]))
+@pytest.mark.parametrize("name", sorted(set(CHOICES["allreduce"]) - DEVICE_PEERS))
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_allreduce(name, size):
     algorithm = CHOICES["allreduce"][name]
@@ -68,7 +68,7 @@ def test_reduce(name, size):
         np.testing.assert_array_equal(results[root], sum(data(r, count) for r in range(size)))
 
 
-@pytest.mark.parametrize("name", sorted(CHOICES["broadcast"]))
+@pytest.mark.parametrize("name", sorted(set(CHOICES["broadcast"]) - DEVICE_PEERS))
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_broadcast(name, size):
     algorithm = CHOICES["broadcast"][name]
@@ -84,7 +84,7 @@ def test_broadcast(name, size):
 
 
 @pytest.mark.parametrize("family, name", [(f, n) for f in ("allgather", "reduce_scatter")
-                                          for n in sorted(CHOICES[f])])
+                                          for n in sorted(set(CHOICES[f]) - DEVICE_PEERS)])
 @pytest.mark.parametrize("size", WORLD_SIZES)
 def test_ring_halves_with_uneven_chunks(family, name, size):
     # chunks of different sizes, some empty: rank r owns r % 3 * 2 elements

@@ -42,13 +42,15 @@ if not SIMULATED and not _numba_cuda.is_available():
 
 # Bound names only: while a simulated kernel runs a custom op defined in this
 # module, the simulator swaps this module's references to numba.cuda.
-to_device = _numba_cuda.to_device
 new_stream = _numba_cuda.stream
 del _numba_cuda
 
 import numcoll as nc  # noqa: E402
+import numcoll.cuda  # noqa: E402
+# numba.cuda.to_device refuses bfloat16 on a GPU ("cannot include dtype 'E' in
+# a buffer"); numcoll's copies take every dtype numcoll does.
+to_device = numcoll.cuda.to_device
 from numcoll.cuda import pinned_pool as staging  # noqa: E402
-from numcoll.cuda.buffer import _Ranges  # noqa: E402
 from reference import OPS, assert_reduced, make_input, reduce_reference, valid  # noqa: E402
 
 DTYPES = [np.float32, np.float16, nc.bfloat16, np.int32, np.bool_, np.complex64]
@@ -68,7 +70,7 @@ def _run(fn, world_size):
 
 
 def host(d):
-    return d.copy_to_host()
+    return numcoll.cuda.to_host(d)
 
 
 # --------------------------------------------------------------------------
@@ -596,19 +598,6 @@ def test_concurrent_device_collectives_and_a_failed_one():
     assert all(_run(failing, 2))
 
 
-def test_mirror_freshness_ranges():
-    r = _Ranges()
-    r.add(0, 10)
-    r.add(10, 20)
-    assert r.covers(0, 10) and r.covers(12, 20) and not r.covers(5, 15)
-    r.discard(15, 16)
-    assert r.covers(0, 10) and not r.covers(10, 12)
-    r.add(5, 12)                        # replaces the overlapped [0, 10)
-    assert r.covers(5, 12) and not r.covers(0, 5)
-    r.discard(0, 100)
-    assert not r.covers(5, 6)
-
-
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shared_algorithms_over_the_shm_arena(world_size, monkeypatch):
     """Device arrays through the shared arena of the shm transport: the
@@ -660,53 +649,79 @@ class _TorchDtype:
 
 def _fake_torch():
     """A module that looks like torch to numcoll's intake: ``Tensor``,
-    ``bfloat16``, tensors with ``detach()``, ``device.type`` and ``dtype``."""
+    ``bfloat16``, ``int16``, tensors with ``detach()``, ``view(dtype)``,
+    ``device.type`` and ``dtype``."""
     import types
 
     torch = types.ModuleType("torch")
     torch.bfloat16 = _TorchDtype("bfloat16")
     torch.float32 = _TorchDtype("float32")
+    torch.int16 = _TorchDtype("int16")
 
     class Tensor:
         """A CUDA tensor as torch shows it: ``__cuda_array_interface__`` over
-        memory it owns (host memory, which is what the simulator's device is)."""
+        device memory it owns (a Numba device array on a GPU; under the
+        simulator, whose device memory is host memory, a NumPy array). Like
+        torch, a bfloat16 tensor has no interface: only its int16 view does."""
 
-        def __init__(self, host_array, dtype):
-            self._host = host_array
+        def __init__(self, memory, dtype):
+            self.memory = memory
             self.dtype = dtype
             self.device = types.SimpleNamespace(type="cuda", index=0)
-            self.__cuda_array_interface__ = {
-                "data": (host_array.ctypes.data, False), "shape": host_array.shape,
-                "strides": None, "typestr": host_array.dtype.str, "version": 3,
-                "stream": None}
+            if dtype is not torch.bfloat16:
+                desc = (memory.__array_interface__ if SIMULATED
+                        else memory.__cuda_array_interface__)
+                self.__cuda_array_interface__ = {
+                    "data": (desc["data"][0], False), "shape": tuple(memory.shape),
+                    "strides": None, "typestr": memory.dtype.str, "version": 3,
+                    "stream": None}
 
         def detach(self):
             return self
 
+        def view(self, dtype):
+            assert dtype is torch.int16 and self.dtype is torch.bfloat16
+            return Tensor(self.memory.view(np.int16), torch.int16)
+
+    def cuda_tensor(values, dtype):
+        """A fake CUDA tensor holding ``values`` (a NumPy array); bfloat16 by its bits."""
+        if dtype is torch.bfloat16:
+            values = values.view(np.int16)
+        return Tensor(values.copy() if SIMULATED else to_device(values), dtype)
+
+    def contents(tensor, like):
+        memory = tensor.memory if SIMULATED else host(tensor.memory)
+        return memory.view(like)
+
     torch.Tensor = Tensor
+    torch.cuda_tensor, torch.contents = cuda_tensor, contents
     return torch
 
 
 def test_torch_cuda_tensors_are_reduced_in_their_own_memory(monkeypatch):
-    """A torch CUDA tensor (not bfloat16) goes to the device path and its own
-    memory holds the result -- before, every one raised ModuleNotFoundError
-    (numcoll.arrays imported a module that had moved)."""
+    """torch CUDA tensors go to the device path and their own memory holds the
+    result; bfloat16 ones (which torch gives no __cuda_array_interface__) are
+    viewed through their int16 view, without a copy, and reduced in float32."""
     torch = _fake_torch()
     monkeypatch.setitem(sys.modules, "torch", torch)
     world_size = 2
 
     def body():
         rank = nc.get_rank()
-        memory = np.full(5, rank + 1.0, np.float32)
-        tensor = torch.Tensor(memory, torch.float32)
+        tensor = torch.cuda_tensor(np.full(5, rank + 1.0, np.float32), torch.float32)
         nc.all_reduce(tensor)
-        half = torch.Tensor(np.zeros(2, np.float32), torch.bfloat16)
-        with pytest.raises(TypeError, match="bfloat16 CUDA tensors are not supported"):
-            nc.all_reduce(half)
-        return memory
+        values = make_input(nc.bfloat16, 7, rank, nc.ReduceOp.SUM)
+        half = torch.cuda_tensor(values, torch.bfloat16)
+        work = nc.all_reduce(half, async_op=True)
+        assert work.wait() and work.result() == [half]       # the caller's own object
+        return torch.contents(tensor, np.float32), torch.contents(half, nc.bfloat16)
 
-    for memory in _run(body, world_size):
+    expect = reduce_reference(nc.ReduceOp.SUM, nc.bfloat16,
+                              [make_input(nc.bfloat16, 7, r, nc.ReduceOp.SUM)
+                               for r in range(world_size)])
+    for memory, half in _run(body, world_size):
         np.testing.assert_array_equal(memory, np.full(5, 3.0, np.float32))
+        assert_reduced(half, expect, nc.ReduceOp.SUM, nc.bfloat16, "torch bfloat16")
 
 
 @pytest.mark.parametrize("transport", ["inproc", "shm"])

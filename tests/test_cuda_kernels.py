@@ -45,6 +45,9 @@ import ml_dtypes  # noqa: E402
 
 from numcoll.dtypes import SUPPORTED_DTYPES, bfloat16, dtype_name, is_half  # noqa: E402
 from numcoll.cuda import kernels as K  # noqa: E402
+# numba.cuda.to_device refuses bfloat16 on a GPU ("cannot include dtype 'E' in a
+# buffer"); numcoll's copy takes every dtype numcoll does.
+from numcoll.cuda.copies import to_device  # noqa: E402
 from numcoll.ops import ReduceOp  # noqa: E402
 
 F16 = np.dtype(np.float16)
@@ -144,13 +147,13 @@ def test_builtin_op_matches_numpy(op, dtype, tiny_launch):
     if _refused(op, dtype):
         with pytest.raises(TypeError, match=rf"ReduceOp\.{op.name} cannot reduce {dtype_name(dtype)}"):
             K.compile_op(op, dtype)
-        acc = cuda.to_device(_sample(dtype, 3, 1))
+        acc = to_device(_sample(dtype, 3, 1))
         with pytest.raises(TypeError, match=op.name):
-            K.reduce_into(op, acc, cuda.to_device(_sample(dtype, 3, 2)))
+            K.reduce_into(op, acc, to_device(_sample(dtype, 3, 2)))
         return
     for n in SIZES:
         acc, x = _sample(dtype, n, 10 + n), _sample(dtype, n, 20 + n)
-        acc_d, x_d = cuda.to_device(acc), cuda.to_device(x)
+        acc_d, x_d = to_device(acc), to_device(x)
         K.reduce_into(op, acc_d, x_d)
         x_after = x_d.copy_to_host()
         if dtype.kind == "c" and op.name == "PRODUCT":
@@ -167,24 +170,24 @@ def test_compile_op_is_memoised_and_kernel_is_callable(tiny_launch):
     assert kernel is K.compile_op(ReduceOp.MAX, np.dtype(np.int16))
     assert kernel.op == ReduceOp.MAX and kernel.dtype == np.int16 and kernel.compile_seconds >= 0
     acc, x = _sample(np.int16, 37, 1), _sample(np.int16, 37, 2)
-    acc_d = cuda.to_device(acc)
-    kernel(acc_d, cuda.to_device(x), stream=cuda.stream())
+    acc_d = to_device(acc)
+    kernel(acc_d, to_device(x), stream=cuda.stream())
     cuda.synchronize()
     np.testing.assert_array_equal(acc_d.copy_to_host(), np.maximum(acc, x))
     with pytest.raises(TypeError, match="expected int16"):
-        kernel(cuda.to_device(np.zeros(3, np.int32)), cuda.to_device(np.zeros(3, np.int32)))
+        kernel(to_device(np.zeros(3, np.int32)), to_device(np.zeros(3, np.int32)))
 
 
 def test_multidimensional_arrays_are_flattened(tiny_launch):
     acc, x = _sample(np.float32, 15, 1).reshape(3, 5), _sample(np.float32, 15, 2).reshape(3, 5)
-    acc_d = cuda.to_device(acc)
-    K.reduce_into(ReduceOp.SUM, acc_d, cuda.to_device(x))
+    acc_d = to_device(acc)
+    K.reduce_into(ReduceOp.SUM, acc_d, to_device(x))
     _assert_same(acc_d.copy_to_host(), acc + x)
 
 
 def test_acc_and_x_may_be_the_same_array(tiny_launch):
     acc = _sample(np.int32, 37, 1)
-    acc_d = cuda.to_device(acc)
+    acc_d = to_device(acc)
     K.reduce_into(ReduceOp.SUM, acc_d, acc_d)
     np.testing.assert_array_equal(acc_d.copy_to_host(), acc + acc)
 
@@ -198,7 +201,7 @@ def test_default_launch_shape(monkeypatch):
 
 def test_launches_from_several_threads(tiny_launch):
     """numcoll's worker threads reduce concurrently; the simulator must take turns."""
-    pairs = [(cuda.to_device(np.zeros(37, np.float64)), cuda.to_device(np.ones(37)))
+    pairs = [(to_device(np.zeros(37, np.float64)), to_device(np.ones(37)))
              for _ in range(3)]
     errors = []
 
@@ -238,8 +241,8 @@ def test_custom_op(dtype, tiny_launch):
         x = _sample(dtype, n, 40 + n)
         if dtype.kind == "i":   # abs(INT_MIN) overflows; keep to the defined range
             acc, x = acc // 2, x // 2
-        acc_d = cuda.to_device(acc)
-        K.reduce_into(op, acc_d, cuda.to_device(x))
+        acc_d = to_device(acc)
+        K.reduce_into(op, acc_d, to_device(x))
         wide_a, wide_x = (acc.astype(F32), x.astype(F32)) if is_half(dtype) else (acc, x)
         with np.errstate(invalid="ignore"):
             want = np.where(np.abs(wide_a) >= np.abs(wide_x), wide_a, wide_x).astype(dtype)
@@ -251,8 +254,8 @@ def test_custom_op_from_an_njit_function(tiny_launch):
 
     op = ReduceOp.custom(numba.njit(absmax))
     acc, x = np.array([1.0, -5.0, 3.0]), np.array([-2.0, 4.0, -3.0])
-    acc_d = cuda.to_device(acc)
-    K.reduce_into(op, acc_d, cuda.to_device(x))
+    acc_d = to_device(acc)
+    K.reduce_into(op, acc_d, to_device(x))
     np.testing.assert_array_equal(acc_d.copy_to_host(), [-2.0, -5.0, 3.0])
 
 
@@ -262,9 +265,9 @@ def test_custom_op_that_does_not_compile_for_complex(tiny_launch):
     with pytest.raises(TypeError, match=r"custom\(angle_sum\).*complex64"):
         K.compile_op(op, np.complex64)
     acc = np.array([1 + 1j, 2], np.complex64)
-    acc_d = cuda.to_device(acc)
+    acc_d = to_device(acc)
     with pytest.raises(TypeError, match="complex64"):
-        K.reduce_into(op, acc_d, cuda.to_device(acc))
+        K.reduce_into(op, acc_d, to_device(acc))
     np.testing.assert_array_equal(acc_d.copy_to_host(), acc)
 
 
@@ -305,7 +308,7 @@ def test_widen_narrow_round_trip(dtype, tiny_launch):
     rng = np.random.default_rng(7)
     half = _half_patterns(dtype, rng)
     wide_d = cuda.device_array(half.size, F32)
-    K.widen_into(cuda.to_device(half), wide_d)
+    K.widen_into(to_device(half), wide_d)
     wide = wide_d.copy_to_host()
     _assert_same(wide, half.astype(F32), "widen")
     back_d = cuda.device_array(half.size, dtype)
@@ -314,7 +317,7 @@ def test_widen_narrow_round_trip(dtype, tiny_launch):
 
     samples = _f32_samples(dtype, rng)
     out_d = cuda.device_array(samples.size, dtype)
-    K.narrow_into(cuda.to_device(samples), out_d)
+    K.narrow_into(to_device(samples), out_d)
     with np.errstate(over="ignore", invalid="ignore"):   # inf and NaN are what is tested
         got, want = out_d.copy_to_host(), samples.astype(dtype)
     _assert_same(got, want, "narrow")
@@ -323,8 +326,8 @@ def test_widen_narrow_round_trip(dtype, tiny_launch):
         np.testing.assert_array_equal(np.signbit(got[nan].astype(F32)), np.signbit(samples[nan]))
 
     for n in (0, 1):    # edge sizes
-        K.widen_into(cuda.to_device(half[:n]), cuda.device_array(n, F32))
-        K.narrow_into(cuda.to_device(samples[:n]), cuda.device_array(n, dtype))
+        K.widen_into(to_device(half[:n]), cuda.device_array(n, F32))
+        K.narrow_into(to_device(samples[:n]), cuda.device_array(n, dtype))
 
 
 @pytest.mark.parametrize("dtype", [F16, bfloat16, np.float32, np.float64, np.complex64,
@@ -333,7 +336,7 @@ def test_scale_into(dtype, tiny_launch):
     dtype = np.dtype(dtype)
     for n in SIZES:
         acc = _sample(dtype, n, 50 + n)
-        acc_d = cuda.to_device(acc)
+        acc_d = to_device(acc)
         K.scale_into(acc_d, 3)
         with np.errstate(all="ignore"):
             if is_half(dtype):
@@ -346,14 +349,14 @@ def test_scale_into(dtype, tiny_launch):
 
 def test_scale_into_refusals():
     with pytest.raises(TypeError, match="int32"):
-        K.scale_into(cuda.to_device(np.ones(3, np.int32)), 2)
+        K.scale_into(to_device(np.ones(3, np.int32)), 2)
     with pytest.raises(TypeError, match="bool"):
-        K.scale_into(cuda.to_device(np.ones(3, np.bool_)), 2)
+        K.scale_into(to_device(np.ones(3, np.bool_)), 2)
     with pytest.raises(ValueError, match="non-zero"):
-        K.scale_into(cuda.to_device(np.ones(3)), 0)
+        K.scale_into(to_device(np.ones(3)), 0)
     for bad in ("2", True, 1j):
         with pytest.raises(TypeError, match="real number"):
-            K.scale_into(cuda.to_device(np.ones(3)), bad)
+            K.scale_into(to_device(np.ones(3)), bad)
 
 
 # --------------------------------------------------------------------------
@@ -381,7 +384,7 @@ class Foreign:
 
 
 def _foreign(values, readonly=False):
-    return Foreign(values if SIMULATED else cuda.to_device(values), readonly)
+    return Foreign(values if SIMULATED else to_device(values), readonly)
 
 
 def _host_of(foreign):
@@ -395,23 +398,23 @@ def test_foreign_cuda_array_interface(tiny_launch):
     np.testing.assert_array_equal(_host_of(acc), np.arange(37) + 1.0)
     with pytest.raises(ValueError, match="acc is read-only"):
         K.reduce_into(ReduceOp.SUM, _foreign(np.ones(3, np.float32), readonly=True),
-                      cuda.to_device(np.ones(3, np.float32)))
+                      to_device(np.ones(3, np.float32)))
 
 
 def test_argument_errors(monkeypatch):
-    dev = cuda.to_device(np.ones(8, np.float32))
+    dev = to_device(np.ones(8, np.float32))
     with pytest.raises(TypeError, match="acc must be a CUDA device array.*ndarray"):
         K.reduce_into(ReduceOp.SUM, np.ones(8, np.float32), dev)
     with pytest.raises(TypeError, match="x must be a CUDA device array.*list"):
         K.reduce_into(ReduceOp.SUM, dev, [1.0] * 8)
     with pytest.raises(TypeError, match="dtype mismatch: acc is float32, x is float64"):
-        K.reduce_into(ReduceOp.SUM, dev, cuda.to_device(np.ones(8)))
+        K.reduce_into(ReduceOp.SUM, dev, to_device(np.ones(8)))
     with pytest.raises(ValueError, match="size mismatch: acc has 8 elements, x has 7"):
-        K.reduce_into(ReduceOp.SUM, dev, cuda.to_device(np.ones(7, np.float32)))
+        K.reduce_into(ReduceOp.SUM, dev, to_device(np.ones(7, np.float32)))
     with pytest.raises(ValueError, match="x must be C-contiguous"):
-        K.reduce_into(ReduceOp.SUM, cuda.to_device(np.ones(4, np.float32)), dev[::2])
+        K.reduce_into(ReduceOp.SUM, to_device(np.ones(4, np.float32)), dev[::2])
     with pytest.raises(TypeError, match="non-native byte order"):
-        big = cuda.to_device(np.ones(4, ">f4"))
+        big = to_device(np.ones(4, ">f4"))
         K.reduce_into(ReduceOp.SUM, big, big)
     with pytest.raises(TypeError, match="must be a numcoll.ReduceOp"):
         K.reduce_into("sum", dev, dev)
@@ -420,7 +423,7 @@ def test_argument_errors(monkeypatch):
     with pytest.raises(TypeError, match="unsupported dtype"):
         K.compile_op(ReduceOp.SUM, "U4")
 
-    raw = cuda.to_device(np.zeros(20, np.uint8))
+    raw = to_device(np.zeros(20, np.uint8))
     misaligned = raw[1:17].view(np.float32)
     with pytest.raises(ValueError, match="not aligned to its 4-byte items"):
         K.reduce_into(ReduceOp.SUM, misaligned, misaligned)
@@ -473,7 +476,7 @@ def test_staging_round_trip():
 
 
 def test_staging_errors():
-    dev = cuda.to_device(np.ones(4, np.float32))
+    dev = to_device(np.ones(4, np.float32))
     with pytest.raises(ValueError, match="dev_view has 16 bytes, host_view has 12"):
         K.to_host_async(dev, np.empty(3, np.float32))
     with pytest.raises(TypeError, match="host_view must be a numpy.ndarray"):

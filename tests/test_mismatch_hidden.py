@@ -260,7 +260,8 @@ def test_the_stamp_carries_and_renders_the_algorithm_and_the_settings():
     assert "1099511627779 elements" in describe_stamp(big.stamp)
     # every setting that decides the messages changes the fingerprint
     base = config.current()
-    changed = {"algorithm": "allreduce:ring", "half_wire": "native", "sparse_dense_ratio": 2.0}
+    changed = {"algorithm": "allreduce:ring", "half_wire": "native", "sparse_dense_ratio": 2.0,
+               "cuda_ipc": "off"}
     for name in config.AGREED:
         value = changed.get(name, getattr(base, name) * 2 or 4096)
         assert config.fingerprint(config.replace(base, **{name: value})) != \

@@ -223,6 +223,9 @@ class Transport(Protocol):
     arena: Arena | None
     #: Memory the ranks map together (:class:`SharedMemory`), or None.
     shared_memory: SharedMemory | None
+    #: Whether every rank is a thread of this one process (they can then use
+    #: each other's memory, device memory included, by address).
+    in_process: bool
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.

@@ -133,6 +133,8 @@ class MailboxTransport:
     #: Memory the ranks map together (:class:`~transports.base.SharedMemory`):
     #: None unless they share a host (the shm transport sets its own).
     shared_memory = None
+    #: Whether the ranks are threads of this process (the inproc transport's are).
+    in_process = False
     #: Makes a request: ``(what, rank, peer, tag, buf=None, stamp=b"",
     #: whole_call=False) -> PendingRequest`` (a plain attribute, not a method:
     #: this runs for every message).

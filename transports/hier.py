@@ -231,6 +231,7 @@ class HierTransport:
         self.arena = None if arena is None else HostArena(arena, self.local)
         #: No shared arrays: their memory would be this host's, not the group's.
         self.shared_memory = None
+        self.in_process = False     # its ranks are processes (on several hosts)
         #: Both transports' mailboxes as one, in group ranks (what numcoll
         #: checks for messages of a finished call).
         self.mailbox = _Mailboxes(self._net.mailbox, self._shm.mailbox, self.local)

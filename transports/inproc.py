@@ -44,6 +44,8 @@ class InprocTransport(MailboxTransport):
     Every wait takes its own deadline.
     """
 
+    in_process = True
+
     def __init__(self, rank: int, size: int, store: Rendezvous):
         if not 0 <= rank < size:
             raise ValueError(f"invalid rank {rank} for group size {size}")

@@ -15,6 +15,7 @@ from .allreduce import allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .broadcast import broadcast_binomial, broadcast_chain
+from .peers import allgather_ipc, allreduce_ipc, broadcast_ipc, reduce_scatter_ipc
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
@@ -28,6 +29,7 @@ from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
                                reduce_scatter_twolevel, reduce_scatter_twolevel_lanes)
 
 __all__ = [
+    "allgather_ipc",
     "allgather_ring",
     "allgather_shared",
     "allreduce_shared",
@@ -36,17 +38,20 @@ __all__ = [
     "broadcast_shared",
     "reduce_scatter_shared",
     "reduce_shared",
+    "allreduce_ipc",
     "allreduce_recursive_doubling",
     "allreduce_ring",
     "alltoall_pairwise",
     "alltoall_shared",
     "barrier_dissemination",
     "broadcast_binomial",
+    "broadcast_ipc",
     "broadcast_chain",
     "gather_direct",
     "gather_shared",
     "reduce_binomial",
     "reduce_ring",
+    "reduce_scatter_ipc",
     "reduce_scatter_ring",
     "scatter_direct",
     "scatter_shared",
@@ -75,19 +80,21 @@ __all__ = [
 CHOICES = {
     "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
                   "shared": allreduce_shared, "shared_split": allreduce_shared_split,
-                  "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes},
+                  "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes,
+                  "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
                   "shared": broadcast_shared, "twolevel": broadcast_twolevel,
-                  "twolevel_lanes": broadcast_twolevel_lanes},
+                  "twolevel_lanes": broadcast_twolevel_lanes, "ipc": broadcast_ipc},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
                "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared,
-                  "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes},
+                  "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes,
+                  "ipc": allgather_ipc},
     "gather": {"direct": gather_direct, "shared": gather_shared},
     "scatter": {"direct": scatter_direct, "shared": scatter_shared},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
                        "twolevel": reduce_scatter_twolevel,
-                       "twolevel_lanes": reduce_scatter_twolevel_lanes},
+                       "twolevel_lanes": reduce_scatter_twolevel_lanes, "ipc": reduce_scatter_ipc},
     "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
                 "twolevel": barrier_twolevel},
@@ -104,3 +111,6 @@ SHARED = frozenset({"shared", "shared_split", "shared_arrays"})
 TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})
 #: Every algorithm that takes steps of an arena, so runs in sequence-number order.
 ARENA = SHARED | TWO_LEVEL
+#: The algorithms over the peers' device memory (:mod:`.peers`): device arrays
+#: only, between ranks of one host that can address each other's device memory.
+DEVICE_PEERS = frozenset({"ipc"})

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--op", choices=OPS, default="allreduce", help="collective (default allreduce)")
     add_rank_arguments(p, world_size=2)
     p.add_argument("--dtype", default=None, help="element type (default float32)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the arrays live: cpu (NumPy, default) or cuda (Numba device "
+                        "arrays; torch gloo on CUDA tensors with --compare torch; the "
+                        "machine's pinned and device copy limits measured in the same run)")
     p.add_argument("--sweep", choices=tuple(SWEEPS), default=None,
                    help="a named size range, with iterations to suit it (see below; "
                         "excludes --sizes, -b, -e, -f)")
@@ -237,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     progress = "none" if args.quiet else args.progress
     plan = plans[0]
+    run = run_plans
+    if args.device == "cuda":
+        run, why = _device_runner(args)
+        if why is not None:
+            print(f"numcoll-bench: error: {why}", file=sys.stderr)
+            return 2
     baseline = None
     if args.baseline is not None:  # read (and checked) before minutes of measuring
         try:
@@ -260,14 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         print("numcoll-bench: note: without --sync-each-iter the root may run ahead of its "
               "receivers between iterations, which understates small-size latency",
               file=sys.stderr)
-    per_plan, info = run_plans(plans, backend="numcoll", mode=args.mode,
-                               transport=args.transport, timeout_s=args.timeout,
-                               progress=progress)
+    per_plan, info = run(plans, backend="numcoll", mode=args.mode,
+                         transport=args.transport, timeout_s=args.timeout,
+                         progress=progress)
     torch_per_plan, status = None, 0
     if "torch" in args.compare:
         try:
-            torch_per_plan, _ = run_plans(plans, backend="torch", timeout_s=args.timeout,
-                                          progress=progress)
+            torch_per_plan, _ = run(plans, backend="torch", timeout_s=args.timeout,
+                                    progress=progress)
         except TorchUnavailableError as exc:
             print(f"numcoll-bench: error: {exc}", file=sys.stderr)
             status = 2
@@ -296,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                     transport_used=info.get("transport"), compare=",".join(args.compare) or None,
                     torch_version=torch_version(), sweep=args.sweep)
     meta["placements"] = [p.placement for p in plans]
+    limits = None
+    if args.device == "cuda":
+        from .device import device_limits
+
+        meta["device"] = "cuda"
+        limits = meta["device_limits"] = device_limits([c.nbytes for c in plan.cases
+                                                        if c.nbytes])
     if baseline is not None:
         rows = with_baseline(rows, baseline["rows"])
         meta["baseline"] = {"name": args.baseline, "path": baseline["path"],
@@ -316,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
                             (args.baseline, baseline["rows"])), flush=True)
         if mpi_rows is not None:
             print(format_mpi_table(rows), flush=True)
+        if limits is not None:
+            from .device import format_limits
+
+            print(format_limits(limits), flush=True)
     if args.json is not None:
         write_json(args.json, meta, rows)
     if args.save is not None:
@@ -334,6 +355,34 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         status = status or 1
     return status
+
+
+def _device_runner(args: argparse.Namespace):
+    """(the runner of ``--device cuda``, None), or (None, why it cannot run here)."""
+    from .device import device_problem, run_device_plans
+
+    if args.persistent or args.shared_arrays or "mpi4py" in args.compare:
+        return None, ("--device cuda runs the blocking calls, beside torch only: "
+                      "--persistent, --shared-arrays and --compare mpi4py do not apply")
+    why, simulated = device_problem()
+    if why is not None:
+        return None, f"--device cuda needs a CUDA GPU: {why}"
+    if "torch" in args.compare:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, ("--device cuda --compare torch needs a CUDA build of torch and a "
+                          "GPU (torch.cuda.is_available() is False)")
+    if simulated and not args.quiet:
+        print("numcoll-bench: note: NUMBA_ENABLE_CUDASIM=1: the CUDA simulator runs the "
+              "device code on the CPU; its timings mean nothing (use tiny sizes)",
+              file=sys.stderr)
+
+    def run(plans, *, backend, timeout_s, progress, mode="process", transport=None):
+        return run_device_plans(plans, backend=backend, mode=mode, transport=transport,
+                                timeout_s=timeout_s)
+
+    return run, None
 
 
 def _plans(args: argparse.Namespace) -> list[Plan]:

@@ -13,6 +13,10 @@ The automatic choice, in order:
   their flat algorithms: each of their bytes crosses between hosts once
   already (the hier transport carries a message between two ranks of one
   host through shared memory), so two levels would save no bytes;
+- device arrays (allreduce, reduce_scatter, allgather, broadcast), ranks on
+  one host that can address each
+  other's device memory (``device_peers``: threads of one process, or CUDA
+  IPC; config ``cuda_ipc``): ``ipc`` (:mod:`numcoll.algorithms.peers`);
 - a group whose ranks share one arena (``shm``): the ``shared`` algorithms;
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ..algorithms import ARENA, CHOICES, SHARED, TWO_LEVEL
+from ..algorithms import ARENA, CHOICES, DEVICE_PEERS, SHARED, TWO_LEVEL
 from ..config import Config, forced_algorithm
 
 __all__ = ["Choice", "choose", "check_forced", "segment_count"]
@@ -50,19 +54,24 @@ TWO_LEVEL_DEFAULT = "twolevel_lanes"
 
 
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
-           size: int, shared: bool = True, topology=None) -> Choice:
+           size: int, shared: bool = True, topology=None,
+           device_peers: str | None = "host arrays") -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
     arena's (for a collective run inside another call, whose arena turn was
     not taken: a configured arena algorithm gives way to the automatic
     choice). ``topology``: the group's :class:`numcoll.algorithms.levels.Topology`, if it
-    knows which ranks share a host."""
+    knows which ranks share a host. ``device_peers``: None for device arrays
+    whose ranks can address each other's device memory, else why not."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
     if name is None or (not shared and requested is None and name in ARENA):
         name = _automatic(cfg, collective, nbytes, size, shared, topology)
+        if collective in _DEVICE_PEER_FAMILIES and device_peers is None and size > 1 \
+                and _hosts(topology) == 1 and cfg.cuda_ipc == "auto":
+            name = _DEVICE_PEER_FAMILIES[collective]
     try:
         choice = Choice(name, options[name])
     except KeyError:
@@ -77,12 +86,21 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
             raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share "
                              f"memory; this group spans {_hosts(topology)} hosts (use "
                              f"'twolevel', or a flat algorithm)")
+    if name in DEVICE_PEERS and size > 1 and (device_peers is not None or _hosts(topology) > 1):
+        raise ValueError(f"{collective}: algorithm {name!r} needs device arrays on ranks of "
+                         "one host that can address each other's device memory; "
+                         f"{device_peers or f'this group spans {_hosts(topology)} hosts'}")
     if name in TWO_LEVEL and (topology is None or not topology.slot_nbytes):
         raise ValueError(f"{collective}: algorithm {name!r} needs a group that knows its "
                          "hosts and has a shared arena on each (the hier transport, with "
                          "arena_slot_nbytes > 0); this group has "
                          f"{'no topology' if topology is None else 'no arenas'}")
     return choice
+
+
+#: The collectives with an algorithm over the peers' device memory, and its name.
+_DEVICE_PEER_FAMILIES = {f: n for f, names in CHOICES.items() for n in names
+                         if n in DEVICE_PEERS}
 
 
 def _hosts(topology) -> int:
@@ -119,8 +137,8 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         return "binomial" if nbytes <= cfg.broadcast_small_nbytes else "chain"
     if collective == "reduce":
         return "binomial" if nbytes <= cfg.allreduce_small_nbytes else "ring"
-    # One algorithm each, besides the arena's: the table's other entry.
-    (only,) = (name for name in CHOICES[collective] if name not in ARENA)
+    # One algorithm each, besides the arena's and the device peers': the table's other entry.
+    (only,) = (name for name in CHOICES[collective] if name not in ARENA | DEVICE_PEERS)
     return only
 
 

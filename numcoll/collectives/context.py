@@ -52,7 +52,7 @@ class GroupContext:
     one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "settings", "shared_memory", "topology")
+                 "settings", "shared_memory", "topology", "in_process", "_device_peers")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
@@ -62,6 +62,9 @@ class GroupContext:
         #: The transport's ``shared_memory`` (:mod:`numcoll.memory.shared`), where
         #: the group also has a shared arena; else None (see :meth:`attach`).
         self.shared_memory = None
+        #: Whether the ranks are threads of this process (the transport says).
+        self.in_process = False
+        self._device_peers = ""   # not asked yet: see device_peers()
         #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`),
         #: on groups whose transport knows it (``hier``); else None.
         self.topology = None
@@ -91,6 +94,7 @@ class GroupContext:
         without, and without a shared arena, no shared algorithms (and no
         shared arrays: their collectives synchronise on the arena). Returns
         the topology, or None."""
+        self.in_process = bool(getattr(transport, "in_process", False))
         hosts = getattr(transport, "hosts", None)
         if hosts is not None:
             self.topology = Topology(hosts, self.rank, self.cfg.arena_slot_nbytes)
@@ -124,9 +128,29 @@ class GroupContext:
                                                     name, device=on_device)
         return red
 
-    def choose(self, collective: str, requested, nbytes: int, shared: bool = True) -> Choice:
-        """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`)."""
-        return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology)
+    def choose(self, collective: str, requested, nbytes: int, shared: bool = True,
+               device: bool = False) -> Choice:
+        """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`);
+        ``device``: the arrays are CUDA arrays."""
+        return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology,
+                      self.device_peers() if device else "host arrays")
+
+    def device_peers(self) -> str | None:
+        """None if the ranks can address each other's device memory (threads of
+        one process, or processes with CUDA IPC), else why not. Asked only for
+        device arrays (numba.cuda is loaded then), once per group."""
+        why = self._device_peers
+        if why == "":
+            if self.cfg.cuda_ipc == "off":
+                why = "NUMCOLL_CUDA_IPC=off"
+            elif self.in_process:
+                why = None
+            else:
+                from ..cuda.ipc import supported  # lazy: loads numba.cuda
+
+                why = supported()
+            self._device_peers = why
+        return why
 
     def segment(self, itemsize: int) -> int:
         """Elements per segment for arrays of ``itemsize`` bytes."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_same_type_and_size,
-                             check_writable, memory_of, uniform_arrays)
+                             check_writable, is_device_array, memory_of, uniform_arrays)
 from ..memory.overlap import check_overlap, same_view, shares_memory
 from ..options import (AllgatherOptions, AllToAllOptions, BroadcastOptions, GatherOptions,
                        ScatterOptions)
@@ -62,7 +62,7 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
 def _broadcast_plan(ctx, name, arrays, root_rank, opts):
     src = arrays[opts.root_tensor]
     nbytes = src.size * src.dtype.itemsize
-    algorithm = ctx.choose(name, opts.algorithm, nbytes)
+    algorithm = ctx.choose(name, opts.algorithm, nbytes, device=is_device_array(src))
     call = Call(name, ctx.timeout_for(opts, name), src.dtype, src.size, root=root_rank,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings)
@@ -237,7 +237,8 @@ def _gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
 
 def _build_gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
     dtype = inputs[0].dtype
-    algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize)
+    algorithm = ctx.choose("allgather", opts.algorithm, per_rank * ctx.size * dtype.itemsize,
+                           device=is_device_array(inputs[0]))
     call = Call(name, ctx.timeout_for(opts, name), dtype, per_rank,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),

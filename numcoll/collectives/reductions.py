@@ -94,7 +94,7 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
 def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
     red = ctx.reduction(reduce_op, first.dtype, name, xp.is_device)
     nbytes = first.size * red.wire_dtype.itemsize
-    algorithm = ctx.choose(name, opts.algorithm, nbytes)
+    algorithm = ctx.choose(name, opts.algorithm, nbytes, device=xp.is_device)
     call = Call(name, ctx.timeout_for(opts, name), first.dtype, first.size, root=-1,
                 algorithm=algorithm.name, input_sizes=shapes(arrays),
                 output_sizes=shapes(arrays), nbytes=nbytes, settings=ctx.settings,
@@ -249,7 +249,8 @@ def _reduction_plan(ctx, name, collective, inputs, outputs, total, xp, opts):
     coalesced allreduce or of the reduce_scatter family; ``total`` is the
     elements of a rank's whole input."""
     red = ctx.reduction(opts.reduce_op, outputs[0].dtype, name, xp.is_device)
-    algorithm = ctx.choose(collective, opts.algorithm, total * red.wire_dtype.itemsize)
+    algorithm = ctx.choose(collective, opts.algorithm, total * red.wire_dtype.itemsize,
+                           device=xp.is_device)
     call = Call(name, ctx.timeout_for(opts, name), outputs[0].dtype, total,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),

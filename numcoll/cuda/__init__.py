@@ -1,12 +1,17 @@
-"""Collectives on CUDA arrays: staging through pinned host memory, one stream per call.
+"""Collectives on CUDA arrays: straight from the peers' device memory, or staged
+through pinned host memory; one stream per call.
 
 Every collective accepts CUDA arrays -- anything with
 ``__cuda_array_interface__`` (Numba device arrays, CuPy arrays, torch CUDA
-tensors) -- in place of NumPy arrays; one call takes host arrays only or
-device arrays only. Reductions run in numba.cuda kernels on the device
-(:mod:`.kernels`); the bytes cross ZeroMQ through pinned host
-staging memory (:mod:`.pinned_pool`, pooled per process), segment by segment, so
-device <-> host copies overlap the network (:mod:`.buffer`).
+tensors, and torch bfloat16 CUDA tensors through their int16 view) -- in place
+of NumPy arrays; one call takes host arrays only or device arrays only. Local
+steps (several arrays reduced into one, float16/bfloat16 widened to float32
+and rounded once at the end, AVG's division) run in numba.cuda kernels on the
+device (:mod:`.kernels`). Between ranks, a device allreduce on one host reads
+the peers' device memory directly (:mod:`.ipc`, the ``ipc`` algorithm of
+:mod:`numcoll.algorithms.peers`); everything else moves whole buffers
+through pinned host memory (:mod:`.pinned_pool`, pooled per process) and runs
+the host algorithms there (:mod:`.buffer`).
 
 Everything about CUDA lives in this package:
 
@@ -16,7 +21,10 @@ Everything about CUDA lives in this package:
   the one view of a foreign ``__cuda_array_interface__``, layout checks);
 - :mod:`.loops` and :mod:`.kernels`: the reduction and conversion kernels and
   their validating wrappers (the GPU twins of :mod:`numcoll.kernels.cpu`);
-- :mod:`.copies`: asynchronous host <-> device staging copies;
+- :mod:`.copies`: asynchronous host <-> device staging copies, and
+  :func:`to_device` / :func:`to_host` for every dtype numcoll takes;
+- :mod:`.ipc`: the one module that asks the CUDA driver to share device
+  memory between processes (CUDA IPC handles, opened once per allocation);
 - :mod:`.pinned_pool`: the process's pool of pinned host memory;
 - :mod:`.buffer` and :mod:`.memory`: the work buffer and the memory kind the
   collectives use for device arrays.
@@ -55,11 +63,52 @@ Importing this package does not import numba.cuda; its modules do, and
 they are imported only once device arrays are seen.
 """
 
-__all__ = ["release_idle"]
+__all__ = ["release_idle", "to_device", "to_host"]
 
 
 def release_idle() -> int:
-    """Free the idle pinned staging memory of this process; returns the bytes freed."""
+    """Free the idle pinned staging memory and the idle device temporaries of
+    this process; returns the bytes freed.
+
+    Examples
+    --------
+    >>> import numcoll.cuda                                   # doctest: +SKIP
+    >>> numcoll.cuda.release_idle()                             # doctest: +SKIP
+    0
+    """
+    from .memory import DEVICE_POOL
     from .pinned_pool import release_idle as release
 
-    return release()
+    return release() + DEVICE_POOL.release_idle()
+
+
+def to_device(host, stream=0):
+    """A device copy of the host array ``host``, of any dtype numcoll takes (bfloat16 too).
+
+    ``numba.cuda.to_device`` refuses ml_dtypes' bfloat16 ("cannot include
+    dtype 'E' in a buffer"); this copies its bits. See
+    :func:`numcoll.cuda.copies.to_device`.
+
+    Examples
+    --------
+    >>> import numpy as np, numcoll as nc, numcoll.cuda       # doctest: +SKIP
+    >>> d = numcoll.cuda.to_device(np.ones(3, nc.bfloat16))     # doctest: +SKIP
+    """
+    from .copies import to_device as copy
+
+    return copy(host, stream)
+
+
+def to_host(dev, stream=0):
+    """A host copy of the device array ``dev``, of any dtype numcoll takes (bfloat16 too).
+
+    See :func:`numcoll.cuda.copies.to_host`.
+
+    Examples
+    --------
+    >>> numcoll.cuda.to_host(d)                                 # doctest: +SKIP
+    array([1, 1, 1], dtype=bfloat16)
+    """
+    from .copies import to_host as copy
+
+    return copy(dev, stream)

@@ -18,8 +18,12 @@ from ..dtypes import dtype_name, is_supported
 __all__ = ["as_device_array"]
 
 
-def as_device_array(obj, op: str):
+def as_device_array(obj, op: str, as_dtype=None):
     """A Numba device-array view of ``obj`` (a CUDA array), never a copy.
+
+    ``as_dtype``: reinterpret the memory as this dtype of the same item size
+    (a torch bfloat16 tensor arrives as its int16 view: torch exports no
+    interface for bfloat16).
 
     Raises ``TypeError`` ("invalid tensor type") when numba.cuda is missing or
     the dtype is not one numcoll supports. An array whose interface says it
@@ -35,6 +39,8 @@ def as_device_array(obj, op: str):
     dev = device.view(obj)
     if dev is None:
         raise TypeError(f"{op}: invalid tensor type: {type(obj).__name__} is not a CUDA array")
+    if as_dtype is not None:
+        dev = dev.view(as_dtype)
     if not is_supported(dev.dtype):
         raise TypeError(f"{op}: invalid tensor type: dtype {dtype_name(dev.dtype)} is not "
                         "supported")

@@ -1,103 +1,66 @@
-"""The work buffer of device-array collectives: device memory staged through pinned host memory.
+"""The work buffer of device-array collectives: the whole device buffer staged in pinned host memory.
 
 :class:`DeviceBuffer` implements the :class:`~numcoll.algorithms.buffer.WorkBuffer`
 protocol that every algorithm is written against, for a flat C-contiguous
-device array, so the algorithms run unchanged on device data:
+device array, so the algorithms run unchanged on device data. It does so as
+Gloo does for CUDA tensors, with whole buffers:
 
-* ``send_view(start, n)`` copies that range device -> host into the staging
-  mirror, waits for the copy (the transport reads the bytes zero-copy) and
-  returns the host view;
-* ``recv_view(start, n)`` is the mirror's range, which the transport fills;
-  ``recv_done(start, n)`` copies it host -> device, asynchronously;
-* ``reduce_from(start, n, frame)`` copies the received bytes into the mirror,
-  host -> device into a device scratch, and launches the reduction kernel
-  into the range, asynchronously.
+* at the first use, one asynchronous copy brings the whole device array into
+  a pinned host mirror (device -> host, on the collective's stream), and the
+  host waits for it once;
+* every protocol call is then the host's: :class:`~numcoll.memory.host.HostBuffer`
+  over the mirror, sends zero-copy from it, receives into it, and reduces in it
+  with the op's compiled CPU kernel (the host path's own reduction: bfloat16
+  and float16 widened to float32 before, rounded once after, exactly as there);
+* :meth:`DeviceBuffer.flush` queues one asynchronous copy of the whole mirror
+  back to the device (host -> device), if anything was written into it.
 
-Why a mirror of the whole buffer (rather than a ring of segment slots): a
-range of the mirror is only ever used for the same range of the device
-buffer, so every rule that makes :class:`~numcoll.memory.host.HostBuffer` safe
-holds unchanged -- a zero-copy send reads its range until it completes, and
-the algorithms rewrite a range only after, causally, every send of it
-completed. A ring of slots would need its own reasoning about which zero-copy
-send still reads which slot. The cost is host memory equal to the buffer,
-as Gloo's pinned copies of CUDA tensors; it comes from a process-wide pool
-(:mod:`numcoll.cuda.pinned_pool`), so it is pinned once, not per call.
+So the Python work a call spends on the device is two copies and a wait,
+whatever the size: no copy, slice or kernel launch per segment (the host
+algorithm's own per-segment steps remain, as on host arrays).
 
-Overlap: every copy and kernel is queued on the collective's own stream;
-the host thread waits for the stream only where it needs bytes on the host
-(``send_view``), or before the host writes into a range of the mirror that
-a queued host -> device copy may still be reading. So while the transport
-moves one segment, the device copies or reduces the next, and a segment that
-arrives is forwarded from the mirror without a copy back (the buffer tracks
-which ranges of the mirror equal the device memory).
+Who flushes: :class:`~numcoll.cuda.memory.DeviceArrays`, which made the
+buffer, before it queues anything else on the stream (a kernel that reads
+the result, a copy out, the final synchronisation): the copy back is then
+ahead of every reader on the stream, and the algorithms, which never see
+the stream, need not know.
+
+Why safe: the mirror is written only by the algorithm, on this thread, before
+the flush is queued; a flush that is still queued when the algorithm writes
+the mirror again (a buffer used by two algorithm runs) is waited for first. The
+transport reads a zero-copy send from the mirror until the send completes,
+and every algorithm completes its sends before it returns; the block goes
+back to the pool only after the stream is synchronised.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
-
 import numpy as np
-from numba import cuda as _cuda
 
+from ..memory.host import HostBuffer
+from . import ipc
 from . import kernels as cuda_kernels
 
 __all__ = ["DeviceBuffer"]
 
-# More queued host->device copies than this are settled with one stream sync
-# rather than tracked one by one.
-_MAX_TRACKED_COPIES = 64
-
-
-class _Ranges:
-    """Disjoint [start, end) ranges, sorted: where the mirror equals the device."""
-
-    __slots__ = ("_starts", "_ends")
-
-    def __init__(self):
-        self._starts: list[int] = []
-        self._ends: dict[int, int] = {}
-
-    def covers(self, start: int, end: int) -> bool:
-        i = bisect_right(self._starts, start) - 1
-        return i >= 0 and self._ends[self._starts[i]] >= end
-
-    def discard(self, start: int, end: int) -> None:
-        """Forget every range overlapping [start, end) (whole ranges: conservative)."""
-        starts = self._starts
-        i = max(0, bisect_right(starts, start) - 1)
-        j = i
-        while j < len(starts) and starts[j] < end:
-            j += 1
-        kept = []
-        for s in starts[i:j]:
-            if self._ends[s] > start:
-                del self._ends[s]
-            else:
-                kept.append(s)
-        starts[i:j] = kept
-
-    def add(self, start: int, end: int) -> None:
-        if start < end:
-            self.discard(start, end)
-            insort(self._starts, start)
-            self._ends[start] = end
-
 
 class DeviceBuffer:
-    """A flat, C-contiguous device array, staged through a host mirror.
+    """A flat, C-contiguous device array, staged whole through a pinned host mirror.
 
     Parameters
     ----------
     array : flat C-contiguous Numba device array
-    stream : the numba.cuda stream every copy and kernel of this buffer runs on
+    stream : the numba.cuda stream the two copies run on
     take_mirror : ``take_mirror(nbytes)`` -> host uint8 array of at least ``nbytes``
-        bytes (pinned, from the pool); called at the first transfer, so a buffer
+        bytes (pinned, from the pool); called at the first use, so a buffer
         the algorithm never touches (the root's own block in gather) takes none
-    reduce : ``reduce(acc, x)`` on device arrays, queued on ``stream`` (None: no reductions)
+    reduce : ``reduce(acc, x)`` on device arrays of the buffer's dtype, whose
+        ``host`` attribute is the same op's CPU kernel (the staged mirror
+        reduces with it), or None for collectives that only move data
     """
 
-    __slots__ = ("array", "count", "itemsize", "dtype", "_stream", "_take_mirror", "_mirror",
-                 "_reduce", "_scratch", "_fresh", "_reading")
+    __slots__ = ("array", "count", "itemsize", "dtype", "_stream", "_take_mirror", "_host",
+                 "_reduce", "_device_reduce", "_dirty", "_queued")
 
     def __init__(self, array, stream, take_mirror, reduce=None):
         self.array = array
@@ -106,81 +69,96 @@ class DeviceBuffer:
         self.itemsize = self.dtype.itemsize
         self._stream = stream
         self._take_mirror = take_mirror
-        self._mirror = None
-        self._reduce = reduce
-        self._scratch = None
-        self._fresh = _Ranges()
-        # (start, end) of host->device copies queued since the last stream sync:
-        # the host must not write those ranges of the mirror until they ran.
-        self._reading: list[tuple[int, int]] = []
+        self._host: HostBuffer | None = None
+        # reduce(acc, x) on device arrays, queued on the stream; its .host twin
+        # reduces NumPy arrays (the staged mirror).
+        self._device_reduce = reduce
+        self._reduce = None if reduce is None else reduce.host
+        self._dirty = False     # the mirror holds bytes the device does not
+        self._queued = False    # a flush may still be reading the mirror
 
+    # -- the WorkBuffer protocol: the host's, on the mirror -------------------------
     def send_view(self, start: int, count: int) -> np.ndarray:
-        end = start + count
-        host = self._host()[start:end]
-        if count and not self._fresh.covers(start, end):
-            cuda_kernels.to_host_async(self.array[start:end], host, self._stream)
-            self._sync()
-            self._fresh.add(start, end)
-        return host
+        return self._staged().send_view(start, count)
 
     def recv_view(self, start: int, count: int) -> np.ndarray:
-        end = start + count
-        self._before_host_writes(start, end)
-        self._fresh.discard(start, end)
-        return self._host()[start:end]
+        host = self._writing()
+        return host.recv_view(start, count)
 
     def recv_done(self, start: int, count: int) -> None:
-        end = start + count
-        if count:
-            cuda_kernels.to_device_async(self._host()[start:end], self.array[start:end],
-                                         self._stream)
-            self._reading.append((start, end))
-            self._fresh.add(start, end)
+        """Nothing to do: the whole mirror goes back in :meth:`flush`."""
 
     def reduce_from(self, start: int, count: int, incoming) -> None:
-        end = start + count
-        if not count:
-            return
-        host = self._host()[start:end]
-        self._before_host_writes(start, end)
-        # Through the pinned mirror, not straight from the frame: a copy from
-        # pageable memory would be synchronous.
-        host[...] = np.frombuffer(incoming, dtype=self.dtype, count=count)
-        scratch = self._scratch_of(count)
-        cuda_kernels.to_device_async(host, scratch, self._stream)
-        self._reading.append((start, end))
-        self._reduce(self.array[start:end], scratch)
-        self._fresh.discard(start, end)
+        self._writing().reduce_from(start, count, incoming)
 
-    # -- helpers --------------------------------------------------------------------
-    def _host(self) -> np.ndarray:
-        """The host mirror, as this buffer's dtype."""
-        mirror = self._mirror
-        if mirror is None:
+    # -- staging --------------------------------------------------------------------
+    @property
+    def staged(self) -> bool:
+        """Whether the mirror was taken (the algorithm used this buffer)."""
+        return self._host is not None
+
+    def flush(self) -> None:
+        """Queue the copy of the mirror back into the device array, if it was written."""
+        if self._dirty:
+            self._dirty = False
+            self._queued = True
+            cuda_kernels.to_device_async(self._host.array, self.array, self._stream)
+
+    def _staged(self) -> HostBuffer:
+        host = self._host
+        if host is None:
             nbytes = self.count * self.itemsize
             block = self._take_mirror(nbytes) if nbytes else np.empty(0, np.uint8)
-            mirror = self._mirror = block[:nbytes].view(self.dtype)
-        return mirror
+            mirror = block[:nbytes].view(self.dtype)
+            if nbytes:
+                cuda_kernels.to_host_async(self.array, mirror, self._stream)
+                self._stream.synchronize()
+            host = self._host = HostBuffer(mirror, self._reduce)
+        return host
 
-    def _sync(self) -> None:
+    def _writing(self) -> HostBuffer:
+        host = self._staged()
+        if self._queued:            # a flush queued earlier may still read the mirror
+            self._stream.synchronize()
+            self._queued = False
+        self._dirty = True
+        return host
+
+    # -- peers' device memory (the ``ipc`` algorithms) ------------------------------
+    def peer_export(self) -> bytes:
+        """What peers need to read this buffer in place (:func:`numcoll.cuda.ipc.describe`),
+        once everything queued on it has run: peers read it as soon as they have this."""
         self._stream.synchronize()
-        self._reading.clear()
+        return ipc.describe(self.array)
 
-    def _before_host_writes(self, start: int, end: int) -> None:
-        """Wait for queued host->device copies that read [start, end) of the mirror."""
-        reading = self._reading
-        if len(reading) > _MAX_TRACKED_COPIES or any(s < end and start < e for s, e in reading):
-            self._sync()
+    def peer_views(self, described: list, op: str) -> tuple[list, str | None]:
+        """Each rank's buffer as a device array here (None for this rank's own,
+        and for empty ones), from what every rank's :meth:`peer_export` said;
+        and None, or why some peer's memory cannot be reached from here."""
+        from ..errors import NumcollError
 
-    def _scratch_of(self, count: int):
-        """A device array of ``count`` elements to receive into before reducing."""
-        if self._scratch is None or self._scratch.size < count:
-            if self._scratch is not None:
-                self._sync()      # the old scratch may still be read by a queued kernel
-            self._scratch = _device_array(count, self.dtype)
-        return self._scratch[:count]
+        try:
+            return [None if data is None else ipc.PEERS.view(data, self.dtype, op, peer)
+                    for peer, data in enumerate(described)], None
+        except NumcollError as exc:
+            return [], str(exc)
 
+    def reduce_peers(self, peers: list, start: int, count: int) -> None:
+        """Elements ``start:start + count`` := op(themselves, every peer's same
+        elements), reading the peers' memory directly; done when this returns."""
+        if count:
+            acc = self.array[start:start + count]
+            for other in peers:
+                if other is not None:
+                    self._device_reduce(acc, other[start:start + count])   # on the stream
+        self._stream.synchronize()
 
-# Bound once: host code never goes through the numba.cuda module while a
-# simulated kernel may be running (the simulator swaps references to it).
-_device_array = _cuda.device_array
+    def copy_from_peers(self, peers: list, chunks: list) -> None:
+        """Chunk r (``chunks[r] = (start, count)``) copied from rank r's buffer,
+        for every peer r; done when this returns."""
+        for other, (start, count) in zip(peers, chunks):
+            if other is not None and count:
+                mine = self.array[start:start + count].view(np.uint8)
+                mine.copy_to_device(other[start:start + count].view(np.uint8),
+                                    stream=self._stream)
+        self._stream.synchronize()

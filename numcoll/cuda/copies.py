@@ -12,9 +12,9 @@ import warnings
 
 import numpy as np
 
-from .device import _SIMULATED, _as_device, _flat, _pinned_array, _reason
+from .device import _SIMULATED, _as_device, _flat, _pinned_array, _reason, _to_device
 
-__all__ = ["pinned_empty", "to_device_async", "to_host_async"]
+__all__ = ["pinned_empty", "to_device", "to_device_async", "to_host", "to_host_async"]
 
 _pinning_warned = False
 
@@ -88,3 +88,72 @@ def to_device_async(host_view: np.ndarray, dev_view, stream=0) -> None:
     dev, host = _byte_views("to_device_async", dev_view, host_view, False)
     if dev.size:
         dev.copy_to_device(host, stream=stream)
+
+
+def _bits_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The unsigned integer dtype a host array of ``dtype`` is copied as, or
+    None when it can be copied as it is. Copies go through the buffer
+    protocol, which has no format for ml_dtypes' bfloat16 (NumPy: "cannot
+    include dtype 'E' in a buffer"), so such arrays move as their bits."""
+    try:
+        memoryview(np.empty(0, dtype))
+    except (ValueError, TypeError):
+        return np.dtype(f"u{dtype.itemsize}")
+    return None
+
+
+def to_device(host, stream=0):
+    """A new device array holding a copy of the host array ``host``, of any supported dtype.
+
+    ``numba.cuda.to_device`` for every dtype numcoll reduces, bfloat16
+    included: Numba copies through the buffer protocol, which refuses
+    ml_dtypes' bfloat16, so this copies its 16-bit patterns and returns a
+    device array of dtype bfloat16 viewing them (no conversion, no second copy).
+
+    Parameters
+    ----------
+    host : numpy.ndarray
+        Any layout (a non-contiguous array is copied to a contiguous one first).
+    stream : numba.cuda stream or 0
+        The stream to copy on (0: synchronous).
+
+    Returns
+    -------
+    numba.cuda DeviceNDArray
+        Same shape and dtype as ``host``.
+
+    Examples
+    --------
+    >>> import numpy as np, numcoll as nc                      # doctest: +SKIP
+    >>> d = nc.cuda.to_device(np.ones(4, nc.bfloat16))           # doctest: +SKIP
+    >>> nc.cuda.to_host(d)                                       # doctest: +SKIP
+    array([1, 1, 1, 1], dtype=bfloat16)
+    """
+    host = np.ascontiguousarray(host)       # Numba copies one contiguous region
+    bits = _bits_dtype(host.dtype)
+    if bits is None:
+        return _to_device(host, stream=stream)
+    return _to_device(host.view(bits), stream=stream).view(host.dtype)
+
+
+def to_host(dev, stream=0) -> np.ndarray:
+    """A new host array holding a copy of the device array ``dev`` (bfloat16 included).
+
+    Parameters
+    ----------
+    dev : device array
+        A Numba device array or anything with ``__cuda_array_interface__``.
+    stream : numba.cuda stream or 0
+        The stream to copy on; the copy is complete when this returns only
+        for stream 0 (otherwise synchronise the stream first).
+
+    Returns
+    -------
+    numpy.ndarray
+        Same shape and dtype as ``dev``.
+    """
+    dev = _as_device("to_host", "dev", dev)
+    bits = _bits_dtype(dev.dtype)
+    if bits is None:
+        return dev.copy_to_host(stream=stream)
+    return dev.view(bits).copy_to_host(stream=stream).view(dev.dtype)

@@ -47,6 +47,7 @@ import numpy as np
 
 from .. import config
 from ..dtypes import dtype_name, is_half
+from ..errors import NumcollError
 from ..kernels.checks import F32 as _F32, U16 as _U16
 from ..kernels.checks import check_conversion, check_divisor, check_dtype, check_op, check_pair
 from ..ops import ReduceOp
@@ -185,6 +186,28 @@ def _trial_launch(kernel, kernel_dtype: np.dtype, dtype: np.dtype) -> None:
     _launch(kernel, 1, 0, _to_device(ones), _to_device(ones))
 
 
+#: What works together (the ``cuda`` extra pins these): numba-cuda 0.30 calls
+#: ``np.row_stack``, which NumPy 2.5 removed.
+SUPPORTED_TOOLCHAIN = "numba-cuda>=0.20,<0.31 with numpy<2.5"
+
+
+def _toolchain_error(op: ReduceOp, dtype: np.dtype, exc: Exception) -> NumcollError:
+    """The one error for a numba.cuda that cannot compile numcoll's built-in kernels."""
+    import numba
+
+    try:
+        from importlib.metadata import version
+        numba_cuda = version("numba-cuda")
+    except Exception:  # noqa: BLE001 - not installed as a distribution: numba's own
+        numba_cuda = "not installed (numba's built-in numba.cuda)"
+    return NumcollError(
+        f"numba.cuda cannot compile numcoll's {op!r} kernel for {dtype_name(dtype)} "
+        f"({type(exc).__name__}: {_reason(exc)}); this installation has numba "
+        f"{numba.__version__}, numba-cuda {numba_cuda}, numpy {np.__version__}. "
+        f'Install versions that work together: pip install "numcoll[cuda]" '
+        f"({SUPPORTED_TOOLCHAIN})")
+
+
 def compile_op(op: ReduceOp, dtype) -> ReduceKernel:
     """Compile ``op`` for ``dtype`` on the current device now, and memoise it.
 
@@ -213,6 +236,10 @@ def compile_op(op: ReduceOp, dtype) -> ReduceKernel:
         defined for the dtype (bitwise on floats, MIN/MAX/bitwise on complex),
         or a custom function does not compile for it; the message names the
         op and the dtype.
+    NumcollError
+        If numba.cuda cannot compile numcoll's own (built-in) kernels: an
+        installation whose versions do not work together; the message names
+        the versions found and what to install.
     """
     check_op("compile_op", op)
     dtype = check_dtype("compile_op", dtype)
@@ -238,7 +265,12 @@ def compile_op(op: ReduceOp, dtype) -> ReduceKernel:
             ) from exc
     else:
         launchable = _builtin_kernel(op, dtype)
-        _trial_launch(launchable, kernel_dtype, dtype)
+        try:
+            _trial_launch(launchable, kernel_dtype, dtype)
+        except _DRIVER_ERRORS:
+            raise                               # no usable device: the driver says so
+        except Exception as exc:  # noqa: BLE001 - numcoll's own kernels must compile
+            raise _toolchain_error(op, dtype, exc) from exc
     kernel = ReduceKernel(op, dtype, launchable, view, time.perf_counter() - start)
     with _lock:
         return _compiled.setdefault(key, kernel)

@@ -16,8 +16,9 @@ from numba import cuda as _cuda
 
 from ..dtypes import is_half
 from . import kernels as cuda_kernels
+from .. import config
 from .buffer import DeviceBuffer
-from .pinned_pool import POOL
+from .pinned_pool import POOL, StagingPool
 
 __all__ = ["DeviceArrays", "DeviceSteps"]
 
@@ -32,6 +33,18 @@ _U16 = np.dtype(np.uint16)
 # The first elements of a filled array come from the host; the rest are
 # doubled on the device (log2 copies instead of a host array of full size).
 _FILL_SEED_COUNT = 1024
+
+
+def _device_block(nbytes: int):
+    return _device_array(nbytes, np.uint8)
+
+
+#: The process's device temporaries (work buffers, widened copies, scratch),
+#: handed out per call and kept for reuse: an allocation per call would cost
+#: a cudaMalloc/cudaFree each time, and peers reading a rank's work buffer
+#: through CUDA IPC open each allocation once (:mod:`.ipc`).
+DEVICE_POOL = StagingPool(pin=_device_block,
+                          idle_limit=lambda: config.get("cuda_device_idle_nbytes"))
 
 
 def _bits(a):
@@ -52,10 +65,13 @@ class DeviceArrays:
 
     is_device = True
 
-    def __init__(self, arrays=(), pool=POOL):
+    def __init__(self, arrays=(), pool=POOL, device_pool=DEVICE_POOL):
         self._pool = pool
+        self._device_pool = device_pool
         self._stream = None
         self._blocks: list[np.ndarray] = []
+        self._device_blocks: list = []
+        self._buffers: list[DeviceBuffer] = []
         self._after = []
         seen = set()
         for a in arrays:
@@ -68,12 +84,19 @@ class DeviceArrays:
 
     @property
     def stream(self):
-        # Made on the thread that runs the collective, at first use.
+        """The collective's stream (made on the thread that runs it, at first use).
+
+        Everything this call queues goes through here, so here is where the
+        staged buffers' results are queued back to the device first: whatever
+        is queued next (a kernel reading the result, a copy out, the final
+        synchronisation) runs after them (see :mod:`.buffer`)."""
         if self._stream is None:
             stream = _new_stream()
             for event in self._after:
                 event.wait(stream)
             self._stream = stream
+        for buf in self._buffers:
+            buf.flush()
         return self._stream
 
     # -- lifecycle -------------------------------------------------------------------
@@ -85,7 +108,7 @@ class DeviceArrays:
             try:
                 value = run(comm, work)
                 if self._stream is not None:
-                    self._stream.synchronize()
+                    self.stream.synchronize()       # the property flushes staged buffers
             except BaseException:
                 self._close(reuse_staging=False)
                 raise
@@ -96,6 +119,8 @@ class DeviceArrays:
 
     def _close(self, reuse_staging: bool) -> None:
         blocks, self._blocks = self._blocks, []
+        device_blocks, self._device_blocks = self._device_blocks, []
+        self._buffers = []
         if not reuse_staging:
             # After a failure a zero-copy send may still hold a block, or a copy may
             # still be queued: let those blocks go with their last reference.
@@ -107,6 +132,8 @@ class DeviceArrays:
             return
         for block in blocks:
             self._pool.give(block)
+        for block in device_blocks:
+            self._device_pool.give(block)
 
     # -- memory ----------------------------------------------------------------------
     @staticmethod
@@ -114,7 +141,15 @@ class DeviceArrays:
         return a.is_c_contiguous()
 
     def empty(self, count: int, dtype):
-        return _device_array(count, dtype)
+        """A device temporary of ``count`` elements, from :data:`DEVICE_POOL`
+        (given back when the collective completes)."""
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        if not nbytes:
+            return _device_array(count, dtype)
+        block = self._device_pool.take(nbytes)
+        self._device_blocks.append(block)
+        return block[:nbytes].view(dtype)
 
     def flat(self, a, copy_in: bool):
         """``a``'s memory as a flat array, or a flat copy (filled from ``a`` if
@@ -144,16 +179,17 @@ class DeviceArrays:
         """``dst[...] = src`` for same-shape device arrays of any layout, on the stream."""
         if dst.size == 0:
             return
+        stream = self.stream        # first: staged buffers are flushed ahead of this copy
         # 16-bit floats are copied as their bits: Numba cannot type ml_dtypes'
         # bfloat16, and the simulator's copies lose it (to NumPy it is "V2").
         dst, src = _bits(dst), _bits(src)
         if dst.is_c_contiguous() and src.is_c_contiguous():
-            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=self.stream)
+            dst.reshape(dst.size).copy_to_device(src.reshape(src.size), stream=stream)
         elif _SIMULATED:
             dst[...] = src
         else:
             # Numba's strided assignment kernel.
-            dst.setitem((slice(None),) * dst.ndim, src, stream=self.stream)
+            dst.setitem((slice(None),) * dst.ndim, src, stream=stream)
 
     def write(self, out, flat) -> None:
         """Store the flat contiguous ``flat`` into ``out`` (any layout)."""
@@ -167,7 +203,11 @@ class DeviceArrays:
             start += a.size
 
     def buffer(self, flat, reduce=None) -> DeviceBuffer:
-        return DeviceBuffer(flat, self.stream, self._staging, reduce)
+        """The work buffer over the flat device array ``flat``; ``reduce``: a
+        :class:`DeviceSteps`' ``reduce`` (the buffer applies its host twin)."""
+        buf = DeviceBuffer(flat, self.stream, self._staging, reduce)
+        self._buffers.append(buf)
+        return buf
 
     def _staging(self, nbytes: int) -> np.ndarray:
         """A pinned block from the pool, given back when the collective completes."""
@@ -193,6 +233,20 @@ class DeviceArrays:
         return out
 
 
+class _DeviceReduce:
+    """``reduce(acc, x)``: acc = op(acc, x) on device arrays, queued on the
+    collective's stream; ``host``: the same op's CPU kernel, which a staged
+    :class:`DeviceBuffer` applies to the bytes in its host mirror."""
+
+    __slots__ = ("_kernel", "_xp", "host")
+
+    def __init__(self, red, xp):
+        self._kernel, self._xp, self.host = red.kernel, xp, red.host_kernel
+
+    def __call__(self, acc, x) -> None:
+        self._kernel(acc, x, stream=self._xp.stream)
+
+
 class DeviceSteps:
     """The steps of a :class:`~numcoll.memory.reduction.Reduction`, run on the device.
 
@@ -204,12 +258,9 @@ class DeviceSteps:
         self._red = red
         self._xp = xp
         self.wire_dtype = red.wire_dtype
-        self._kernel = red.kernel
+        #: acc = op(acc, x), elementwise, in the wire dtype, on the stream.
+        self.reduce = _DeviceReduce(red, xp)
         self._factors = None
-
-    def reduce(self, acc, x) -> None:
-        """acc = op(acc, x), elementwise, in the wire dtype."""
-        self._kernel(acc, x, stream=self._xp.stream)
 
     def to_wire(self, src, out=None):
         """``src`` (any layout) as a flat wire-dtype device array (new unless ``out``)."""

@@ -46,10 +46,16 @@ def block_nbytes(nbytes: int) -> int:
 
 
 class StagingPool:
-    """Pinned host blocks (uint8 arrays), taken and given back."""
+    """Pinned host blocks (uint8 arrays), taken and given back.
 
-    def __init__(self, pin=cuda_kernels.pinned_empty):
+    ``pin(nbytes)`` makes a block; ``idle_limit()`` is how many idle bytes
+    to keep. The same pool, with a device allocator, keeps the collectives'
+    device temporaries (:data:`numcoll.cuda.memory.DEVICE_POOL`).
+    """
+
+    def __init__(self, pin=cuda_kernels.pinned_empty, idle_limit=None):
         self._pin = pin
+        self._idle_limit = idle_limit or _idle_limit
         self._lock = threading.Lock()
         self._idle: list[np.ndarray] = []        # least recently released first
         self._idle_nbytes = 0
@@ -75,7 +81,7 @@ class StagingPool:
 
     def give(self, block: np.ndarray) -> None:
         """Return a block that nothing reads or writes any more."""
-        limit = _idle_limit()
+        limit = self._idle_limit()
         with self._lock:
             self._idle.append(block)
             self._idle_nbytes += block.size

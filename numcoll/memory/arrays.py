@@ -69,12 +69,13 @@ def _torch_view(tensor, torch, op: str):
     here: a tensor can only exist if the caller imported it."""
     t = tensor.detach()
     if t.device.type != "cpu":
-        if t.dtype == torch.bfloat16:
-            raise TypeError(f"{op}: invalid tensor type: bfloat16 CUDA tensors are not "
-                            "supported yet (torch exports no __cuda_array_interface__ for "
-                            "them)")
         from ..cuda.arrays import as_device_array
 
+        if t.dtype == torch.bfloat16:
+            # torch exports no __cuda_array_interface__ for bfloat16; its int16
+            # view (same storage, pointer, shape and strides, and the stream
+            # torch exports) is viewed, then reinterpreted, bit for bit.
+            return as_device_array(t.view(torch.int16), op, as_dtype=bfloat16)
         return as_device_array(t, op)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(bfloat16)

@@ -11,7 +11,8 @@ factor as it is loaded into the wire dtype.
 
 A :class:`Reduction` is the plan: what to compute, and the kernel compiled
 for the memory it runs on (``kernel``; ``multiply`` too for PREMUL_SUM on the
-device). The steps that apply it have one shape per memory kind:
+device; ``host_kernel``, the CPU kernel, also for device arrays, whose
+algorithms reduce in pinned host memory when staged). The steps that apply it have one shape per memory kind:
 :class:`numcoll.memory.host.HostSteps` for NumPy arrays, and
 :class:`numcoll.cuda.memory.DeviceSteps` for CUDA arrays.
 """
@@ -60,8 +61,12 @@ class Reduction:
                 self.kernel = cuda_kernels.compile_op(self.kernel_op, self.wire_dtype)
                 if premul:      # the device multiplies as a PRODUCT with the factors
                     self.multiply = cuda_kernels.compile_op(ReduceOp.PRODUCT, self.wire_dtype)
+                # Device data staged through host memory is reduced there
+                # (numcoll.cuda.buffer), by the host's kernel for the same op.
+                self.host_kernel = cpu.compile_op(self.kernel_op, self.wire_dtype)
             else:
-                self.kernel = cpu.compile_op(self.kernel_op, self.wire_dtype)
+                self.kernel = self.host_kernel = cpu.compile_op(self.kernel_op,
+                                                                self.wire_dtype)
         except TypeError as exc:
             raise TypeError(f"{opname}: {exc}") from None
         #: The steps on host memory (stateless, so made once per plan).

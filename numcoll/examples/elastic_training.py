@@ -73,7 +73,7 @@ def train_elastic(steps: int, sizes: list[int], n_samples: int, lr: float = 0.05
                 losses.append(float(total[0]) / nc.get_world_size())
                 step += 1
         except nc.NumcollError as exc:
-            print(f"step {step}: {type(exc).__name__}: {str(exc)[:160]}...", flush=True)
+            print(f"step {step}: {type(exc).__name__}: {exc}", flush=True)
             start = time.perf_counter()
             nc.shrink_group()
             shrinks += 1

@@ -80,6 +80,7 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         base = PrefixStore(f"numcoll/{opts.group_name}", store)
         generation = (base.add("joined", 1) - 1) // world_size
         self._store = PrefixStore(str(generation), base)
+        self._recovery_init(store, generation)  # revoke / agree / shrink: numcoll.recovery
         kind = opts.transport or self._choose_transport()
         self.transport_kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "custom")
         self._transport = transports.create(
@@ -96,7 +97,6 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         # Its shared arena and memory, and which ranks share a host (hier), if any.
         self._topology = self.context.attach(self._transport)
         self._notes = AbortNotes(self._store, rank)
-        self._recovery_init(store, generation)  # revoke / agree / shrink: numcoll.recovery
 
         self._lock = threading.Lock()
         self._next_seq = 1  # collectives are numbered from 1, as torch numbers them

@@ -73,14 +73,14 @@ class Recoverable:
     #: What a call on this group raises once it is unusable.
     _poison_class = GroupPoisonedError
     _old_ranks: list[int] | None = None
-    _shrunk = False
+    _failed: list[int] = []  # the ranks the last shrink found gone
 
     def _recovery_init(self, store, generation: int) -> None:
-        """Hook: the group is made (``store``: the one it was given)."""
+        """Hook: the group is being made, its transport not yet (``store``: the
+        one it was given; ``generation``: its number among groups of its name)."""
         self._root_store, self._generation = store, generation
         self._agreements: dict[str, int] = {}
-        self._liveness = Liveness(self._store, self._rank, self._size, self._transport,
-                                  processes=self.transport_kind != "inproc")
+        self._liveness = Liveness(self._store, self._rank, self._size, self)
         self._liveness.publish()
 
     # -- the verbs --------------------------------------------------------------------
@@ -206,7 +206,7 @@ class Recoverable:
                        f"{self._agreements['shrink']}")
         new = type(self)(self._root_store, survivors.index(self._rank), len(survivors), opts)
         new._old_ranks = survivors
-        self._shrunk = True
+        self._failed = failed
         self.shutdown()
         return new
 
@@ -219,7 +219,9 @@ class Recoverable:
             return agree_in_store(PrefixStore(f"ft/{kind}/{n}", self._store), self._rank,
                                   self._size, flag, self._liveness, deadline,
                                   self.context.cfg.recovery_poll_s, f"{kind} #{n}")
-        except (OSError, ConnectionError) as exc:
+        except OSError as exc:
+            if isinstance(exc, NumcollError):  # a timeout of the agreement itself
+                raise
             raise NumcollError(
                 f"{kind} on rank {self._rank}: the group's store is unreachable ({exc}); if "
                 "its host was the rank that died, the survivors cannot agree: serve the store "
@@ -243,8 +245,8 @@ class Recoverable:
         return err
 
     def _leave(self) -> None:
-        """Hook: the group shuts down. A rank leaving a failed group it did not
-        shrink says so, so the survivors' agreement need not wait for it."""
-        if self._poisoned is not None and not self._shrunk:
-            _bounded(self._liveness.leave, _STORE_LOOK_S)
+        """Hook: the group shuts down. The rank's key goes: the store keeps
+        nothing of a group that is gone, and the others' agreements count
+        this rank as gone without waiting for it."""
+        self._liveness.leave(self._failed, also=(REVOKED,))
 

@@ -40,8 +40,7 @@ def shrink_group(group: ProcessGroup | None = None,
     group : ProcessGroup, optional
         The group to shrink; default: the default group.
     timeout : timedelta or seconds, optional
-        Bounds the agreement and the new group's set-up (default
-        ``NUMCOLL_RECOVERY_TIMEOUT_S``, 60 s).
+        Bounds the agreement (default ``NUMCOLL_RECOVERY_TIMEOUT_S``, 60 s).
 
     Returns
     -------

@@ -13,17 +13,21 @@ before the kill (the system-wide monotonic clock, written by the victim) to
 the moment the last survivor has a shrunk group on which one 64 MiB
 allreduce came out right.
 
-Agree: each job launches ``agree_world`` ranks that run rounds of ``agree``
-on random flags; in every round one rank still alive (chosen from a seed all
-ranks share) SIGKILLs itself at a random moment 0-20 ms after the round
-starts -- before, while or after it votes. Every survivor records each
-round's answer; a round disagrees if two survivors' answers differ, or if
-the flag is not the AND of the flags of the ranks the answer calls alive.
+Agree (``--agree-trials``): each trial forks ``world_size`` ranks from this
+process (numcoll already imported: a trial costs a group's set-up, not
+interpreters' start), which make a fresh group and call ``agree`` with
+random flags; one of them, at random, SIGKILLs itself a random 0-15 ms into
+it -- before, while or after it votes. A trial disagrees if two survivors'
+answers differ, or if the flag is not the AND of the flags of the ranks the
+answer calls alive; it fails if a survivor raised or hung, or if a rank
+outlives it. ``--agree-jobs`` runs the same with ranks started by
+``nc.launch``, several kills per job.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -35,10 +39,13 @@ from datetime import timedelta
 import numpy as np
 
 from .. import api as dist
+from ..bootstrap.store import PrefixStore
+from ..bootstrap.tcpstore import TCPStore
 from ..errors import NumcollError
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
+from ..process_group import ProcessGroup
 
-__all__ = ["shrink_trial", "agree_job", "main"]
+__all__ = ["shrink_trial", "agree_job", "agree_trial", "main"]
 
 BIG_COUNT = (64 << 20) // 4  # 64 MiB of float32
 
@@ -147,12 +154,83 @@ def agree_job(world_size: int = 6, seed: int = 0, rounds: int | None = None) -> 
             "killed": world_size - len(survivors)}
 
 
+def _forked_rank(port: int, trial: int, rank: int, size: int, transport: str | None,
+                 flag: int, kill_after_s: float | None, out_fd: int) -> None:
+    """A forked rank of :func:`agree_trial` (never returns)."""
+    code = 1
+    try:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        pg = ProcessGroup(PrefixStore(f"trial{trial}", store), rank, size,
+                          ProcessGroup.Options(transport=transport,
+                                               timeout=timedelta(seconds=30)))
+        if kill_after_s is not None:
+            _kill_later(kill_after_s, lambda: None)
+        value, failed = pg.agree(flag, timeout=30)
+        answer = [rank, value, failed]
+        pg.shutdown()
+        store.close()
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        answer = [rank, None, f"{type(exc).__name__}: {exc}"]
+    os.write(out_fd, (json.dumps(answer) + "\n").encode())
+    os._exit(code)
+
+
+def agree_trial(store: TCPStore, trial: int, size: int = 4, transport: str | None = "shm",
+                seed: int = 0) -> dict:
+    """One agreement of ``size`` forked ranks, one killed at a random moment."""
+    rng = random.Random(seed * 100_003 + trial)
+    flags = [rng.choice([0b111, 0b101, 0b011, 0b110, 0b111]) for _ in range(size)]
+    victim, delay = rng.randrange(size), rng.uniform(0.0, 0.015)
+    read_fd, write_fd = os.pipe()
+    pids = []
+    for r in range(size):
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _forked_rank(store.port, trial, r, size, transport, flags[r],
+                         delay if r == victim else None, write_fd)
+        pids.append(pid)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        lines = pipe.read().splitlines()  # until every rank has exited or closed it
+    deadline, statuses = time.monotonic() + 30, {}
+    while len(statuses) < size and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in statuses:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses[pid] = status
+        time.sleep(0.005)
+    for pid in pids:  # nothing outlives a trial
+        if pid not in statuses:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    answers = [json.loads(line) for line in lines]
+    survivors = {a[0]: a for a in answers}
+    errors = [a[2] for a in answers if a[1] is None]
+    decided = {(a[1], tuple(a[2])) for a in answers if a[1] is not None}
+    bad_and = 0
+    for flag, failed in decided:
+        want = -1
+        for r in range(size):
+            if r not in failed:
+                want &= flags[r]
+        bad_and += int(want != flag)
+    return {"survivors": sorted(survivors), "victim": victim, "errors": errors,
+            "disagree": len(decided) > 1, "bad_and": bad_and,
+            "hung": len(statuses) < size,
+            "victim_counted": bool(decided) and victim in next(iter(decided))[1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20, help="shrink trials (default 20)")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--transport", default=None, help="shm (the default on one host), tcp, ...")
-    p.add_argument("--agree-jobs", type=int, default=10)
+    p.add_argument("--agree-trials", type=int, default=0,
+                   help="agree trials on forked ranks (each with one random kill)")
+    p.add_argument("--agree-jobs", type=int, default=0)
     p.add_argument("--agree-world", type=int, default=6)
     ns = p.parse_args(argv)
     times, detect, failures, kind = [], [], 0, None
@@ -172,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({failures} failed): death -> working group median "
               f"{statistics.median(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms; "
               f"death -> error median {statistics.median(detect) * 1e3:.0f} ms", flush=True)
+    trial_failures = _agree_trials(ns) if ns.agree_trials else 0
     rounds = disagreements = bad = incomplete = killed = 0
     for j in range(ns.agree_jobs):
         a = agree_job(ns.agree_world, seed=j)
@@ -185,7 +264,54 @@ def main(argv: list[str] | None = None) -> int:
         print(f"AGREE {ns.agree_jobs} jobs of {ns.agree_world} ranks: {rounds} rounds, "
               f"{killed} ranks killed at random moments, {disagreements} disagreements, "
               f"{bad} wrong ANDs, {incomplete} jobs incomplete", flush=True)
-    return int(bool(failures or disagreements or bad or incomplete))
+    return int(bool(failures or disagreements or bad or incomplete or trial_failures))
+
+
+def _warm(transport: str) -> None:
+    """Make a group of two thread ranks here once, so that what the forked
+    ranks run (the transport's compiled kernels) is compiled before they fork."""
+    from ..bootstrap.store import HashStore
+
+    store, made = HashStore(), [None, None]
+
+    def rank(r):
+        made[r] = ProcessGroup(store, r, 2, ProcessGroup.Options(transport=transport))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for pg in made:
+        if pg is not None:
+            pg.shutdown()
+
+
+def _agree_trials(ns) -> int:
+    _warm(ns.transport or "shm")
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
+    disagree = bad = errors = hung = counted = 0
+    start = time.monotonic()
+    try:
+        for i in range(ns.agree_trials):
+            t = agree_trial(store, i, ns.world_size, ns.transport or "shm")
+            disagree += t["disagree"]
+            bad += t["bad_and"]
+            errors += bool(t["errors"])
+            hung += t["hung"]
+            counted += t["victim_counted"]
+            if t["errors"] or t["disagree"] or t["bad_and"] or t["hung"]:
+                print(f"agree trial {i}: {t}", flush=True)
+            if (i + 1) % 100 == 0:
+                print(f"agree trials: {i + 1} done, {disagree} disagreements", flush=True)
+    finally:
+        store.close()
+    print(f"AGREE {ns.agree_trials} trials of {ns.world_size} forked ranks "
+          f"({ns.transport or 'shm'}), one SIGKILLed at a random moment in each: "
+          f"{disagree} disagreements, {bad} wrong ANDs, {errors} trials where a survivor "
+          f"raised, {hung} hung; the victim was counted failed in {counted} "
+          f"({time.monotonic() - start:.0f} s)", flush=True)
+    return disagree + bad + errors + hung
 
 
 if __name__ == "__main__":

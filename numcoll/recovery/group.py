@@ -171,8 +171,9 @@ class Recoverable:
         Parameters
         ----------
         timeout : timedelta or seconds, optional
-            Bounds the agreement and the new group's set-up; default
-            ``NUMCOLL_RECOVERY_TIMEOUT_S`` (60 s).
+            Bounds the agreement (default ``NUMCOLL_RECOVERY_TIMEOUT_S``,
+            60 s); the new group's set-up has the store's and the
+            transport's own deadlines, as any group's.
 
         Returns
         -------
@@ -182,7 +183,7 @@ class Recoverable:
         ------
         CollectiveTimeoutError
             A rank neither took part nor was found gone in time, or the new
-            group could not be made in time (a rank died meanwhile: shrink again).
+            group could not be made (a rank died meanwhile: shrink again).
         NumcollError
             The store is unreachable (its host may be the rank that died:
             only a store served by the launcher survives any rank), or the
@@ -196,8 +197,10 @@ class Recoverable:
         ...     pg = pg.shrink()
         """
         deadline = _deadline(timeout, self.context.cfg.recovery_timeout_s)
+        if self._closed:
+            raise NumcollError(f"shrink on rank {self._rank}: the process group was shut down")
         self.revoke("it is shrinking the group")
-        _, failed = self._agreement("shrink", 1, deadline - time.monotonic())
+        _, failed = self._agreement("shrink", 1, max(deadline - time.monotonic(), 1e-3))
         survivors = [q for q in range(self._size) if q not in failed]
         kind = self.options.transport or self.transport_kind
         opts = dataclasses.replace(

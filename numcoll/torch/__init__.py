@@ -107,7 +107,7 @@ def shrink_group(group=None, timeout: datetime.timedelta | None = None):
     group : ProcessGroupNumcoll, optional
         Default: ``dist.group.WORLD``.
     timeout : datetime.timedelta, optional
-        Bounds the agreement and the new group's set-up (default 60 s).
+        Bounds the agreement (default 60 s).
 
     Returns
     -------

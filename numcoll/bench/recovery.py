@@ -45,7 +45,7 @@ from ..errors import NumcollError
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
 from ..process_group import ProcessGroup
 
-__all__ = ["shrink_trial", "agree_job", "agree_trial", "main"]
+__all__ = ["shrink_trial", "agree_job", "agree_trial", "restart_s", "main"]
 
 BIG_COUNT = (64 << 20) // 4  # 64 MiB of float32
 
@@ -154,6 +154,47 @@ def agree_job(world_size: int = 6, seed: int = 0, rounds: int | None = None) -> 
             "killed": world_size - len(survivors)}
 
 
+def _rank_restart(count: int) -> bool:
+    x = np.full(count, dist.get_rank() + 1, np.float32)
+    dist.all_reduce(x)
+    return bool(np.all(x == sum(range(1, dist.get_world_size() + 1))))
+
+
+_GLOO_RESTART = """
+import sys, time, numpy, torch, torch.distributed as dist
+rank, size, port, count = map(int, sys.argv[1:])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=size)
+x = torch.full((count,), float(rank + 1))
+dist.all_reduce(x)
+assert bool((x == sum(range(1, size + 1))).all())
+dist.destroy_process_group()
+"""
+
+
+def restart_s(world_size: int, count: int = BIG_COUNT, gloo: bool = False) -> float:
+    """The anchor: what going on costs without shrink -- start ``world_size``
+    ranks again (numcoll's ``nc.launch``, or torch's gloo in fresh
+    interpreters), meet, and run one allreduce of ``count`` floats (seconds)."""
+    start = time.monotonic()
+    if not gloo:
+        assert all(launch(_rank_restart, world_size, args=(count,), timeout=120))
+        return time.monotonic() - start
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_RESTART, str(r), str(world_size),
+                               str(port), str(count)], env=env) for r in range(world_size)]
+    codes = [p.wait(120) for p in procs]
+    assert codes == [0] * world_size, codes
+    return time.monotonic() - start
+
+
 def _forked_rank(port: int, trial: int, rank: int, size: int, transport: str | None,
                  flag: int, kill_after_s: float | None, out_fd: int) -> None:
     """A forked rank of :func:`agree_trial` (never returns)."""
@@ -228,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20, help="shrink trials (default 20)")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--transport", default=None, help="shm (the default on one host), tcp, ...")
+    p.add_argument("--restarts", type=int, default=0,
+                   help="the anchor: restart world_size - 1 ranks (numcoll, then gloo) this "
+                        "many times")
     p.add_argument("--agree-trials", type=int, default=0,
                    help="agree trials on forked ranks (each with one random kill)")
     p.add_argument("--agree-jobs", type=int, default=0)
@@ -250,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
               f"({failures} failed): death -> working group median "
               f"{statistics.median(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms; "
               f"death -> error median {statistics.median(detect) * 1e3:.0f} ms", flush=True)
+    for gloo in (False, True):
+        if ns.restarts:
+            runs = [restart_s(ns.world_size - 1, gloo=gloo) for _ in range(ns.restarts)]
+            print(f"RESTART (the anchor) {ns.world_size - 1} ranks, "
+                  f"{'torch gloo, fresh interpreters' if gloo else 'numcoll, nc.launch'}: "
+                  f"start, meet, one 64 MiB allreduce: median "
+                  f"{statistics.median(runs) * 1e3:.0f} ms of {ns.restarts}", flush=True)
     trial_failures = _agree_trials(ns) if ns.agree_trials else 0
     rounds = disagreements = bad = incomplete = killed = 0
     for j in range(ns.agree_jobs):

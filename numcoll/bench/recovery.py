@@ -45,7 +45,8 @@ from ..errors import NumcollError
 from ..launcher.local import LaunchTimeoutError, RankFailedError, launch
 from ..process_group import ProcessGroup
 
-__all__ = ["shrink_trial", "agree_job", "agree_trial", "restart_s", "main"]
+__all__ = ["shrink_trial", "netns_shrink_trial", "agree_job", "agree_trial", "restart_s",
+           "main"]
 
 BIG_COUNT = (64 << 20) // 4  # 64 MiB of float32
 
@@ -80,14 +81,17 @@ def _rank_shrink(seed: int, count: int) -> dict:
         return {"error": None}
     failed_at = time.monotonic()
     new = dist.shrink_group(timeout=30)
+    shrunk = time.monotonic()
     x.fill(new.rank() + 1)
     dist.all_reduce(x)
     ready = time.monotonic()
+    killed_at = float(store.get("bench/killed_at"))
+    dist.barrier()  # every survivor has read the store (its host may be rank 0)
     expected = sum(range(1, new.size() + 1))
-    return {"error": error, "failed_at": failed_at, "ready": ready,
+    return {"error": error, "failed_at": failed_at, "shrunk": shrunk, "ready": ready,
             "correct": bool(np.all(x == expected)), "size": new.size(),
             "old_ranks": new.old_ranks(), "transport": new.transport_kind,
-            "killed_at": float(store.get("bench/killed_at"))}
+            "killed_at": killed_at}
 
 
 def shrink_trial(world_size: int = 4, seed: int = 0, transport: str | None = None,
@@ -106,6 +110,51 @@ def shrink_trial(world_size: int = 4, seed: int = 0, transport: str | None = Non
     killed = survivors[0]["killed_at"]
     return {"ok": True, "recover_s": max(r["ready"] for r in survivors) - killed,
             "detect_s": max(r["failed_at"] for r in survivors) - killed,
+            "shrunk_s": max(r["shrunk"] for r in survivors) - killed,
+            "transport": survivors[0]["transport"]}
+
+
+_NETNS_RANK = """
+import datetime, json, sys
+import numcoll as nc
+from numcoll.bench.recovery import _rank_shrink
+nc.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+print("RESULT " + json.dumps(_rank_shrink(int(sys.argv[1]), int(sys.argv[2]))), flush=True)
+nc.destroy_process_group()
+"""
+
+
+def netns_shrink_trial(hosts, seed: int, port: int, count: int = BIG_COUNT) -> dict:
+    """:func:`shrink_trial` with one rank per host of ``hosts``
+    (:class:`numcoll.testing.netns.Hosts`: network namespaces, so tcp between
+    every pair); rank 0 hosts the store, the last rank is killed."""
+    import subprocess
+    import sys
+
+    n = len(hosts.names)
+    env = dict(os.environ, WORLD_SIZE=str(n), MASTER_ADDR=hosts.addrs[0],
+               MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [
+                   os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                   os.environ.get("PYTHONPATH")])))
+    procs = [hosts.popen(r, [sys.executable, "-c", _NETNS_RANK, str(seed), str(count)],
+                         dict(env, RANK=str(r))) for r in range(n)]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append(json.loads(line[-1][7:]) if line else {"stderr": err[-2000:]})
+    survivors = results[:n - 1]
+    if not all(r.get("correct") for r in survivors):
+        return {"ok": False, "results": results}
+    killed = survivors[0]["killed_at"]
+    return {"ok": True, "recover_s": max(r["ready"] for r in survivors) - killed,
+            "detect_s": max(r["failed_at"] for r in survivors) - killed,
+            "shrunk_s": max(r["shrunk"] for r in survivors) - killed,
             "transport": survivors[0]["transport"]}
 
 
@@ -269,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20, help="shrink trials (default 20)")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--transport", default=None, help="shm (the default on one host), tcp, ...")
+    p.add_argument("--netns-kills", type=int, default=0,
+                   help="shrink trials with one rank per network namespace (tcp; root)")
     p.add_argument("--restarts", type=int, default=0,
                    help="the anchor: restart world_size - 1 ranks (numcoll, then gloo) this "
                         "many times")
@@ -294,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({failures} failed): death -> working group median "
               f"{statistics.median(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms; "
               f"death -> error median {statistics.median(detect) * 1e3:.0f} ms", flush=True)
+    if ns.netns_kills:
+        _netns_trials(ns)
     for gloo in (False, True):
         if ns.restarts:
             runs = [restart_s(ns.world_size - 1, gloo=gloo) for _ in range(ns.restarts)]
@@ -316,6 +369,33 @@ def main(argv: list[str] | None = None) -> int:
               f"{killed} ranks killed at random moments, {disagreements} disagreements, "
               f"{bad} wrong ANDs, {incomplete} jobs incomplete", flush=True)
     return int(bool(failures or disagreements or bad or incomplete or trial_failures))
+
+
+def _netns_trials(ns) -> None:
+    from ..testing.netns import Hosts, unavailable
+
+    reason = unavailable()
+    if reason:
+        print(f"SHRINK over network namespaces: skipped ({reason})", flush=True)
+        return
+    times, detect, failed = [], [], 0
+    with Hosts(ns.world_size) as hosts:
+        for i in range(ns.netns_kills):
+            t = netns_shrink_trial(hosts, i, 29600 + i)
+            if not t["ok"]:
+                failed += 1
+                print(f"netns shrink trial {i}: FAILED {t['results']}", flush=True)
+                continue
+            times.append(t["recover_s"])
+            detect.append(t["detect_s"])
+            print(f"netns shrink trial {i}: death -> working group {t['recover_s'] * 1e3:.0f} "
+                  f"ms (-> last error {t['detect_s'] * 1e3:.0f} ms)", flush=True)
+    if times:
+        print(f"SHRINK {ns.world_size} ranks on {ns.world_size} network namespaces (tcp), "
+              f"64 MiB allreduce, {len(times)} kills ({failed} failed): death -> working "
+              f"group median {statistics.median(times) * 1e3:.0f} ms, max "
+              f"{max(times) * 1e3:.0f} ms; death -> error median "
+              f"{statistics.median(detect) * 1e3:.0f} ms", flush=True)
 
 
 def _warm(transport: str) -> None:

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agree-jobs", type=int, default=0)
     p.add_argument("--agree-world", type=int, default=6)
     ns = p.parse_args(argv)
-    times, detect, failures, kind = [], [], 0, None
+    times, detect, shrunk, failures, kind = [], [], [], 0, None
     for i in range(ns.kills):
         t = shrink_trial(ns.world_size, seed=i, transport=ns.transport)
         if not t["ok"]:
@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         times.append(t["recover_s"])
         detect.append(t["detect_s"])
+        shrunk.append(t["shrunk_s"])
         kind = t["transport"]
         print(f"shrink trial {i}: death -> working group {t['recover_s'] * 1e3:.0f} ms "
               f"(death -> last survivor's error {t['detect_s'] * 1e3:.0f} ms)", flush=True)
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SHRINK {ns.world_size} ranks ({kind}), 64 MiB allreduce, {len(times)} kills "
               f"({failures} failed): death -> working group median "
               f"{statistics.median(times) * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms; "
-              f"death -> error median {statistics.median(detect) * 1e3:.0f} ms", flush=True)
+              f"death -> error median {statistics.median(detect) * 1e3:.0f} ms; death -> "
+              f"shrink returned median {statistics.median(shrunk) * 1e3:.0f} ms", flush=True)
     if ns.netns_kills:
         _netns_trials(ns)
     for gloo in (False, True):
@@ -378,7 +380,7 @@ def _netns_trials(ns) -> None:
     if reason:
         print(f"SHRINK over network namespaces: skipped ({reason})", flush=True)
         return
-    times, detect, failed = [], [], 0
+    times, detect, shrunk, failed = [], [], [], 0
     with Hosts(ns.world_size) as hosts:
         for i in range(ns.netns_kills):
             t = netns_shrink_trial(hosts, i, 29600 + i)
@@ -388,6 +390,7 @@ def _netns_trials(ns) -> None:
                 continue
             times.append(t["recover_s"])
             detect.append(t["detect_s"])
+            shrunk.append(t["shrunk_s"])
             print(f"netns shrink trial {i}: death -> working group {t['recover_s'] * 1e3:.0f} "
                   f"ms (-> last error {t['detect_s'] * 1e3:.0f} ms)", flush=True)
     if times:
@@ -395,7 +398,8 @@ def _netns_trials(ns) -> None:
               f"64 MiB allreduce, {len(times)} kills ({failed} failed): death -> working "
               f"group median {statistics.median(times) * 1e3:.0f} ms, max "
               f"{max(times) * 1e3:.0f} ms; death -> error median "
-              f"{statistics.median(detect) * 1e3:.0f} ms", flush=True)
+              f"{statistics.median(detect) * 1e3:.0f} ms; death -> shrink returned median "
+              f"{statistics.median(shrunk) * 1e3:.0f} ms", flush=True)
 
 
 def _warm(transport: str) -> None:

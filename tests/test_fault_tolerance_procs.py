@@ -55,3 +55,20 @@ def test_agree_gives_every_survivor_the_same_answer_when_ranks_die():
     assert job["complete"], job
     assert job["rounds"] == 3 and job["killed"] >= 2
     assert job["disagreements"] == 0 and job["bad_and"] == 0
+
+
+def test_keep_going_reports_a_rank_that_exits_with_a_code(tmp_path):
+    """A rank killed by a signal is a failure the others carried on from; a
+    rank that exits with a code of its own is the run's code."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(0.5)\n"
+                      "print('rank', os.environ['RANK'], 'finished', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "numcoll", "run", "--keep-going", "-n", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "rank 1 (pid" in out.stderr and "exited with code 3" in out.stderr
+    assert "rank 0 finished" in out.stdout  # it was left running

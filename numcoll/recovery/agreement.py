@@ -109,7 +109,10 @@ def agree_in_store(store, rank: int, size: int, flag: int, liveness, deadline: f
         pause = min(pause * 2, _MAX_POLL_S)
     answer = json.loads(decision)
     failed = [int(q) for q in answer["failed"]]
-    if store.add("read", 1) == size - len(failed):
+    # Only the ranks the decision counts alive count themselves: once all of
+    # them have read it, none will look again (and an excluded rank that reads
+    # early must not let the keys go before a survivor has read them).
+    if rank not in failed and store.add("read", 1) == size - len(failed):
         for key in [f"vote/{q}" for q in range(size)] + ["decision", "read"]:
             store.delete_key(key)
     if rank in failed:

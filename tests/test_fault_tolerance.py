@@ -236,3 +236,43 @@ def test_a_shrunk_group_leaves_no_keys_of_its_own():
     keys = sorted(store._data)  # a HashStore's keys (it has no public listing)
     left = [k for k in keys if not k.endswith("/joined") and "/abort/" not in k]
     assert left == [], keys
+
+
+class _Suspects:
+    """A liveness that finds the given ranks gone (a false suspicion, here)."""
+
+    def __init__(self, gone):
+        self.dead = set(gone)
+
+    def check(self, ranks):
+        return self.dead
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_agreement_is_one_decision_even_when_a_live_rank_is_suspected(trial):
+    """Rank 0 wrongly believes rank 2 gone: whichever proposal the store takes
+    first, every rank ends with it -- rank 2 either counted alive everywhere,
+    or excluded everywhere (and told so)."""
+    from numcoll.recovery import ExcludedError, agree_in_store
+
+    store, size = HashStore(), 4
+    flags = [0b111, 0b110, 0b011, 0b111]
+
+    def rank(r):
+        time.sleep(0.001 * ((r * 7 + trial) % 4))  # vary who proposes first
+        liveness = _Suspects({2} if r == 0 else set())
+        try:
+            return agree_in_store(store, r, size, flags[r], liveness,
+                                  time.monotonic() + DEADLINE_S, 0.001, "agree")
+        except ExcludedError as exc:
+            return exc
+
+    out = per_rank(rank, size)
+    answers = {tuple(map(tuple, [[o[0]], o[1]])) for o in out if not isinstance(o, BaseException)}
+    assert len(answers) == 1, out
+    (flag,), failed = answers.pop()
+    if failed == (2,):
+        assert isinstance(out[2], ExcludedError) and flag == 0b110
+    else:
+        assert failed == () and flag == 0b010 and not isinstance(out[2], BaseException)
+    assert store.num_keys() == 1  # the votes are gone; the decision goes with the group

@@ -25,7 +25,7 @@ A rank that finds ``decision`` written stops at once and takes it (also one
 that arrives late, or was thought gone: it then learns it was excluded).
 Cost: one store write and about ``P`` reads per rank, then a poll every
 ``poll_s`` (doubling to 50 ms) while it waits; the last rank to read the
-decision deletes the keys.
+decision deletes the votes (the decision itself goes with the group).
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ def agree_in_store(store, rank: int, size: int, flag: int, liveness, deadline: f
     answer = json.loads(decision)
     failed = [int(q) for q in answer["failed"]]
     # Only the ranks the decision counts alive count themselves: once all of
-    # them have read it, none will look again (and an excluded rank that reads
-    # early must not let the keys go before a survivor has read them).
+    # them have read it, the votes can go. The decision stays (the group's
+    # last rank to leave deletes it): a rank found gone that is alive after
+    # all may come late, and must find it to learn it was excluded.
     if rank not in failed and store.add("read", 1) == size - len(failed):
-        for key in [f"vote/{q}" for q in range(size)] + ["decision", "read"]:
+        for key in [f"vote/{q}" for q in range(size)] + ["read"]:
             store.delete_key(key)
     if rank in failed:
+        store.delete_key(f"vote/{rank}")  # it may have voted after the votes were taken back
         raise ExcludedError(f"{what} on rank {rank}: the other ranks found this rank gone "
                             f"and went on without it (failed ranks: {failed})")
     return int(answer["flag"]), failed

@@ -251,5 +251,7 @@ class Recoverable:
         """Hook: the group shuts down. The rank's key goes: the store keeps
         nothing of a group that is gone, and the others' agreements count
         this rank as gone without waiting for it."""
-        self._liveness.leave(self._failed, also=(REVOKED,))
+        decisions = [f"ft/{kind}/{n}/decision" for kind, count in self._agreements.items()
+                     for n in range(1, count + 1)]
+        self._liveness.leave(self._failed, also=(REVOKED, *decisions))
 

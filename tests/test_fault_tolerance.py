@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import numcoll as nc
+from collective_checks import check_every_collective
 from numcoll import HashStore, ProcessGroup
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaked_threads")]
@@ -73,6 +74,7 @@ def test_survivors_shrink_and_go_on(transport):
         assert time.monotonic() - start < DEADLINE_S / 4
         new = pg.shrink(timeout=DEADLINE_S)
         try:
+            check_every_collective(new, counts=(1, 1000, 70_001))
             y = np.full(1000, new.rank() + 1, np.float32)
             new.allreduce(y).wait()
             return str(failure.value), new.rank(), new.size(), new.old_ranks(), float(y[0]), \

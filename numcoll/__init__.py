@@ -26,6 +26,7 @@ from .api import (
     GroupMember,
     P2POp,
     _make_nccl_premul_sum,
+    agree,
     all_gather,
     all_gather_coalesced,
     all_gather_into_tensor,
@@ -82,6 +83,7 @@ from .api import (
     scatter,
     send,
     set_timeout,
+    shrink_group,
     split_group,
     supports_complex,
     zeros_shared,
@@ -97,7 +99,7 @@ from .data_parallel import (
 from .dtypes import bfloat16 as _bfloat16
 from .diagnostics import flight_recorder
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, GroupPoisonedError,
-                     NumcollError, PeerError)
+                     GroupRevokedError, NumcollError, PeerError)
 from .futures import Future
 from .launcher.local import LaunchError, LaunchTimeoutError, RankFailedError, launch
 from .api.objects import (
@@ -156,7 +158,9 @@ __all__ = [
     # groups, work, futures, errors
     "ProcessGroup", "Work", "Future", "futures", "NumcollError", "CollectiveTimeoutError",
     "PeerError", "GroupPoisonedError", "RankFailedError", "CollectiveMismatchError",
-    "LaunchError", "LaunchTimeoutError",
+    "LaunchError", "LaunchTimeoutError", "GroupRevokedError",
+    # surviving a dead rank
+    "shrink_group", "agree",
     # diagnostics
     "flight_recorder",
     # module-level API

@@ -73,6 +73,15 @@ _STALL_NOTE_WAIT_S = 1.0
 _NOTE_WAIT_S = 0.25
 
 
+#: What a survivor's error says it can do (numcoll.recovery).
+_SHRINK = "the survivors can continue without it: nc.shrink_group()"
+
+
+def _hinted(text: str) -> str:
+    """``text`` ending with what the survivors can do (said once)."""
+    return text if "nc.shrink_group()" in text else f"{text}; {_SHRINK}"
+
+
 def abort_note(culprit: int, reason: str) -> bytes:
     """What an aborting rank publishes in the store: the rank that caused the
     failure (itself, or the peer it lost) and why, for its peers' errors."""
@@ -395,11 +404,12 @@ class Comm:
             if culprit is not None and culprit != peer:
                 # Lead with the rank that caused it, not the neighbour that passed it on.
                 err = PeerError(f"{where}: rank {culprit} left or failed, and rank {peer} "
-                                f"aborted the group because of it: {reason}", peer=culprit)
+                                f"aborted the group because of it: {_hinted(reason)}",
+                                peer=culprit)
                 err.root_reason = reason  # passed on as it is if this rank aborts too
                 return err
             why = f"; rank {peer} had aborted the group: {reason}" if reason else ""
-            return PeerError(f"{where}: rank {peer} is gone: {exc}{why}", peer=peer)
+            return PeerError(_hinted(f"{where}: rank {peer} is gone: {exc}{why}"), peer=peer)
         if isinstance(exc, TransportClosed):
             return NumcollError(f"{where}: this rank's process group was shut down or "
                                 f"aborted: {exc}")

@@ -69,6 +69,11 @@ class Config:
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
     peer_grace_s: float = 0.25
+    #: ``agree`` and ``shrink`` (:mod:`numcoll.recovery`): how often a rank
+    #: waiting for the others' votes looks at the store again (seconds), and
+    #: how long it waits at most when the call gives no timeout (seconds).
+    recovery_poll_s: float = 0.002
+    recovery_timeout_s: float = 60.0
     #: CUDA kernels: threads per block (256 keeps several blocks resident per SM
     #: for these memory-bound loops) and the most blocks of a grid-stride launch
     #: (beyond what the device keeps resident, more blocks only add scheduling;

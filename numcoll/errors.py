@@ -14,6 +14,7 @@ __all__ = [
     "PeerError",
     "GroupPoisonedError",
     "CollectiveMismatchError",
+    "GroupRevokedError",
 ]
 
 
@@ -49,3 +50,10 @@ class CollectiveMismatchError(PeerError):
     """Ranks ran different collectives (or the same one with another dtype,
     element count, op or root) at the same sequence number; ``peer`` is the
     rank whose message disagreed. Raised before any of its bytes were used."""
+
+
+class GroupRevokedError(GroupPoisonedError):
+    """The group was revoked (``pg.revoke()``, or a rank began to shrink it):
+    every pending and later call on it fails with this, on every rank. The
+    way on is ``nc.shrink_group()`` (or ``pg.shrink()``), which the survivors
+    call together; ``nc.agree()`` still works on a revoked group."""

@@ -36,6 +36,7 @@ from .diagnostics import flight_recorder
 from .diagnostics.mismatch import Finished
 from .errors import GroupPoisonedError, NumcollError
 from .options import GroupOptions
+from .recovery import SHRINK_HINT, Recoverable
 from .bootstrap.store import PrefixStore, Store
 from .work import ArenaOrder, Work, wait_for_earlier
 
@@ -48,7 +49,7 @@ _SHUTDOWN = object()
 _SHUTDOWN_DRAIN_S = 2.0
 
 
-class ProcessGroup(persistent.InitMethods):
+class ProcessGroup(persistent.InitMethods, Recoverable):
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
     Parameters
@@ -86,6 +87,7 @@ class ProcessGroup(persistent.InitMethods):
         #: Which incarnation of the name ``options.group_name`` this group is.
         self.generation = generation
         self._store = PrefixStore(str(generation), base)
+        self._recovery_init(store, generation)  # revoke / agree / shrink: numcoll.recovery
         kind = opts.transport or self._choose_transport()
         self.transport_kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "custom")
         self._transport = transports.create(
@@ -363,9 +365,9 @@ class ProcessGroup(persistent.InitMethods):
     def _refuse(self, op_name: str) -> None:
         if self._closed:
             raise NumcollError(f"{op_name}: the process group on rank {self._rank} was shut down")
-        raise GroupPoisonedError(
+        raise self._poison_class(
             f"{op_name}: the process group on rank {self._rank} is unusable because "
-            f"{self._poisoned}; create a new group")
+            f"{self._poisoned}; create a new group, or {SHRINK_HINT}")
 
     def _worker_loop(self) -> None:
         while True:
@@ -384,7 +386,7 @@ class ProcessGroup(persistent.InitMethods):
         error = result = comm = None
         try:
             if self._poisoned is not None:
-                raise GroupPoisonedError(
+                raise self._poison_class(
                     f"{work.op_name} (collective #{work.seq}) on rank {self._rank} was not "
                     f"run because {self._poisoned}")
             if self._closed:
@@ -438,6 +440,7 @@ class ProcessGroup(persistent.InitMethods):
         """
         if isinstance(exc, GroupPoisonedError) or self._closed:
             return exc
+        exc = self._revoked_error(work, exc)  # a peer's revoke makes it a GroupRevokedError
         with self._lock:
             first = self._poisoned is None
             if first:
@@ -452,7 +455,7 @@ class ProcessGroup(persistent.InitMethods):
             self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit)
             flight_recorder.dump_on_failure(self._recorder, self._global_rank)
             return exc
-        poisoned = GroupPoisonedError(
+        poisoned = self._poison_class(
             f"{work.op_name} (collective #{work.seq}) on rank {self._rank} did not complete "
             f"because {self._poisoned} (its own error: {exc})")
         poisoned.__cause__ = exc
@@ -493,6 +496,7 @@ class ProcessGroup(persistent.InitMethods):
                 w.get_future().wait(remaining)
             except BaseException:  # noqa: BLE001 - the caller sees it through the Work
                 pass
+        self._leave()
         with self._lock:
             self._closed = True
         # Closing the transport fails every pending wait at once, so workers

@@ -21,7 +21,7 @@ def test_all_is_complete_and_importable():
     modules = {"algorithms", "api", "bench", "bootstrap", "call", "collectives", "comm",
                "config", "cuda", "data_parallel", "diagnostics", "dtypes", "errors",
                "examples", "kernels", "launcher", "logs", "memory", "ops", "options",
-               "process_group", "testing", "torch", "work"}
+               "process_group", "recovery", "testing", "torch", "work"}
     assert public - set(nc.__all__) <= modules
 
 

@@ -169,6 +169,13 @@ class _Mailboxes:
     def oldest_call(self) -> int:
         return min(self._net.oldest_call, self._shm.oldest_call)
 
+    @property
+    def gone(self) -> dict[int, str]:
+        """Why peers left (group ranks: both transports' word on them)."""
+        merged = {self._local[p]: why for p, why in self._shm.gone.items()}
+        merged.update(self._net.gone)
+        return merged
+
     def oldest_held(self) -> tuple[int, int, bytes] | None:
         net = self._net.oldest_held() if self._net.held_calls else None
         shm = self._shm.oldest_held() if self._shm.held_calls else None

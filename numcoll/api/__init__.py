@@ -11,6 +11,7 @@ name, ``numcoll.distributed``.
 - :mod:`.shared`: shared arrays (``empty_shared``, ``zeros_shared``);
 - :mod:`.p2p`: sends, receives and their batches;
 - :mod:`.objects`: the object collectives;
+- :mod:`.fault_tolerance`: surviving a dead rank (``shrink_group``, ``agree``);
 - :mod:`.backend`: what torch.distributed says about backends and the environment.
 """
 
@@ -21,6 +22,8 @@ from .backend import (_make_nccl_premul_sum, Backend, get_backend, get_node_loca
 from .backend import __all__ as _backend_all
 from .collectives import *  # noqa: F401,F403
 from .collectives import __all__ as _collectives_all
+from .fault_tolerance import *  # noqa: F401,F403
+from .fault_tolerance import __all__ as _fault_tolerance_all
 from .groups import *  # noqa: F401,F403
 from .groups import __all__ as _groups_all
 from .objects import *  # noqa: F401,F403
@@ -36,4 +39,4 @@ from .world import __all__ as _world_all
 from .world import DEFAULT_TIMEOUT  # noqa: F401
 
 __all__ = [*_world_all, *_groups_all, *_collectives_all, *_p2p_all, *_objects_all,
-           *_backend_all, *_persistent_all, *_shared_all]
+           *_backend_all, *_persistent_all, *_shared_all, *_fault_tolerance_all]

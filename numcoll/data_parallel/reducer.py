@@ -244,9 +244,10 @@ class Reducer:
                                    f"{type(fut).__name__} (from comm hook {self._hook!r} "
                                    f"on bucket {b})")
         self._futures[b] = fut
-        self._intervals[b] = [start, None]
-        fut.add_done_callback(lambda _f, b=b: self._intervals[b].__setitem__(
-            1, time.perf_counter()))
+        # The callback holds this step's interval itself: a step that fails resets
+        # the list before its buckets' futures (failing late) call back.
+        interval = self._intervals[b] = [start, None]
+        fut.add_done_callback(lambda _f, iv=interval: iv.__setitem__(1, time.perf_counter()))
 
     def finalize(self) -> None:
         """End the step: wait for every bucket; the grads hold the average (or the

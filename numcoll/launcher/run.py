@@ -26,6 +26,13 @@ rank killed by signal S counts as 128 + S). Ctrl-C (or SIGTERM) is passed on
 to every rank, with the same grace. Each rank runs in a process group of its
 own that is killed at the end, and dies with the launcher even if the
 launcher is SIGKILLed (Linux parent-death signal), so nothing outlives a run.
+
+With ``--keep-going``, a rank that fails is reported and the others keep
+running (they can continue without it: ``nc.shrink_group()``); the run ends
+when every rank has, with code 0 if some rank finished with 0 and no rank
+exited with a code of its own (ranks killed by a signal are the failures
+the survivors carried on from), else the first failure's code. The store
+is served by this launcher, so it outlives any rank.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one host, free port (the default when --nnodes is 1)")
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("--keep-going", "--keep_going", dest="keep_going", action="store_true",
+                   help="when a rank dies, leave the others running (they can go on "
+                        "with nc.shrink_group()); the run ends when every rank has")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines")
     p.add_argument("-m", "--module", action="store_true",
                    help="run the target as a module (python -m)")
@@ -191,6 +201,23 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _keep_going(ranks: _Ranks, states: list, failed: list, reported: set) -> tuple[bool, int]:
+    """``--keep-going``: report each failure once; done when every rank is."""
+    for i, rc in failed:
+        if i not in reported:
+            reported.add(i)
+            how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
+                   else f"exited with code {rc}")
+            print(f"numcoll run: rank {ranks.rank_of(i)} (pid {ranks.procs[i].pid}) {how}; "
+                  "the other ranks keep going (--keep-going)", file=sys.stderr, flush=True)
+    if any(rc is None for rc in states):
+        return False, 0
+    coded = [rc for rc in states if rc not in (None, 0) and rc > 0]
+    if 0 in states and not coded:
+        return True, 0
+    return True, _exit_code(failed[0][1]) if failed else 0
+
+
 def _serve_store(ns: argparse.Namespace):
     """Node 0 serves the TCPStore the ranks meet in; returns (store, addr, port)."""
     from ..bootstrap.tcpstore import TCPStore
@@ -230,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
+    reported: set[int] = set()
     try:
         ranks.start()
         while True:
@@ -242,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                 break
             states = [p.poll() for p in ranks.procs]
             failed = [(i, rc) for i, rc in enumerate(states) if rc not in (None, 0)]
-            if failed:
+            if ns.keep_going:
+                done, code = _keep_going(ranks, states, failed, reported)
+                if done:
+                    break
+            elif failed:
                 i, rc = failed[0]
                 how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
                        else f"exited with code {rc}")

@@ -52,7 +52,7 @@ def _autoload() -> None:
 import torch.distributed as dist  # noqa: E402 - after _autoload (see there)
 
 __all__ = ["BACKEND_NAME", "ProcessGroupNumcoll", "Work", "register", "monitored_barrier",
-           "to_torch_error"]
+           "to_torch_error", "shrink_group"]
 
 #: The name torch.distributed knows the backend by: ``dist.init_process_group("numcoll")``.
 BACKEND_NAME = "numcoll"
@@ -90,6 +90,50 @@ def monitored_barrier(group=None, timeout: datetime.timedelta | None = None,
         raise ValueError("monitored_barrier: the default process group has not been "
                          "initialized; call init_process_group first")
     group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+def shrink_group(group=None, timeout: datetime.timedelta | None = None):
+    """The survivors' group of a numcoll torch group after a rank died.
+
+    A collective of the live ranks of ``group`` (default: the default group):
+    it agrees on who is gone and returns a new :class:`ProcessGroupNumcoll`
+    of the rest, renumbered in order (``new.old_ranks()[i]`` is the rank of
+    its rank ``i`` in ``group``); ``group`` is shut down. The new group is
+    not registered with torch.distributed as its default group (torch has no
+    public way to replace it): pass it explicitly, ``dist.all_reduce(t,
+    group=new)``, ``DistributedDataParallel(model, process_group=new)``.
+
+    Parameters
+    ----------
+    group : ProcessGroupNumcoll, optional
+        Default: ``dist.group.WORLD``.
+    timeout : datetime.timedelta, optional
+        Bounds the agreement (default 60 s).
+
+    Returns
+    -------
+    ProcessGroupNumcoll
+
+    Raises
+    ------
+    RuntimeError
+        torch's error classes (``DistBackendError``...) for numcoll's failures.
+
+    Examples
+    --------
+    >>> try:                                          # doctest: +SKIP
+    ...     loss = step(ddp)
+    ... except RuntimeError:
+    ...     pg = numcoll.torch.shrink_group(pg)
+    ...     ddp = DistributedDataParallel(model, process_group=pg)
+    """
+    from .backend import ProcessGroupNumcoll
+
+    group = group if group is not None else dist.group.WORLD
+    if not isinstance(group, ProcessGroupNumcoll):
+        raise TypeError(f"shrink_group: the group must be a numcoll group "
+                        f"(ProcessGroupNumcoll), got {type(group).__name__}")
+    return group.shrink(timeout)
 
 
 def __getattr__(name: str):

@@ -122,7 +122,8 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                 options: ProcessGroup.Options | None = None, *, group_name: str = ""):
+                 options: ProcessGroup.Options | None = None, *, group_name: str = "",
+                 numcoll_group: ProcessGroup | None = None):
         try:
             super().__init__(store, rank, size)
         except TypeError:  # torch before the (store, rank, size) constructor
@@ -139,6 +140,9 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
         self._timeout = timeout
         self._group_name, self._group_desc = group_name, ""
         self._others: dict[str, object] = {}   # device type -> torch backend (see _device_backend)
+        if numcoll_group is not None:  # made by shrink(): the numcoll group exists
+            self._pg = numcoll_group
+            return
         try:
             self._pg = ProcessGroup(TorchStore(store, timeout), rank, size, options)
         except BaseException as exc:  # noqa: BLE001 - a store failure, as torch reports it
@@ -447,6 +451,28 @@ class ProcessGroupNumcoll(dist.ProcessGroup):
     def abort(self) -> None:
         """Abort the group: pending and later calls fail at once, on every rank."""
         self._pg.abort("aborted through torch (ProcessGroup.abort)")
+
+    # -- surviving a dead rank (numcoll.recovery) ------------------------------------------
+    def shrink(self, timeout: datetime.timedelta | None = None) -> ProcessGroupNumcoll:
+        """The group of the live ranks, renumbered in order (see
+        :meth:`numcoll.ProcessGroup.shrink`); this group is shut down. Use it
+        with ``group=`` and ``DistributedDataParallel(process_group=...)``."""
+        try:
+            new = self._pg.shrink(timeout)
+        except BaseException as exc:  # noqa: BLE001 - raised as torch's
+            raise to_torch_error(exc) from None
+        group = type(self)(self._store, new.rank(), new.size(), self._timeout,
+                           numcoll_group=new)
+        group._group_name = f"{self._group_name}/shrunk" if self._group_name else ""
+        return group
+
+    def old_ranks(self) -> list[int]:
+        """Rank ``i`` of this group was rank ``old_ranks()[i]`` of the group it was shrunk from."""
+        return self._pg.old_ranks()
+
+    def revoke(self) -> None:
+        """Every pending and later call on the group fails, on every rank."""
+        self._pg.revoke("revoked through torch")
 
 
 def _torch_errors(method):

@@ -32,7 +32,8 @@ def test_training_carries_on_after_a_rank_is_killed():
     assert "rank 2 (pid" in out.stderr and "killed by SIGKILL" in out.stderr, out.stderr
     done = [line for line in out.stdout.splitlines() if "done: rank" in line]
     assert len(done) == 3, out.stdout
-    was = sorted(int(re.search(r"\(was (\d+)\)", line).group(1)) for line in done)
+    was = sorted(int(re.search(r"\(rank (\d+) before the shrink\)", line).group(1))
+                 for line in done)
     assert was == [0, 1, 3]
     for line in done:
         assert "of 3" in line and "shrinks 1" in line and "falling True" in line, line

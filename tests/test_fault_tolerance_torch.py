@@ -27,7 +27,8 @@ def test_ddp_is_rebuilt_on_the_shrunk_group_and_training_goes_on():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     done = [line for line in out.stdout.splitlines() if "done: rank" in line]
     assert len(done) == 2, out.stdout[-3000:]
-    assert sorted(int(re.search(r"\(was (\d+)\)", d).group(1)) for d in done) == [0, 1]
+    before = r"\(rank (\d+) before the shrink\)"
+    assert sorted(int(re.search(before, d).group(1)) for d in done) == [0, 1]
     for line in done:
         assert "of 2" in line and "shrinks 1" in line and "falling True" in line, line
 

@@ -67,8 +67,8 @@ def main(argv=None) -> None:
             pg = numcoll.torch.shrink_group(pg)
             shrinks += 1
             ddp = DistributedDataParallel(model, process_group=pg)
-    print(f"done: rank {pg.rank()} of {pg.size()} (was {original}); shrinks {shrinks}; "
-          f"loss {losses[0]:.5f} -> {losses[-1]:.5f}; "
+    print(f"done: rank {pg.rank()} of {pg.size()} (rank {original} before the shrink); "
+          f"shrinks {shrinks}; loss {losses[0]:.5f} -> {losses[-1]:.5f}; "
           f"falling {losses[-1] < losses[0]}", flush=True)
     pg.shutdown()
     if shrinks == 0:

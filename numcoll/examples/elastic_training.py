@@ -100,7 +100,8 @@ def main(argv=None) -> None:
             kill_step=args.kill_step)
         reference = train_single(args.steps, sizes, args.samples)
         worst = max(float(np.max(np.abs(p - q))) for p, q in zip(params, reference))
-        print(f"done: rank {nc.get_rank()} of {nc.get_world_size()} (was {original}); "
+        print(f"done: rank {nc.get_rank()} of {nc.get_world_size()} "
+              f"(rank {original} before the shrink); "
               f"shrinks {shrinks}; loss {losses[0]:.5f} -> {losses[-1]:.5f}; "
               f"falling {all(b < a for a, b in zip(losses, losses[1:]))}; "
               f"largest difference from full-batch training {worst:.2e}", flush=True)

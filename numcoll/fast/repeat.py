@@ -1,0 +1,108 @@
+"""Blocking small calls that repeat: recognised, and run as one fused step.
+
+Code that never heard of persistent requests calls ``nc.all_reduce(x)`` on
+the same small array thousands of times. :class:`Repeats` remembers the last
+few such calls of a group (after the ordinary builder checked them and made
+their :class:`~numcoll.call.Call`) and, when the next call passes the very
+same array -- the same object, shape, strides and dtype, still writable --
+with the same op, under the same settings and default deadline, runs it as
+the :class:`~numcoll.fast.step.FusedCall` it planned the first time.
+
+Anything else takes the ordinary path with its full checks, never a stale
+plan: another array object (even an equal one), a reshaped or re-strided
+array, another dtype or op, an array made read-only, a changed timeout or
+configuration. An ndarray's memory cannot move under a view the plan holds
+(``resize`` refuses), so the object's identity pins its memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..collectives import fused_step
+from .step import FusedCall, fusable_dtype
+
+__all__ = ["Repeats", "fusable"]
+
+#: Calls remembered per group (the oldest is forgotten first).
+KEPT = 8
+
+
+class _Seen:
+    """One remembered call: what must be unchanged, and its plan."""
+
+    __slots__ = ("x", "op", "shape", "strides", "dtype", "cfg", "timeout_s", "fused")
+
+    def __init__(self, x, op, cfg, timeout_s, fused):
+        self.x, self.op, self.cfg, self.timeout_s, self.fused = x, op, cfg, timeout_s, fused
+        if x is not None:
+            self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
+
+
+def fusable(pg, call, x) -> bool:
+    """Whether ``call`` (as the ordinary builder made it) on array ``x`` (None:
+    no array) can run as a fused step on ``pg``."""
+    if call.algorithm != "shared" or pg._size < 2 or pg._transport.arena is None:
+        return False
+    if x is None:
+        return True
+    return (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable
+            and fusable_dtype(x.dtype) and x.nbytes <= pg._transport.arena.slot_nbytes
+            and x.size > 0)
+
+
+class Repeats:
+    """The recent small calls of group ``pg`` that can run fused."""
+
+    __slots__ = ("pg", "_seen")
+
+    def __init__(self, pg):
+        self.pg = pg
+        self._seen: dict = {}
+
+    def allreduce(self, x, op) -> bool:
+        """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False
+        (nothing done) if it does not, or the fused path cannot take it now."""
+        seen = self._seen.get((id(x), "allreduce"))
+        if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
+                or x.strides != seen.strides or x.dtype != seen.dtype \
+                or not x.flags.writeable or self._stale(seen):
+            return False
+        return seen.fused.run()
+
+    def barrier(self, timeout) -> bool:
+        """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
+        seen = self._seen.get((timeout, "barrier"))
+        if seen is None or self._stale(seen):
+            return False
+        return seen.fused.run()
+
+    def _stale(self, seen) -> bool:
+        ctx = self.pg.context
+        return seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s
+
+    def learn_allreduce(self, x, op, call) -> None:
+        """Remember ``allreduce(x, op)``, whose ordinary ``call`` is about to run."""
+        code = fused_step.OPS.get(call.op) if not call.custom_op else None
+        if code is None or not fusable(self.pg, call, x):
+            return
+        self._keep((id(x), "allreduce"), x, op, FusedCall(self.pg, call, x.reshape(-1), code,
+                                                          -1, None))
+
+    def learn_barrier(self, timeout, call) -> None:
+        """Remember a barrier (``timeout``: as passed), whose ordinary ``call`` is about to run."""
+        if fusable(self.pg, call, None):
+            self._keep((timeout, "barrier"), None, None,
+                       FusedCall(self.pg, call, None, fused_step.NO_REDUCE, -1, None))
+
+    def _keep(self, key, x, op, fused) -> None:
+        seen = self._seen
+        seen.pop(key, None)
+        if len(seen) >= KEPT:
+            seen.pop(next(iter(seen)))
+        ctx = self.pg.context
+        seen[key] = _Seen(x, op, ctx.cfg, ctx.timeout_s, fused)
+
+    def clear(self) -> None:
+        """Forget every call (the group is shutting down)."""
+        self._seen.clear()

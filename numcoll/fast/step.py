@@ -1,0 +1,253 @@
+"""A small collective of one group, planned once and run as one compiled step.
+
+:class:`FusedCall` holds everything a repeated small call needs -- the
+arena's memory and layout, the call's stamp as two words, this rank's
+payload, typed views of every rank's slot in both sets, the reduction's
+code, the flight recorder's lane -- so that running it is: a few attribute
+reads under the group's lock (nothing in flight, not poisoned; take the
+sequence number), one compiled call (:mod:`numcoll.collectives.fused_step`),
+and the lock once more to say it is done. No Work, Comm, Future or Record is
+made.
+
+The group stays in charge of order and failure. While a fused call is
+published and not finished, the group holds it as ``_fast_held``; any other
+call submitted meanwhile (another thread's, or this thread's next
+non-fused call) first *promotes* it (``ProcessGroup._promote_fast``): it
+becomes an ordinary Work, with a record, an arena ticket and a place in the
+in-flight table, and everything after it waits for it as for any call.
+A fused call that does not finish within the arena's spin and yield phases
+(a slow or dead peer, a mismatch, a message of an earlier call held in the
+mailbox) is promoted too and finished by the group's ``_execute`` -- the
+ordinary slow wait, error translation, poisoning and flight-recorder
+states -- so failures read exactly as on the ordinary path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from transports.shm.arena import HEADER_NBYTES, _stamp_words
+
+from ..collectives import fused_step
+from ..work import Work
+
+__all__ = ["FusedCall", "fusable_dtype", "promote"]
+
+#: dtypes the fused step reduces (others -- 16-bit floats, bool, complex -- keep
+#: the ordinary path, whose kernels know them).
+_DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32,
+                                          np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+_NOTHING = np.empty(0, np.uint8)
+
+
+def fusable_dtype(dtype) -> bool:
+    """Whether the fused step reduces arrays of ``dtype``."""
+    return dtype in _DTYPES
+
+
+class FusedCall:
+    """One small collective of group ``pg`` (its :class:`~numcoll.call.Call`
+    ``call``) as a fused arena step.
+
+    Parameters
+    ----------
+    pg : ProcessGroup
+        The group (its transport has a shared arena).
+    call : Call
+        The call every run stamps (made by the ordinary builder, which checked
+        the arguments).
+    x : numpy.ndarray or None
+        The flat, C-contiguous array the step reduces into or copies into
+        (None: a barrier).
+    op : int
+        A :data:`fused_step.OPS` code, ``NO_REDUCE`` or ``BROADCAST``.
+    root : int
+        The broadcast's root (else unused).
+    outs : list
+        What the call's future would hold (the caller's arrays).
+    """
+
+    __slots__ = ("pg", "call", "arena", "region", "ctrl", "rank", "size", "first", "stride",
+                 "stamp0", "stamp1", "payload", "nbytes", "x", "slots", "op", "root", "outs",
+                 "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step", "running",
+                 "pending", "work")
+
+    def __init__(self, pg, call, x, op: int, root: int, outs: list):
+        self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
+        arena = self.arena = pg._transport.arena
+        region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
+        self.region, self.ctrl, self.first, self.stride = region, ctrl, first, stride
+        self.rank, self.size = arena.rank, arena.size
+        self.spin_ns = spin_ns
+        self.yield_ns = min(yield_ns, int(call.timeout_s * 1e9))
+        self.stamp0, self.stamp1 = _stamp_words(call.stamp)
+        if x is None:
+            x = _NOTHING
+        self.x = x
+        mine = op != fused_step.BROADCAST or self.rank == root
+        self.payload = x.view(np.uint8) if mine else _NOTHING
+        self.nbytes = self.payload.size
+        self.slots = [self._typed(region, h + HEADER_NBYTES, x) for h in first]
+        recorder = pg._recorder
+        if recorder is not None:
+            self.lane = recorder.lane(pg._pg_id, pg._global_rank, call)
+            self.rows, self.meta = self.lane.rows, self.lane.meta
+        else:
+            self.lane = None
+            self.rows, self.meta = np.zeros((1, 4), np.int64), np.zeros(2, np.int64)
+        self.seq = self.step = -1
+        self.running = self.pending = False
+        self.work = None
+
+    def _typed(self, region, at: int, x) -> np.ndarray:
+        """Every rank's slot of one set from byte ``at``, as ``(size, x.size)`` of x's dtype."""
+        span = (self.size - 1) * self.stride + x.nbytes
+        base = region[at:at + span]
+        if x.itemsize > 1:
+            base = base[:span - span % x.itemsize]
+        typed = base.view(x.dtype) if x.size else region[at:at].view(x.dtype)
+        return np.lib.stride_tricks.as_strided(typed, (self.size, x.size),
+                                               (self.stride, x.itemsize), writeable=False)
+
+    # -- the fast path -------------------------------------------------------------
+    def _claim(self, running: bool) -> bool:
+        """Under the group's lock: whether the fused path may run now (nothing
+        else in flight or held, the group usable, no message of a finished
+        call waiting to be found out); if so take the sequence number and
+        hold this call. Nothing is numbered otherwise."""
+        pg = self.pg
+        with pg._lock:
+            if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
+                    or pg._closed or pg._done.mailbox.held_calls:
+                return False
+            self.seq = seq = pg._next_seq
+            pg._next_seq = seq + 1
+            pg._fast_held = self
+            self.running = running
+            self.work = None
+        return True
+
+    def run(self) -> bool:
+        """The whole call on this thread (a blocking call). False (nothing
+        done, nothing numbered) when the fused path cannot take it now;
+        True once it completed; raises its error as a blocking call does."""
+        if not self._claim(True):
+            return False
+        self.step = step = self.arena._step
+        got = fused_step.step(self.region, self.ctrl, self.rank, self.size, step,
+                              self.first[step & 1], self.stride, self.seq, self.stamp0,
+                              self.stamp1, self.payload, self.nbytes, self.spin_ns,
+                              self.yield_ns, self.x, self.slots[step & 1], self.op, self.root,
+                              self.rows, self.meta)
+        self.arena._step = step + 1
+        self.end(got)
+        return True
+
+    def publish(self) -> bool:
+        """A persistent start's half: publish (never blocks) and hold the call
+        until :meth:`finish`. False when the fused path cannot take it now."""
+        if not self._claim(False):
+            return False
+        pg = self.pg
+        with pg._lock:  # a promotion in between must find the step published
+            self.step = step = self.arena._step
+            fused_step.publish(self.region, self.ctrl, self.rank, step,
+                               self.first[step & 1] + self.rank * self.stride, self.seq,
+                               self.stamp0, self.stamp1, self.payload, self.nbytes,
+                               self.rows, self.meta)
+            self.arena._step = step + 1
+            self.pending = True
+        return True
+
+    def finish(self) -> None:
+        """The rest of a :meth:`publish`: wait, combine (one compiled call)."""
+        pg = self.pg
+        with pg._lock:
+            promoted = self.work is not None
+            if not promoted:
+                self.running = True
+        if promoted:
+            self.work.wait()
+            return
+        step = self.step
+        spin_until = time.monotonic_ns() + self.spin_ns
+        got = fused_step.finish(self.region, self.ctrl, self.rank, self.size, step,
+                                self.first[step & 1], self.stride, self.seq, self.stamp0,
+                                self.stamp1, spin_until, spin_until + self.yield_ns, self.x,
+                                self.slots[step & 1], self.op, self.root, self.rows, self.meta)
+        self.end(got)
+
+    def is_open(self) -> bool:
+        """Whether the last run (or start) has not completed yet."""
+        work = self.work
+        if work is not None:
+            return not work.future._completed
+        return self.pg._fast_held is self
+
+    def promote(self):
+        """The last start as the group's Work (made now if it is still held)."""
+        pg = self.pg
+        with pg._lock:
+            if pg._fast_held is self:
+                pg._promote_fast()
+        return self.work
+
+    def end(self, got: int) -> None:
+        """After the compiled step: done (the usual case), or hand the call to
+        the group (promoted) to finish, check and report it."""
+        pg = self.pg
+        if got == -1 and not pg._done.mailbox.held_calls:
+            with pg._lock:
+                if pg._fast_held is self:
+                    pg._fast_held = None
+                    self.running = False
+                    return
+        self.pending = got != -1
+        with pg._lock:
+            if pg._fast_held is self:
+                pg._promote_fast()
+            self.running = False
+        self.moved()
+        error = pg._execute(self.work, self.rest)
+        if error is not None:
+            raise error
+
+    # -- the group's side ------------------------------------------------------------
+    def moved(self) -> None:
+        """This call's lane row now lives as a Record (it was promoted)."""
+        self.rows[self.meta[1], 3] = fused_step.MOVED
+
+    def rest(self, comm, work):
+        """``run(comm, work)`` of the promoted call: wait (the ordinary slow
+        wait, with its errors) and combine, unless the compiled step did."""
+        self.moved()
+        if self.pending:
+            comm.shared_wait(self.step)
+            fused_step.combine(self.x, self.slots[self.step & 1], self.rank, self.size,
+                               self.op, self.root)
+            self.pending = False
+        return self.outs
+
+
+def promote(pg) -> None:
+    """Make ``pg``'s held fused call (``pg._fast_held``) an ordinary Work, in
+    flight, with its record and arena ticket, so that what comes after it
+    waits for it. Under the group's lock. A start whose thread is not
+    finishing it is queued, for whoever needs it first (as a held
+    persistent start); one whose thread is (``running``) is completed by that
+    thread (:meth:`FusedCall.end`)."""
+    fused, pg._fast_held = pg._fast_held, None
+    work = Work(fused.call.name, fused.seq, call=fused.call)
+    if pg._recorder is not None:
+        work.record = pg._recorder.record(pg._pg_id, pg._global_rank, fused.seq, fused.call,
+                                          started=True)
+    fused.moved()
+    work.order = order = pg._order
+    pg._order = order + 1
+    pg._inflight[order] = work
+    pg._arena_order.ticket(work, queued=not fused.running)
+    if not fused.running:
+        work._queued(pg._execute, fused.rest)
+    fused.work = work

@@ -12,7 +12,7 @@ made.
 The group stays in charge of order and failure. While a fused call is
 published and not finished, the group holds it as ``_fast_held``; any other
 call submitted meanwhile (another thread's, or this thread's next
-non-fused call) first *promotes* it (``ProcessGroup._promote_fast``): it
+non-fused call) first *promotes* it (:func:`promote`): it
 becomes an ordinary Work, with a record, an arena ticket and a place in the
 in-flight table, and everything after it waits for it as for any call.
 A fused call that does not finish within the arena's spin and yield phases
@@ -191,7 +191,7 @@ class FusedCall:
         pg = self.pg
         with pg._lock:
             if pg._fast_held is self:
-                pg._promote_fast()
+                promote(pg)
         return self.work
 
     def end(self, got: int) -> None:
@@ -207,7 +207,7 @@ class FusedCall:
         self.pending = got != -1
         with pg._lock:
             if pg._fast_held is self:
-                pg._promote_fast()
+                promote(pg)
             self.running = False
         self.moved()
         error = pg._execute(self.work, self.rest)

@@ -126,7 +126,10 @@ class FusedRequest(PersistentRequest):
             if timeout is None:
                 fused.finish()
                 return True
-            fused.promote()
+            work = fused.promote()
+            # A wait with a timeout does not run the work itself (it must be able
+            # to return first): a worker does.
+            fused.pg._queue.put((work, work._run))
         work = fused.work
         return True if work is None else work.wait(timeout)
 

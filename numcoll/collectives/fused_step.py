@@ -36,7 +36,7 @@ from transports.shm.ring import _monotonic_ns
 
 from ..kernels.cpu_loops import _maximum, _minimum
 
-__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "STARTED", "COMPLETED", "MOVED",
+__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
            "publish", "finish", "step", "combine"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
@@ -96,50 +96,68 @@ def combine(x, slots, rank, size, op, root):
                 x[i] = _maximum(x[i], s[i])
 
 
-@njit(nogil=True, cache=True)
-def _lane_open(lane, meta, seq):
-    i = meta[0] % lane.shape[0]
-    meta[0] += 1
-    meta[1] = i
-    row = lane[i]
-    row[0] = seq
-    row[1] = _monotonic_ns()
-    row[2] = 0
-    row[3] = STARTED
-    return i
+#: The fused step's plan: one int64 array (few arguments make a cheap dispatch).
+#: Words: the control lines' bytes, rank, size, the two sets' first header,
+#: the slot stride, the stamp's two words, the payload bytes, spin and yield
+#: (ns), the op code, the root; then the lane's count and last row (META,
+#: META + 1) and its rows of four words from ROWS.
+CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT = \
+    0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12
+META, ROWS = 16, 32
 
 
 @njit(nogil=True, cache=True)
-def publish(region, ctrl, rank, step, header, seq, stamp0, stamp1, payload, nbytes, lane, meta):
-    """This rank's part of ``step`` (its header and ``nbytes`` of ``payload``),
-    its lane row opened (started). Never blocks."""
-    _lane_open(lane, meta, seq)
-    _put(region, ctrl, rank, step, header, seq, stamp0, stamp1, payload, nbytes, nbytes)
+def _lane_open(plan, seq):
+    nrows = (plan.size - ROWS) // 4
+    i = plan[META] % nrows
+    plan[META] += 1
+    plan[META + 1] = i
+    at = ROWS + 4 * i
+    plan[at] = seq
+    plan[at + 1] = _monotonic_ns()
+    plan[at + 2] = 0
+    plan[at + 3] = STARTED
+    return plan[at + 1]
 
 
 @njit(nogil=True, cache=True)
-def finish(region, ctrl, rank, size, step, first_header, stride, seq, stamp0, stamp1,
-           spin_until_ns, yield_until_ns, x, slots, op, root, lane, meta):
+def _put_mine(region, plan, x, step, seq):
+    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
+    rank = plan[RANK]
+    header = plan[FIRST + (step & 1)] + rank * plan[STRIDE]
+    _put(region, ctrl, rank, step, header, seq, plan[STAMP], plan[STAMP + 1],
+         x.view(np.uint8), plan[NBYTES], plan[NBYTES])
+
+
+@njit(nogil=True, cache=True)
+def publish(region, plan, x, step, seq):
+    """This rank's part of ``step`` (its header and, per the plan, ``x``'s
+    bytes), its lane row opened (started). Never blocks."""
+    _lane_open(plan, seq)
+    _put_mine(region, plan, x, step, seq)
+
+
+@njit(nogil=True, cache=True)
+def finish(region, plan, x, slots, step, seq, spin_until_ns, yield_until_ns):
     """Wait for every rank's ``step`` (as ``arena._wait``), then :func:`combine`
-    and close the lane row. Returns ``_wait``'s answer: -1 done; else the
-    step is not finished (the caller's slow wait takes over, then combines)."""
-    got = _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
-                spin_until_ns, yield_until_ns)
+    ``slots[step % 2]`` into ``x`` and close the lane row. Returns ``_wait``'s
+    answer: -1 done; else the step is not finished (the caller's slow wait
+    takes over, then combines)."""
+    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
+    got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
+                plan[STAMP], plan[STAMP + 1], spin_until_ns, yield_until_ns)
     if got == -1:
-        combine(x, slots, rank, size, op, root)
-        row = lane[meta[1]]
-        row[2] = _monotonic_ns()
-        row[3] = COMPLETED
+        combine(x, slots[step & 1], plan[RANK], plan[SIZE], plan[OP], plan[ROOT])
+        at = ROWS + 4 * plan[META + 1]
+        plan[at + 2] = _monotonic_ns()
+        plan[at + 3] = COMPLETED
     return got
 
 
 @njit(nogil=True, cache=True)
-def step(region, ctrl, rank, size, step, first_header, stride, seq, stamp0, stamp1,
-         payload, nbytes, spin_ns, yield_ns, x, slots, op, root, lane, meta):
+def step(region, plan, x, slots, step, seq):
     """:func:`publish` then :func:`finish`: a whole blocking call in one."""
-    _lane_open(lane, meta, seq)
-    now = lane[meta[1], 1]
-    _put(region, ctrl, rank, step, first_header + rank * stride, seq, stamp0, stamp1,
-         payload, nbytes, nbytes)
-    return finish(region, ctrl, rank, size, step, first_header, stride, seq, stamp0, stamp1,
-                  now + spin_ns, now + spin_ns + yield_ns, x, slots, op, root, lane, meta)
+    now = _lane_open(plan, seq)
+    _put_mine(region, plan, x, step, seq)
+    spin_until = now + plan[SPIN]
+    return finish(region, plan, x, slots, step, seq, spin_until, spin_until + plan[YIELD])

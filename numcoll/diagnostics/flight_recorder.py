@@ -134,10 +134,9 @@ class Lane:
 
     __slots__ = ("pg_id", "rank", "call", "rows", "meta", "_offset_ns")
 
-    def __init__(self, pg_id: int, rank: int, call, nrows: int):
+    def __init__(self, pg_id: int, rank: int, call, rows: np.ndarray, meta: np.ndarray):
         self.pg_id, self.rank, self.call = pg_id, rank, call
-        self.rows = np.zeros((max(1, nrows), 4), np.int64)
-        self.meta = np.zeros(2, np.int64)
+        self.rows, self.meta = rows, meta
         self._offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall
 
     def last_row(self) -> np.ndarray:
@@ -227,9 +226,14 @@ class FlightRecorder:
                 status[1] = seq
         return rec
 
-    def lane(self, pg_id: int, rank: int, call) -> Lane:
-        """A new :class:`Lane` for the repeated ``call`` of group ``pg_id``."""
-        lane = Lane(pg_id, rank, call, min(self.capacity, LANE_ROWS))
+    def lane_rows(self) -> int:
+        """How many rows a :class:`Lane` keeps."""
+        return max(1, min(self.capacity, LANE_ROWS))
+
+    def lane(self, pg_id: int, rank: int, call, rows: np.ndarray, meta: np.ndarray) -> Lane:
+        """A new :class:`Lane` for the repeated ``call`` of group ``pg_id``, over
+        ``rows`` (``lane_rows()`` rows of four int64) and ``meta`` (two)."""
+        lane = Lane(pg_id, rank, call, rows, meta)
         with self._lock:
             self._lanes.append(lane)
         return lane

@@ -69,47 +69,39 @@ class FusedCall:
         What the call's future would hold (the caller's arrays).
     """
 
-    __slots__ = ("pg", "call", "arena", "region", "ctrl", "rank", "size", "first", "stride",
-                 "stamp0", "stamp1", "payload", "nbytes", "x", "slots", "op", "root", "outs",
-                 "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step", "running",
-                 "pending", "work")
+    __slots__ = ("pg", "call", "arena", "region", "plan", "rank", "size", "x", "slots", "op",
+                 "root", "outs", "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step",
+                 "running", "pending", "work")
 
     def __init__(self, pg, call, x, op: int, root: int, outs: list):
         self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
         arena = self.arena = pg._transport.arena
         region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
-        self.region, self.ctrl, self.first, self.stride = region, ctrl, first, stride
-        self.rank, self.size = arena.rank, arena.size
+        self.region = region
+        self.rank, self.size = rank, size = arena.rank, arena.size
         self.spin_ns = spin_ns
         self.yield_ns = min(yield_ns, int(call.timeout_s * 1e9))
-        self.stamp0, self.stamp1 = _stamp_words(call.stamp)
-        if x is None:
-            x = _NOTHING
-        self.x = x
-        mine = op != fused_step.BROADCAST or self.rank == root
-        self.payload = x.view(np.uint8) if mine else _NOTHING
-        self.nbytes = self.payload.size
-        self.slots = [self._typed(region, h + HEADER_NBYTES, x) for h in first]
+        self.x = x = _NOTHING if x is None else x
         recorder = pg._recorder
-        if recorder is not None:
-            self.lane = recorder.lane(pg._pg_id, pg._global_rank, call)
-            self.rows, self.meta = self.lane.rows, self.lane.meta
-        else:
-            self.lane = None
-            self.rows, self.meta = np.zeros((1, 4), np.int64), np.zeros(2, np.int64)
+        nrows = recorder.lane_rows() if recorder is not None else 1
+        self.plan = plan = np.zeros(fused_step.ROWS + 4 * nrows, np.int64)
+        self.meta = plan[fused_step.META:fused_step.META + 2]
+        self.rows = plan[fused_step.ROWS:].reshape(nrows, 4)
+        self.lane = (recorder.lane(pg._pg_id, pg._global_rank, call, self.rows, self.meta)
+                     if recorder is not None else None)
+        mine = op != fused_step.BROADCAST or rank == root
+        plan[:fused_step.ROOT + 1] = (ctrl.nbytes, rank, size, first[0], first[1], stride,
+                                      *_stamp_words(call.stamp), x.nbytes if mine else 0,
+                                      spin_ns, self.yield_ns, op, root)
+        # Every rank's slot of both sets as (set, rank, element) of x's dtype.
+        at, sets = first[0] + HEADER_NBYTES, first[1] - first[0]
+        span = sets + (size - 1) * stride + x.nbytes
+        typed = region[at:at + span - span % x.itemsize].view(x.dtype)
+        self.slots = np.lib.stride_tricks.as_strided(typed, (2, size, x.size),
+                                                     (sets, stride, x.itemsize), writeable=False)
         self.seq = self.step = -1
         self.running = self.pending = False
         self.work = None
-
-    def _typed(self, region, at: int, x) -> np.ndarray:
-        """Every rank's slot of one set from byte ``at``, as ``(size, x.size)`` of x's dtype."""
-        span = (self.size - 1) * self.stride + x.nbytes
-        base = region[at:at + span]
-        if x.itemsize > 1:
-            base = base[:span - span % x.itemsize]
-        typed = base.view(x.dtype) if x.size else region[at:at].view(x.dtype)
-        return np.lib.stride_tricks.as_strided(typed, (self.size, x.size),
-                                               (self.stride, x.itemsize), writeable=False)
 
     # -- the fast path -------------------------------------------------------------
     def _claim(self, running: bool) -> bool:
@@ -135,13 +127,10 @@ class FusedCall:
         True once it completed; raises its error as a blocking call does."""
         if not self._claim(True):
             return False
-        self.step = step = self.arena._step
-        got = fused_step.step(self.region, self.ctrl, self.rank, self.size, step,
-                              self.first[step & 1], self.stride, self.seq, self.stamp0,
-                              self.stamp1, self.payload, self.nbytes, self.spin_ns,
-                              self.yield_ns, self.x, self.slots[step & 1], self.op, self.root,
-                              self.rows, self.meta)
-        self.arena._step = step + 1
+        arena = self.arena
+        self.step = step = arena._step
+        got = fused_step.step(self.region, self.plan, self.x, self.slots, step, self.seq)
+        arena._step = step + 1
         self.end(got)
         return True
 
@@ -153,10 +142,7 @@ class FusedCall:
         pg = self.pg
         with pg._lock:  # a promotion in between must find the step published
             self.step = step = self.arena._step
-            fused_step.publish(self.region, self.ctrl, self.rank, step,
-                               self.first[step & 1] + self.rank * self.stride, self.seq,
-                               self.stamp0, self.stamp1, self.payload, self.nbytes,
-                               self.rows, self.meta)
+            fused_step.publish(self.region, self.plan, self.x, step, self.seq)
             self.arena._step = step + 1
             self.pending = True
         return True
@@ -173,10 +159,8 @@ class FusedCall:
             return
         step = self.step
         spin_until = time.monotonic_ns() + self.spin_ns
-        got = fused_step.finish(self.region, self.ctrl, self.rank, self.size, step,
-                                self.first[step & 1], self.stride, self.seq, self.stamp0,
-                                self.stamp1, spin_until, spin_until + self.yield_ns, self.x,
-                                self.slots[step & 1], self.op, self.root, self.rows, self.meta)
+        got = fused_step.finish(self.region, self.plan, self.x, self.slots, step, self.seq,
+                                spin_until, spin_until + self.yield_ns)
         self.end(got)
 
     def is_open(self) -> bool:

@@ -349,3 +349,53 @@ def test_without_a_flight_recorder_the_fused_path_still_runs():
             close(pgs)
     finally:
         flight_recorder._reset_for_tests()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_repeated_broadcast_and_reduce_run_fused(size):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r, root = pg.rank(), size - 1
+            b, d = np.zeros(3, np.int32), np.zeros(4, np.float64)
+            for i in range(4):
+                b[...] = value(r, i, 3, np.int32)
+                nc.broadcast(b, src=root, group=pg)
+                np.testing.assert_array_equal(b, value(root, i, 3, np.int32))
+                d[...] = value(r, i, 4, np.float64)
+                nc.reduce(d, dst=1, op=nc.ReduceOp.SUM, group=pg)
+                want = sum(value(q, i, 4, np.float64) for q in range(size)) if r == 1 \
+                    else value(r, i, 4, np.float64)  # non-roots' arrays are left alone
+                np.testing.assert_array_equal(d, want)
+            req = pg.reduce_init(d, nc.ReduceOptions(reduce_op=nc.ReduceOp.MIN, root_rank=0))
+            assert isinstance(req, FusedRequest)
+            for i in range(3):
+                d[...] = value(r, i, 4, np.float64)
+                req.start()
+                req.wait()
+                np.testing.assert_array_equal(d, value(0, i, 4, np.float64) if r == 0
+                                              else value(r, i, 4, np.float64))
+            return fused_runs(pg), pg.sequence_number()
+
+        assert on_ranks(pgs, body) == [(6 + 3, 11)] * size
+    finally:
+        close(pgs)
+
+
+def test_eight_ranks():
+    pgs = groups(8, transport="shm", timeout=timedelta(seconds=60))
+    try:
+        def body(pg):
+            x = np.zeros(2, np.int64)
+            out = []
+            for i in range(3):
+                x[...] = pg.rank() + i
+                nc.all_reduce(x, group=pg)
+                out.append(x.tolist())
+                nc.barrier(group=pg)
+            return out, fused_runs(pg)
+
+        for out, fused in on_ranks(pgs, body):
+            assert out == [[28 + 8 * i] * 2 for i in range(3)] and fused == 4
+    finally:
+        close(pgs)

@@ -134,7 +134,7 @@ def _all_reduce_repeat(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
 def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""
     call, run = reductions.allreduce(pg.context, [tensor], None, op)
-    pg.repeats.learn_allreduce(tensor, op, call)
+    pg.repeats.learn(tensor, op, call)
     return call, run
 
 
@@ -147,12 +147,19 @@ def all_reduce_coalesced(pg, tensors, op=ReduceOp.SUM, group=None, async_op=Fals
                                           AllreduceCoalescedOptions(reduce_op=op))
 
 
-@collective
+def _reduce_repeat(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
+                   group_dst=None):
+    return pg.repeats.reduce(tensor, op, _peer(pg, dst, group_dst, "dst"))
+
+
+@functools.partial(collective, fast=_reduce_repeat)
 def reduce(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
            group_dst=None):
     """Reduce ``tensor`` over the group's ranks into global rank ``dst``'s."""
-    return reductions.reduce(pg.context, [tensor], None, op,
-                             _peer(pg, dst, group_dst, "dst"))
+    call, run = reductions.reduce(pg.context, [tensor], None, op,
+                                  _peer(pg, dst, group_dst, "dst"))
+    pg.repeats.learn(tensor, op, call)
+    return call, run
 
 
 @collective
@@ -179,10 +186,16 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 
 # -- data movement ------------------------------------------------------------------------
-@collective
+def _broadcast_repeat(pg, tensor, src=None, group=None, async_op=False, group_src=None):
+    return pg.repeats.broadcast(tensor, _peer(pg, src, group_src, "src"))
+
+
+@functools.partial(collective, fast=_broadcast_repeat)
 def broadcast(pg, tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-    return movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
+    call, run = movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
+    pg.repeats.learn(tensor, None, call)
+    return call, run
 
 
 @collective

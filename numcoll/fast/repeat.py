@@ -22,7 +22,7 @@ import numpy as np
 from ..collectives import fused_step
 from .step import FusedCall, fusable_dtype
 
-__all__ = ["Repeats", "fusable"]
+__all__ = ["Repeats", "fusable", "fused_call"]
 
 #: Calls remembered per group (the oldest is forgotten first).
 KEPT = 8
@@ -37,6 +37,38 @@ class _Seen:
         self.x, self.op, self.cfg, self.timeout_s, self.fused = x, op, cfg, timeout_s, fused
         if x is not None:
             self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
+
+
+def fused_call(pg, call, x) -> FusedCall | None:
+    """The :class:`FusedCall` of ``call`` (as the ordinary builder made it) on
+    array ``x`` (None: a barrier), if one arena step does it: an allreduce or
+    reduce with a reduction the fused step knows, a broadcast of one round
+    (a ``NUMCOLL_SEGMENT_*`` setting may force several), a barrier. Else None."""
+    name, rank = call.name, pg._rank
+    if name == "barrier":
+        return FusedCall(pg, call, None, fused_step.NO_REDUCE, -1, []) \
+            if fusable(pg, call, None) else None
+    if x is None or not fusable(pg, call, x):
+        return None
+    flat, outs, publishes = x.reshape(-1), [x], True
+    if name in ("allreduce", "reduce"):
+        op = fused_step.OPS.get(call.op) if not call.custom_op else None
+        if op is None or name == "reduce" and not _one_round(pg, x):
+            return None
+        if name == "reduce" and rank != call.root:
+            op = fused_step.NO_REDUCE
+    elif name == "broadcast" and _one_round(pg, x):
+        op, publishes = fused_step.BROADCAST, rank == call.root
+    else:
+        return None
+    return FusedCall(pg, call, flat, op, call.root, outs, publishes)
+
+
+def _one_round(pg, x) -> bool:
+    """Whether the arena algorithms move ``x`` in one round (the segment setting
+    may force more)."""
+    seg = pg.context.segment(x.itemsize)
+    return seg is None or x.size <= seg
 
 
 def fusable(pg, call, x) -> bool:
@@ -63,12 +95,15 @@ class Repeats:
     def allreduce(self, x, op) -> bool:
         """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False
         (nothing done) if it does not, or the fused path cannot take it now."""
-        seen = self._seen.get((id(x), "allreduce"))
-        if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
-                or x.strides != seen.strides or x.dtype != seen.dtype \
-                or not x.flags.writeable or self._stale(seen):
-            return False
-        return seen.fused.run()
+        return self._repeat((id(x), "allreduce"), x, op)
+
+    def reduce(self, x, op, root: int) -> bool:
+        """:meth:`allreduce` for ``reduce(x, op)`` into group rank ``root``."""
+        return self._repeat((id(x), "reduce", root), x, op)
+
+    def broadcast(self, x, root: int) -> bool:
+        """:meth:`allreduce` for ``broadcast(x)`` from group rank ``root``."""
+        return self._repeat((id(x), "broadcast", root), x, None)
 
     def barrier(self, timeout) -> bool:
         """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
@@ -77,23 +112,32 @@ class Repeats:
             return False
         return seen.fused.run()
 
+    def _repeat(self, key, x, op) -> bool:
+        seen = self._seen.get(key)
+        if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
+                or x.strides != seen.strides or x.dtype != seen.dtype \
+                or not x.flags.writeable or self._stale(seen):
+            return False
+        return seen.fused.run()
+
     def _stale(self, seen) -> bool:
         ctx = self.pg.context
         return seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s
 
-    def learn_allreduce(self, x, op, call) -> None:
-        """Remember ``allreduce(x, op)``, whose ordinary ``call`` is about to run."""
-        code = fused_step.OPS.get(call.op) if not call.custom_op else None
-        if code is None or not fusable(self.pg, call, x):
-            return
-        self._keep((id(x), "allreduce"), x, op, FusedCall(self.pg, call, x.reshape(-1), code,
-                                                          -1, None))
+    def learn(self, x, op, call) -> None:
+        """Remember the call ``call`` (allreduce, reduce or broadcast of ``x``
+        with the op object ``op``; None for a broadcast) that the ordinary path
+        is about to run, if it can run fused."""
+        fused = fused_call(self.pg, call, x)
+        if fused is not None:
+            key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
+            self._keep(key, x, op, fused)
 
     def learn_barrier(self, timeout, call) -> None:
         """Remember a barrier (``timeout``: as passed), whose ordinary ``call`` is about to run."""
-        if fusable(self.pg, call, None):
-            self._keep((timeout, "barrier"), None, None,
-                       FusedCall(self.pg, call, None, fused_step.NO_REDUCE, -1, None))
+        fused = fused_call(self.pg, call, None)
+        if fused is not None:
+            self._keep((timeout, "barrier"), None, None, fused)
 
     def _keep(self, key, x, op, fused) -> None:
         seen = self._seen

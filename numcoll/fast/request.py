@@ -14,11 +14,10 @@ for that start, with the same results and errors.
 
 from __future__ import annotations
 
-from ..collectives import fused_step
 from ..collectives.persistent import PersistentRequest
 from ..futures import Future
 from ..work import Work
-from .repeat import fusable
+from .repeat import fused_call
 from .step import FusedCall
 
 __all__ = ["FusedRequest", "Started", "fused_request", "make_request"]
@@ -156,23 +155,15 @@ class FusedRequest(PersistentRequest):
 def fused_request(pg, plan) -> FusedRequest | None:
     """A :class:`FusedRequest` for the persistent ``plan`` (made by
     :mod:`numcoll.collectives.persistent`) of group ``pg``, if one arena step
-    does it: an allreduce the plan runs as one step with a reduction the
-    fused step knows, a broadcast of one round, a barrier. Else None."""
+    does it (:func:`.repeat.fused_call`). Else None."""
     call, guard = plan.call, plan.guard
-    x = guard._arrays[0][0] if len(guard._arrays) == 1 and not guard._others else None
-    op = None
-    if call.name == "allreduce" and plan.publish is not None and not call.custom_op:
-        op = fused_step.OPS.get(call.op)  # (a publish: the plan is one arena step)
-    elif call.name == "broadcast" and x is not None \
-            and x.size <= (pg.context.segment(x.itemsize) or x.size):
-        op = fused_step.BROADCAST
-    elif call.name == "barrier":
-        op = fused_step.NO_REDUCE
-    if op is None or not fusable(pg, call, x):
+    if call.name not in ("allreduce", "reduce", "broadcast", "barrier") or guard._others:
         return None
-    outs = [] if x is None else [x]
-    return FusedRequest(pg.submit, plan, FusedCall(pg, call, None if x is None else x.reshape(-1),
-                                                   op, call.root, outs))
+    if call.name == "allreduce" and plan.publish is None:
+        return None  # (the persistent allreduce's own test for one arena step)
+    x = guard._arrays[0][0] if len(guard._arrays) == 1 else None
+    fused = fused_call(pg, call, x)
+    return None if fused is None else FusedRequest(pg.submit, plan, fused)
 
 
 def make_request(pg, plan) -> PersistentRequest:

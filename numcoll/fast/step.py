@@ -62,18 +62,21 @@ class FusedCall:
         The flat, C-contiguous array the step reduces into or copies into
         (None: a barrier).
     op : int
-        A :data:`fused_step.OPS` code, ``NO_REDUCE`` or ``BROADCAST``.
+        What this rank does with the slots: a :data:`fused_step.OPS` code,
+        ``NO_REDUCE`` (a barrier; a reduce's non-root) or ``BROADCAST``.
     root : int
         The broadcast's root (else unused).
     outs : list
         What the call's future would hold (the caller's arrays).
+    publishes : bool
+        Whether this rank publishes ``x`` (not a broadcast's non-root).
     """
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "rank", "size", "x", "slots", "op",
                  "root", "outs", "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step",
                  "running", "pending", "work")
 
-    def __init__(self, pg, call, x, op: int, root: int, outs: list):
+    def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True):
         self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
         arena = self.arena = pg._transport.arena
         region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
@@ -89,9 +92,8 @@ class FusedCall:
         self.rows = plan[fused_step.ROWS:].reshape(nrows, 4)
         self.lane = (recorder.lane(pg._pg_id, pg._global_rank, call, self.rows, self.meta)
                      if recorder is not None else None)
-        mine = op != fused_step.BROADCAST or rank == root
         plan[:fused_step.ROOT + 1] = (ctrl.nbytes, rank, size, first[0], first[1], stride,
-                                      *_stamp_words(call.stamp), x.nbytes if mine else 0,
+                                      *_stamp_words(call.stamp), x.nbytes if publishes else 0,
                                       spin_ns, self.yield_ns, op, root)
         # Every rank's slot of both sets as (set, rank, element) of x's dtype.
         at, sets = first[0] + HEADER_NBYTES, first[1] - first[0]

@@ -3,7 +3,8 @@
 Code that never heard of persistent requests calls ``nc.all_reduce(x)`` on
 the same small array thousands of times. :class:`Repeats` remembers the last
 few such calls of a group (after the ordinary builder checked them and made
-their :class:`~numcoll.call.Call`) and, when the next call passes the very
+their :class:`~numcoll.call.Call`, and the same array came twice) and, when
+the next call passes the very
 same array -- the same object, shape, strides and dtype, still writable --
 with the same op, under the same settings and default deadline, runs it as
 the :class:`~numcoll.fast.step.FusedCall` it planned the first time.
@@ -16,6 +17,8 @@ configuration. An ndarray's memory cannot move under a view the plan holds
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
@@ -86,11 +89,15 @@ def fusable(pg, call, x) -> bool:
 class Repeats:
     """The recent small calls of group ``pg`` that can run fused."""
 
-    __slots__ = ("pg", "_seen")
+    __slots__ = ("pg", "_seen", "_once")
 
     def __init__(self, pg):
         self.pg = pg
         self._seen: dict = {}
+        # Arrays seen once, by weak reference: a plan is made for an array seen
+        # twice alive, not for each of the fresh arrays that code which
+        # allocates one per call passes (they may even reuse an address).
+        self._once: dict = {}
 
     def allreduce(self, x, op) -> bool:
         """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False
@@ -128,9 +135,17 @@ class Repeats:
         """Remember the call ``call`` (allreduce, reduce or broadcast of ``x``
         with the op object ``op``; None for a broadcast) that the ordinary path
         is about to run, if it can run fused."""
+        key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
+        once = self._once.get(key)
+        if once is None or once() is not x:
+            if type(x) is np.ndarray:
+                if len(self._once) >= 4 * KEPT:
+                    self._once.clear()
+                self._once[key] = weakref.ref(x)
+            return
+        del self._once[key]
         fused = fused_call(self.pg, call, x)
         if fused is not None:
-            key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
             self._keep(key, x, op, fused)
 
     def learn_barrier(self, timeout, call) -> None:
@@ -150,3 +165,4 @@ class Repeats:
     def clear(self) -> None:
         """Forget every call (the group is shutting down)."""
         self._seen.clear()
+        self._once.clear()

@@ -418,3 +418,29 @@ def test_a_fresh_array_per_call_makes_no_plan():
         assert on_ranks(pgs, body) == [(0, 0)] * 2
     finally:
         close(pgs)
+
+
+def test_a_started_handle_is_reused_only_when_nobody_holds_it():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.ones(2, np.float32)
+            req = pg.allreduce_init(x)
+            first = req.start()
+            req.wait()
+            second = req.start()  # ``first`` is held: a new handle
+            assert second is not first and first.is_completed() and not second.is_completed()
+            req.wait()
+            assert second.is_completed() and second.result()[0] is x
+            ident = id(second)
+            del first, second
+            req.start()
+            req.wait()
+            req.start()
+            third = req.work
+            req.wait()
+            return third.is_completed(), third.seq, id(third) == ident
+
+        assert on_ranks(pgs, body) == [(True, 4, True)] * 2
+    finally:
+        close(pgs)

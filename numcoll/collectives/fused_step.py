@@ -37,7 +37,7 @@ from transports.shm.ring import _monotonic_ns
 from ..kernels.cpu_loops import _maximum, _minimum
 
 __all__ = ["OPS", "NO_REDUCE", "BROADCAST", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
-           "publish", "finish", "step", "combine"]
+           "publish", "finish", "complete", "step", "combine"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -152,6 +152,14 @@ def finish(region, plan, x, slots, step, seq, spin_until_ns, yield_until_ns):
         plan[at + 2] = _monotonic_ns()
         plan[at + 3] = COMPLETED
     return got
+
+
+@njit(nogil=True, cache=True)
+def complete(region, plan, x, slots, step, seq):
+    """:func:`finish` with the plan's spin and yield phases from now (the
+    second half of a persistent start)."""
+    spin_until = _monotonic_ns() + plan[SPIN]
+    return finish(region, plan, x, slots, step, seq, spin_until, spin_until + plan[YIELD])
 
 
 @njit(nogil=True, cache=True)

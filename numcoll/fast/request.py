@@ -14,6 +14,8 @@ for that start, with the same results and errors.
 
 from __future__ import annotations
 
+from sys import getrefcount
+
 from ..collectives.persistent import PersistentRequest
 from ..futures import Future
 from ..work import Work
@@ -21,6 +23,11 @@ from .repeat import fused_call
 from .step import FusedCall
 
 __all__ = ["FusedRequest", "Started", "fused_request", "make_request"]
+
+#: ``getrefcount`` of a handle only the request holds: its slot, the local
+#: name, ``getrefcount``'s argument. Then the caller dropped the last start's
+#: handle, and the next start reuses it rather than making one.
+_UNSHARED = 3
 
 
 class Started(Work):
@@ -86,13 +93,14 @@ class FusedRequest(PersistentRequest):
     """A :class:`PersistentRequest` that runs as a fused arena step when it can
     (see the module docstring); made by ``ProcessGroup.*_init``."""
 
-    __slots__ = ("_fused", "_starts", "_last_fused")
+    __slots__ = ("_fused", "_starts", "_last_fused", "_handle")
 
     def __init__(self, submit, plan, fused: FusedCall):
         super().__init__(submit, plan)
         self._fused = fused
         self._starts = 0
         self._last_fused = False
+        self._handle = None  # the last Started given out
 
     def start(self):
         """Start the collective; returns its :class:`~numcoll.Work` (see
@@ -110,7 +118,12 @@ class FusedRequest(PersistentRequest):
         if self._fused.publish():
             self._last_fused = True
             self._work = None
-            return Started.of(self, self._starts)
+            handle = self._handle
+            if handle is not None and getrefcount(handle) <= _UNSHARED:
+                handle._n, handle.seq = self._starts, self._fused.seq  # nobody else holds it
+            else:
+                handle = self._handle = Started.of(self, self._starts)
+            return handle
         self._last_fused = False
         self._work = work = self._submit(self._plan.call, self._plan.run,
                                          publish=self._plan.publish)
@@ -141,7 +154,10 @@ class FusedRequest(PersistentRequest):
     def work(self):
         """The :class:`~numcoll.Work` of the last start (None before the first)."""
         if self._last_fused:
-            return Started.of(self, self._starts)
+            handle = self._handle
+            if handle is None or handle._n != self._starts:
+                handle = self._handle = Started.of(self, self._starts)
+            return handle
         return self._work
 
     def result(self):

@@ -24,8 +24,6 @@ states -- so failures read exactly as on the ordinary path.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from transports.shm.arena import HEADER_NBYTES, _stamp_words
@@ -110,7 +108,9 @@ class FusedCall:
         """Under the group's lock: whether the fused path may run now (nothing
         else in flight or held, the group usable, no message of a finished
         call waiting to be found out); if so take the sequence number and
-        hold this call. Nothing is numbered otherwise."""
+        hold this call -- and, for a persistent start (not ``running``),
+        publish it (a promotion must find the step published). Nothing is
+        numbered otherwise."""
         pg = self.pg
         with pg._lock:
             if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
@@ -121,6 +121,12 @@ class FusedCall:
             pg._fast_held = self
             self.running = running
             self.work = None
+            if not running:
+                arena = self.arena
+                self.step = step = arena._step
+                fused_step.publish(self.region, self.plan, self.x, step, seq)
+                arena._step = step + 1
+                self.pending = True
         return True
 
     def run(self) -> bool:
@@ -139,15 +145,7 @@ class FusedCall:
     def publish(self) -> bool:
         """A persistent start's half: publish (never blocks) and hold the call
         until :meth:`finish`. False when the fused path cannot take it now."""
-        if not self._claim(False):
-            return False
-        pg = self.pg
-        with pg._lock:  # a promotion in between must find the step published
-            self.step = step = self.arena._step
-            fused_step.publish(self.region, self.plan, self.x, step, self.seq)
-            self.arena._step = step + 1
-            self.pending = True
-        return True
+        return self._claim(False)
 
     def finish(self) -> None:
         """The rest of a :meth:`publish`: wait, combine (one compiled call)."""
@@ -159,11 +157,8 @@ class FusedCall:
         if promoted:
             self.work.wait()
             return
-        step = self.step
-        spin_until = time.monotonic_ns() + self.spin_ns
-        got = fused_step.finish(self.region, self.plan, self.x, self.slots, step, self.seq,
-                                spin_until, spin_until + self.yield_ns)
-        self.end(got)
+        self.end(fused_step.complete(self.region, self.plan, self.x, self.slots, self.step,
+                                     self.seq))
 
     def is_open(self) -> bool:
         """Whether the last run (or start) has not completed yet."""

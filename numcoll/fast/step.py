@@ -72,7 +72,7 @@ class FusedCall:
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "rank", "size", "x", "slots", "op",
                  "root", "outs", "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step",
-                 "running", "pending", "work")
+                 "running", "pending", "work", "mailbox")
 
     def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True):
         self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
@@ -102,6 +102,7 @@ class FusedCall:
         self.seq = self.step = -1
         self.running = self.pending = False
         self.work = None
+        self.mailbox = pg._done.mailbox  # held_calls: messages of calls not yet taken
 
     # -- the fast path -------------------------------------------------------------
     def _claim(self, running: bool) -> bool:
@@ -114,7 +115,7 @@ class FusedCall:
         pg = self.pg
         with pg._lock:
             if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
-                    or pg._closed or pg._done.mailbox.held_calls:
+                    or pg._closed or self.mailbox.held_calls:
                 return False
             self.seq = seq = pg._next_seq
             pg._next_seq = seq + 1
@@ -179,7 +180,7 @@ class FusedCall:
         """After the compiled step: done (the usual case), or hand the call to
         the group (promoted) to finish, check and report it."""
         pg = self.pg
-        if got == -1 and not pg._done.mailbox.held_calls:
+        if got == -1 and not self.mailbox.held_calls:
             with pg._lock:
                 if pg._fast_held is self:
                     pg._fast_held = None

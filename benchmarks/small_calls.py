@@ -5,8 +5,11 @@ timed layer by layer, from the module API down to the arena's bare step.
     python benchmarks/small_calls.py -n 4 --runs 3
     NUMCOLL_FR_BUFFER_SIZE=0 python benchmarks/small_calls.py   # without the flight recorder
 
-Every rank runs each variant the same number of times, in lockstep; the
-figure is the mean time per call on rank 0, the median over ``--runs`` runs
+Every rank runs each variant the same number of times, in lockstep. Each
+call is timed on its own (``perf_counter`` around it, included in every
+row) and a run's figure is the median call on rank 0 -- on a shared
+machine a few calls preempted for milliseconds would otherwise dominate a
+mean. The table gives the median and the lowest of ``--runs`` runs
 (variants interleaved, so a busy moment of the machine spreads over all).
 The rows, from the top:
 
@@ -49,6 +52,8 @@ from numcoll.collectives import fused_step
 from transports.shm.arena import LINE_WORDS, _put, _wait
 from transports.shm.ring import _cpu_relax, _load_acquire, _monotonic_ns, _sched_yield
 
+#: Steps per timed batch of the bare rows.
+BATCH = 50
 ROWS = ["nc.all_reduce(x), ordinary", "pg.allreduce(x, blocking=True)", "persistent, ordinary",
         "nc.all_reduce(x), repeat", "persistent, fused", "FusedCall.run()", "compiled step",
         "bare arena step, N in one call", "bare arena step, no stamp check"]
@@ -151,17 +156,26 @@ def _body(calls: int, runs: int) -> dict:
     times: dict[str, list] = {name: [] for name in ROWS}
     for name in ("bare arena step, N in one call", "bare arena step, no stamp check"):
         bare(name.endswith("one call"))(10)  # compiled before timing
+    clock = time.perf_counter
+    each = np.empty(calls)
     for _ in range(runs):
         for name in ROWS:
             pg.barrier().wait()
-            t0 = time.perf_counter()
-            if name.startswith("bare"):
-                bare(name.endswith("one call"))(calls)
+            if name.startswith("bare"):  # batches of BATCH steps, per step
+                loop = bare(name.endswith("one call"))
+                for i in range(calls // BATCH):
+                    t0 = clock()
+                    loop(BATCH)
+                    each[i] = (clock() - t0) / BATCH
+                got = each[:calls // BATCH]
             else:
                 f = loops[name]
-                for _ in range(calls):
+                for i in range(calls):
+                    t0 = clock()
                     f()
-            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+                    each[i] = clock() - t0
+                got = each
+            times[name].append(float(np.median(got)) * 1e6)
     return times
 
 

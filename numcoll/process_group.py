@@ -105,7 +105,7 @@ class ProcessGroup(persistent.InitMethods):
         self._inflight: dict[int, Work] = {}  # by order
         self._arena_order = ArenaOrder(rank)  # the shared arena's calls run in submission order
         self._fast_held = None  # a fused call in progress: promote() it before any other
-        self.repeats = Repeats(self)  #: small blocking calls run fused when they repeat
+        self.repeats = Repeats(self) if world_size > 1 and self._transport.arena else None
         self._poisoned: str | None = None
         self._closed = False
         self._global_rank = rank  # in the default group: see set_global_ranks
@@ -505,7 +505,7 @@ class ProcessGroup(persistent.InitMethods):
         for w in self._workers:
             w.join(timeout=5.0)
         self.context.plans.clear()
-        self.repeats.clear()
+        self.repeats = None  # (small calls fused when they repeat: numcoll.fast)
         if self._recorder is not None:  # its records may stay; its table entry goes with them
             self._recorder.release_group(self._pg_id)
 

@@ -127,14 +127,15 @@ def _tensor_list(param, name: str) -> list:
 
 # -- reductions ------------------------------------------------------------------------
 def _all_reduce_repeat(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return pg.repeats.allreduce(tensor, op)
+    return (repeats := pg.repeats) is not None and repeats.allreduce(tensor, op)
 
 
 @functools.partial(collective, fast=_all_reduce_repeat)
 def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""
     call, run = reductions.allreduce(pg.context, [tensor], None, op)
-    pg.repeats.learn(tensor, op, call)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, op, call)
     return call, run
 
 
@@ -149,7 +150,8 @@ def all_reduce_coalesced(pg, tensors, op=ReduceOp.SUM, group=None, async_op=Fals
 
 def _reduce_repeat(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
                    group_dst=None):
-    return pg.repeats.reduce(tensor, op, _peer(pg, dst, group_dst, "dst"))
+    return (repeats := pg.repeats) is not None and \
+        repeats.reduce(tensor, op, _peer(pg, dst, group_dst, "dst"))
 
 
 @functools.partial(collective, fast=_reduce_repeat)
@@ -158,7 +160,8 @@ def reduce(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
     """Reduce ``tensor`` over the group's ranks into global rank ``dst``'s."""
     call, run = reductions.reduce(pg.context, [tensor], None, op,
                                   _peer(pg, dst, group_dst, "dst"))
-    pg.repeats.learn(tensor, op, call)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, op, call)
     return call, run
 
 
@@ -187,14 +190,16 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 # -- data movement ------------------------------------------------------------------------
 def _broadcast_repeat(pg, tensor, src=None, group=None, async_op=False, group_src=None):
-    return pg.repeats.broadcast(tensor, _peer(pg, src, group_src, "src"))
+    return (repeats := pg.repeats) is not None and \
+        repeats.broadcast(tensor, _peer(pg, src, group_src, "src"))
 
 
 @functools.partial(collective, fast=_broadcast_repeat)
 def broadcast(pg, tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
     call, run = movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
-    pg.repeats.learn(tensor, None, call)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, None, call)
     return call, run
 
 
@@ -326,7 +331,8 @@ def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_si
 
 # -- barriers ------------------------------------------------------------------------------
 def _barrier_repeat(pg, group=None, async_op=False, device_ids=None, timeout=None):
-    return (timeout is None or type(timeout) is timedelta) and pg.repeats.barrier(timeout)
+    return (repeats := pg.repeats) is not None and \
+        (timeout is None or type(timeout) is timedelta) and repeats.barrier(timeout)
 
 
 @functools.partial(collective, fast=_barrier_repeat)
@@ -334,7 +340,8 @@ def barrier(pg, group=None, async_op=False, device_ids=None, timeout: timedelta 
     """Wait until every rank of the group (and every earlier collective) got here."""
     _check_timeout(timeout, "barrier")
     call, run = p2p.barrier(pg.context, BarrierOptions(timeout=timeout))
-    pg.repeats.learn_barrier(timeout, call)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_barrier(timeout, call)
     return call, run
 
 

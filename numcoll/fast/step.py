@@ -134,12 +134,26 @@ class FusedCall:
         """The whole call on this thread (a blocking call). False (nothing
         done, nothing numbered) when the fused path cannot take it now;
         True once it completed; raises its error as a blocking call does."""
-        if not self._claim(True):
-            return False
-        arena = self.arena
+        # _claim(True) and end()'s usual case, inlined: this is the hot path.
+        pg, arena = self.pg, self.arena
+        with pg._lock:
+            if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
+                    or pg._closed or self.mailbox.held_calls:
+                return False
+            self.seq = seq = pg._next_seq
+            pg._next_seq = seq + 1
+            pg._fast_held = self
+            self.running = True
+            self.work = None
         self.step = step = arena._step
-        got = fused_step.step(self.region, self.plan, self.x, self.slots, step, self.seq)
+        got = fused_step.step(self.region, self.plan, self.x, self.slots, step, seq)
         arena._step = step + 1
+        if got == -1 and not self.mailbox.held_calls:
+            with pg._lock:
+                if pg._fast_held is self:
+                    pg._fast_held = None
+                    self.running = False
+                    return True
         self.end(got)
         return True
 

@@ -444,3 +444,11 @@ def test_a_started_handle_is_reused_only_when_nobody_holds_it():
         assert on_ranks(pgs, body) == [(True, 4, True)] * 2
     finally:
         close(pgs)
+
+
+def test_a_request_made_after_shutdown_fails_at_its_start():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    close(pgs)
+    req = pgs[0].allreduce_init(np.ones(2, np.float32))
+    with pytest.raises(nc.NumcollError, match="shut down"):
+        req.start()

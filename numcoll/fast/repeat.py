@@ -77,7 +77,8 @@ def _one_round(pg, x) -> bool:
 def fusable(pg, call, x) -> bool:
     """Whether ``call`` (as the ordinary builder made it) on array ``x`` (None:
     no array) can run as a fused step on ``pg``."""
-    if call.algorithm != "shared" or pg._size < 2 or pg._transport.arena is None:
+    if call.algorithm != "shared" or pg._size < 2 or pg._closed \
+            or pg._transport.arena is None:
         return False
     if x is None:
         return True

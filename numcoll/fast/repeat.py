@@ -22,6 +22,8 @@ import weakref
 
 import numpy as np
 
+from transports.shm.arena import SharedArena
+
 from ..collectives import fused_step
 from .step import FusedCall, fusable_dtype
 
@@ -77,8 +79,9 @@ def _one_round(pg, x) -> bool:
 def fusable(pg, call, x) -> bool:
     """Whether ``call`` (as the ordinary builder made it) on array ``x`` (None:
     no array) can run as a fused step on ``pg``."""
+    # (a SharedArena: the group's own arena, not the hier transport's host arena)
     if call.algorithm != "shared" or pg._size < 2 or pg._closed \
-            or pg._transport.arena is None:
+            or type(pg._transport.arena) is not SharedArena:
         return False
     if x is None:
         return True

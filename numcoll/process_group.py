@@ -35,6 +35,7 @@ from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
 from .diagnostics.mismatch import Finished
 from .errors import GroupPoisonedError, NumcollError
+from .fast import Repeats, make_request, promote
 from .options import GroupOptions
 from .recovery import SHRINK_HINT, Recoverable
 from .bootstrap.store import PrefixStore, Store
@@ -66,6 +67,7 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
     """
 
     Options = GroupOptions
+    _make_request = make_request  # persistent requests: fused where one arena step does it
 
     def __init__(self, store: Store, rank: int, world_size: int,
                  options: GroupOptions | None = None, *, generation: int | None = None):
@@ -111,6 +113,8 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: dict[int, Work] = {}  # by order
         self._arena_order = ArenaOrder(rank)  # the shared arena's calls run in submission order
+        self._fast_held = None  # a fused call in progress: promote() it before any other
+        self.repeats = Repeats(self) if world_size > 1 and self._transport.arena else None
         self._poisoned: str | None = None
         self._closed = False
         self._global_rank = rank  # in the default group: see set_global_ranks
@@ -324,6 +328,8 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         with self._lock:
             if self._poisoned is not None or self._closed:
                 self._refuse(call.name)
+            if self._fast_held is not None:
+                promote(self)
             seq = -1
             if call.collective:
                 seq = self._next_seq
@@ -483,6 +489,8 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         with self._lock:
             if self._closed:
                 return
+            if self._fast_held is not None:
+                promote(self)
             pending = list(self._inflight.values())
             for w in pending:  # held starts (see submit) are on no queue: a worker runs them
                 if w._claim_lock is not None:
@@ -508,6 +516,7 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         for w in self._workers:
             w.join(timeout=5.0)
         self.context.plans.clear()
+        self.repeats = None  # (small calls fused when they repeat: numcoll.fast)
         if self._recorder is not None:  # its records may stay; its table entry goes with them
             self._recorder.release_group(self._pg_id)
 

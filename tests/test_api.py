@@ -20,7 +20,7 @@ def test_all_is_complete_and_importable():
     public = {n for n in dir(nc) if not n.startswith("_")}
     modules = {"algorithms", "api", "bench", "bootstrap", "call", "collectives", "comm",
                "config", "cuda", "data_parallel", "diagnostics", "dtypes", "errors",
-               "examples", "kernels", "launcher", "logs", "memory", "ops", "options",
+               "examples", "fast", "kernels", "launcher", "logs", "memory", "ops", "options",
                "process_group", "recovery", "testing", "torch", "work"}
     assert public - set(nc.__all__) <= modules
 
@@ -46,7 +46,7 @@ def _imports(path, *, top_level_only=False):
 
 
 #: What each layer must never import (a prefix of a module name). The layers,
-#: top down: api -> process_group -> collectives -> algorithms -> comm ->
+#: top down: api -> process_group -> fast -> collectives -> algorithms -> comm ->
 #: memory/kernels/cuda -> transports. See docs/contributing.md, "How it is built".
 FORBIDDEN = {
     "transports": ("numcoll",),
@@ -57,7 +57,9 @@ FORBIDDEN = {
                         "numcoll.algorithms", "numcoll.comm", "transports"),
     "numcoll/memory": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
                        "numcoll.algorithms", "numcoll.comm", "transports"),
-    "numcoll/collectives": ("numcoll.process_group", "numcoll.api", "numcoll.work"),
+    "numcoll/collectives": ("numcoll.process_group", "numcoll.api", "numcoll.work",
+                            "numcoll.fast"),
+    "numcoll/fast": ("numcoll.process_group", "numcoll.api"),
     "numcoll/comm.py": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",
                         "numcoll.algorithms"),
     "numcoll/bootstrap": ("numcoll.process_group", "numcoll.api", "numcoll.collectives",

@@ -30,6 +30,7 @@ MAX_MOVES = 28
 LAYERS = {
     "numcoll/api/": 0,
     "numcoll/process_group.py": 1, "numcoll/work.py": 1, "numcoll/futures.py": 1,
+    "numcoll/fast/": 1,
     "numcoll/collectives/": 2,
     "numcoll/algorithms/": 3,
     "numcoll/comm.py": 4, "numcoll/call.py": 4,

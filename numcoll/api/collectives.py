@@ -39,13 +39,15 @@ __all__ = [
 ]
 
 
-def collective(body):
+def collective(body, fast=None):
     """Give ``body(pg, <torch's parameters>) -> (call, run)`` torch's shape.
 
     The function made has ``body``'s parameters without ``pg``; it reads
     ``group`` and ``async_op`` among them (``async_op`` absent: the call
     always waits, as ``monitored_barrier``), resolves the group, calls
-    ``body`` with it, and submits what ``body`` returns.
+    ``body`` with it, and submits what ``body`` returns. ``fast(pg, <the
+    same arguments>)``, if given, is tried first for a call that waits: True
+    when it ran the call (a repeat, run as one fused step: :mod:`numcoll.fast`).
     """
     name = body.__name__
     signature = inspect.signature(body)
@@ -74,6 +76,8 @@ def collective(body):
         else:
             raise TypeError(f"group must be a ProcessGroup (from new_group), None or "
                             f"GroupMember.NON_GROUP_MEMBER, got {type(group).__name__}")
+        if fast is not None and not async_op and fast(pg, *args, **kwargs):
+            return None
         call, run = body(pg, *args, **kwargs)
         work = pg.submit(call, run, not async_op)
         return work if async_op else None
@@ -122,10 +126,17 @@ def _tensor_list(param, name: str) -> list:
 
 
 # -- reductions ------------------------------------------------------------------------
-@collective
+def _all_reduce_repeat(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return (repeats := pg.repeats) is not None and repeats.allreduce(tensor, op)
+
+
+@functools.partial(collective, fast=_all_reduce_repeat)
 def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""
-    return reductions.allreduce(pg.context, [tensor], None, op)
+    call, run = reductions.allreduce(pg.context, [tensor], None, op)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, op, call)
+    return call, run
 
 
 @collective
@@ -137,12 +148,21 @@ def all_reduce_coalesced(pg, tensors, op=ReduceOp.SUM, group=None, async_op=Fals
                                           AllreduceCoalescedOptions(reduce_op=op))
 
 
-@collective
+def _reduce_repeat(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
+                   group_dst=None):
+    return (repeats := pg.repeats) is not None and \
+        repeats.reduce(tensor, op, _peer(pg, dst, group_dst, "dst"))
+
+
+@functools.partial(collective, fast=_reduce_repeat)
 def reduce(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
            group_dst=None):
     """Reduce ``tensor`` over the group's ranks into global rank ``dst``'s."""
-    return reductions.reduce(pg.context, [tensor], None, op,
-                             _peer(pg, dst, group_dst, "dst"))
+    call, run = reductions.reduce(pg.context, [tensor], None, op,
+                                  _peer(pg, dst, group_dst, "dst"))
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, op, call)
+    return call, run
 
 
 @collective
@@ -169,10 +189,18 @@ def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 
 # -- data movement ------------------------------------------------------------------------
-@collective
+def _broadcast_repeat(pg, tensor, src=None, group=None, async_op=False, group_src=None):
+    return (repeats := pg.repeats) is not None and \
+        repeats.broadcast(tensor, _peer(pg, src, group_src, "src"))
+
+
+@functools.partial(collective, fast=_broadcast_repeat)
 def broadcast(pg, tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
-    return movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
+    call, run = movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
+    if (repeats := pg.repeats) is not None:
+        repeats.learn(tensor, None, call)
+    return call, run
 
 
 @collective
@@ -302,11 +330,19 @@ def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_si
 
 
 # -- barriers ------------------------------------------------------------------------------
-@collective
+def _barrier_repeat(pg, group=None, async_op=False, device_ids=None, timeout=None):
+    return (repeats := pg.repeats) is not None and \
+        (timeout is None or type(timeout) is timedelta) and repeats.barrier(timeout)
+
+
+@functools.partial(collective, fast=_barrier_repeat)
 def barrier(pg, group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
     """Wait until every rank of the group (and every earlier collective) got here."""
     _check_timeout(timeout, "barrier")
-    return p2p.barrier(pg.context, BarrierOptions(timeout=timeout))
+    call, run = p2p.barrier(pg.context, BarrierOptions(timeout=timeout))
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_barrier(timeout, call)
+    return call, run
 
 
 @collective

@@ -300,7 +300,7 @@ def _group_method(builder: Callable, name: str) -> Callable:
     taking its parameters (``builder``'s without the context)."""
 
     def method(self, *args, **kwargs):
-        return PersistentRequest(self.submit, builder(self.context, *args, **kwargs))
+        return self._make_request(builder(self.context, *args, **kwargs))
 
     signature = inspect.signature(builder)
     params = list(signature.parameters.values())
@@ -321,6 +321,11 @@ class InitMethods:
     :class:`PersistentRequest` back."""
 
     __slots__ = ()
+
+    def _make_request(self, plan: Plan) -> PersistentRequest:
+        """The request that runs ``plan`` (a group may offer a faster one)."""
+        return PersistentRequest(self.submit, plan)
+
     allreduce_init = _group_method(allreduce, "allreduce_init")
     broadcast_init = _group_method(broadcast, "broadcast_init")
     reduce_init = _group_method(reduce, "reduce_init")

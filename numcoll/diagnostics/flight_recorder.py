@@ -35,10 +35,12 @@ import threading
 import time
 import uuid
 
+import numpy as np
+
 from .. import config
 from ..call import TORCH_NAMES
 
-__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Record", "write_private"]
+__all__ = ["dump", "dump_json", "enabled", "FlightRecorder", "Lane", "Record", "write_private"]
 
 VERSION = "1.0"
 _now_ns = time.time_ns
@@ -112,6 +114,55 @@ def _dtype_name(dtype) -> str:
 
     return dtype_name(dtype)
 
+#: A lane row's states (written by compiled code: :mod:`numcoll.collectives.fused_step`).
+_LANE_STATES = {1: "started", 2: "completed"}
+#: At most this many rows per lane, and this many lanes per recorder (the oldest go).
+LANE_ROWS = 1024
+MAX_LANES = 256
+
+
+class Lane:
+    """The records of one repeated call (a persistent request, or a blocking
+    call the group recognised as a repeat), kept as rows of int64 that its
+    compiled step writes: ``rows[i] = (seq, started, completed, state)``,
+    times on the monotonic clock. No :class:`Record` is made per call; the
+    dump turns rows into entries. A call that leaves the compiled step (a
+    slow peer, a failure) marks its row moved and gets a Record instead.
+
+    ``meta[0]`` counts the rows written, ``meta[1]`` is the last one's index.
+    """
+
+    __slots__ = ("pg_id", "rank", "call", "rows", "meta", "_offset_ns")
+
+    def __init__(self, pg_id: int, rank: int, call, rows: np.ndarray, meta: np.ndarray):
+        self.pg_id, self.rank, self.call = pg_id, rank, call
+        self.rows, self.meta = rows, meta
+        self._offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall
+
+    def last_row(self) -> np.ndarray:
+        """The row of the last call written."""
+        return self.rows[self.meta[1]]
+
+    def records(self) -> list[Record]:
+        """The rows as (detached) :class:`Record` objects, oldest first."""
+        n = int(self.meta[0])
+        count = min(n, len(self.rows))
+        out = []
+        for k in range(n - count, n):
+            seq, started, completed, state = (int(v) for v in self.rows[k % len(self.rows)])
+            what = _LANE_STATES.get(state)
+            if what is None:  # moved to a Record, or not written yet
+                continue
+            rec = Record(-1, self.pg_id, self.rank, seq, self.call)
+            rec.time_created_ns = rec.time_started_ns = started + self._offset_ns
+            rec.state = what
+            if what == "completed":
+                rec.time_completed_ns = completed + self._offset_ns
+            else:
+                rec.waiting_op = "arena"
+            out.append(rec)
+        return out
+
 
 class FlightRecorder:
     """A bounded ring of :class:`Record` plus each group's configuration and progress."""
@@ -125,6 +176,7 @@ class FlightRecorder:
         self._pg_config: dict[int, dict] = {}
         self._pg_status: dict[int, list] = {}
         self._released: set[int] = set()  # shut down; dropped once no record names them
+        self._lanes: collections.deque[Lane] = collections.deque(maxlen=MAX_LANES)
 
     def register_group(self, name: str, desc: str, ranks: list[int]) -> int:
         """A new group's id (``pg_id`` in the records)."""
@@ -149,6 +201,7 @@ class FlightRecorder:
             self._released.add(pg_id)
             # list() copies the ring in C, safe against a concurrent append.
             named = {rec.pg_id for rec in list(self._records)}
+            named.update(lane.pg_id for lane in self._lanes if lane.meta[0])
             for gone in [g for g in self._released if g not in named]:
                 self._released.discard(gone)
                 self._pg_config.pop(gone, None)
@@ -173,6 +226,30 @@ class FlightRecorder:
                 status[1] = seq
         return rec
 
+    def lane_rows(self) -> int:
+        """How many rows a :class:`Lane` keeps."""
+        return max(1, min(self.capacity, LANE_ROWS))
+
+    def lane(self, pg_id: int, rank: int, call, rows: np.ndarray, meta: np.ndarray) -> Lane:
+        """A new :class:`Lane` for the repeated ``call`` of group ``pg_id``, over
+        ``rows`` (``lane_rows()`` rows of four int64) and ``meta`` (two)."""
+        lane = Lane(pg_id, rank, call, rows, meta)
+        with self._lock:
+            self._lanes.append(lane)
+        return lane
+
+    def _all_records(self) -> list[Record]:
+        """The ring's records and the lanes', in time order, the last ``capacity``
+        (under the lock)."""
+        records = list(self._records)
+        lanes = [lane for lane in self._lanes if lane.meta[0]]
+        if not lanes:
+            return records
+        for lane in lanes:
+            records.extend(lane.records())
+        records.sort(key=lambda r: r.time_created_ns)
+        return records[-self.capacity:]
+
     def started(self, rec: Record) -> None:
         rec.state = "started"
         rec.time_started_ns = _now_ns()
@@ -195,7 +272,9 @@ class FlightRecorder:
     def find(self, pg_id: int, seq: int) -> Record | None:
         """The newest record of group ``pg_id``'s collective ``seq``, if the
         ring still holds it (for error messages: a scan of the ring)."""
-        for rec in reversed(list(self._records)):
+        with self._lock:
+            records = self._all_records()
+        for rec in reversed(records):
             if rec.pg_id == pg_id and rec.seq == seq:
                 return rec
         return None
@@ -203,7 +282,7 @@ class FlightRecorder:
     def waiting(self, rank: int) -> list[str]:
         """What global ``rank``'s collectives in progress are waiting for, newest first."""
         with self._lock:
-            records = list(self._records)
+            records = self._all_records()
         return [text for rec in reversed(records) if rec.rank == rank and rec.state == "started"
                 for text in (rec.describe_wait(),) if text]
 
@@ -222,13 +301,27 @@ class FlightRecorder:
     def dump(self, rank: int | None = None) -> dict:
         """The records (of one global ``rank`` only, if given) as plain data."""
         with self._lock:
-            records = list(self._records)
+            records = self._all_records()
             config = {str(k): dict(v) for k, v in self._pg_config.items()}
-            status = {str(k): {"last_enqueued_collective": v[0],
-                               "last_started_collective": v[1],
-                               "last_completed_collective": v[2]}
-                      for k, v in self._pg_status.items()}
-        entries = [r.as_dict() for r in records if rank is None or r.rank == rank]
+            progress = {k: list(v) for k, v in self._pg_status.items()}
+        for rec in records:  # the lanes' calls count too (the ring's are counted already)
+            now = progress.get(rec.pg_id)
+            if rec.record_id < 0 and now is not None and rec.seq > 0:
+                now[0] = max(now[0], rec.seq)
+                now[1] = max(now[1], rec.seq)
+                if rec.state == "completed":
+                    now[2] = max(now[2], rec.seq)
+        status = {str(k): {"last_enqueued_collective": v[0],
+                           "last_started_collective": v[1],
+                           "last_completed_collective": v[2]}
+                  for k, v in progress.items()}
+        first_id = next((r.record_id for r in records if r.record_id >= 0), 0)
+        entries = []
+        for i, r in enumerate(records):
+            if rank is None or r.rank == rank:
+                entry = r.as_dict()
+                entry["record_id"] = first_id + i  # lanes' records interleaved in time order
+                entries.append(entry)
         return {"version": VERSION, "pid": os.getpid(), "rank": rank, "pg_config": config,
                 "pg_status": status, "entries": entries}
 

@@ -210,6 +210,20 @@ class SharedArena:
         """The step this rank publishes next (see :meth:`mine`)."""
         return self._step
 
+    def layout(self) -> tuple:
+        """``(region, ctrl, first_headers, stride, spin_ns, yield_ns)``: what a
+        compiled step that publishes and waits as :meth:`step` does needs
+        (``first_headers[s]``: the offset of set ``s``'s first header). Such a
+        caller advances :attr:`next_step` itself (:meth:`advance`)."""
+        if self._region is None:
+            raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
+        return (self._region, self._ctrl, self._first_header, self._stride,
+                self._spin_ns, self._yield_ns)
+
+    def advance(self, step: int) -> None:
+        """A compiled step published ``step`` (see :meth:`layout`)."""
+        self._step = step + 1
+
     def mine(self, step: int) -> np.ndarray:
         """This rank's payload of ``step`` (uint8, writable): fill it, then
         :meth:`put` with ``payload=None`` and the bytes written."""

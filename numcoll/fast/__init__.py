@@ -1,0 +1,16 @@
+"""Small collectives at the hardware's pace: repeated calls as one compiled step.
+
+- :mod:`.step`: :class:`FusedCall`, one small call of a group planned once
+  and run as one fused arena step, and how the group takes it back
+  (promotion) when anything else happens meanwhile;
+- :mod:`.request`: persistent requests whose start and wait are one
+  compiled call each;
+- :mod:`.repeat`: blocking calls recognised as repeats of a recent one.
+"""
+
+from .repeat import Repeats, fusable
+from .request import FusedRequest, Started, fused_request, make_request
+from .step import FusedCall, promote
+
+__all__ = ["FusedCall", "FusedRequest", "Repeats", "Started", "fusable", "fused_request",
+           "make_request", "promote"]

@@ -1,0 +1,183 @@
+"""Blocking small calls that repeat: recognised, and run as one fused step.
+
+Code that never heard of persistent requests calls ``nc.all_reduce(x)`` on
+the same small array thousands of times. :class:`Repeats` remembers the last
+few such calls of a group (after the ordinary builder checked them and made
+their :class:`~numcoll.call.Call`, and the same array came twice) and, when
+the next call passes the very
+same array -- the same object, shape, strides and dtype, still writable --
+with the same op, under the same settings and default deadline, runs it as
+the :class:`~numcoll.fast.step.FusedCall` it planned the first time.
+
+Anything else takes the ordinary path with its full checks, never a stale
+plan: another array object (even an equal one), a reshaped or re-strided
+array, another dtype or op, an array made read-only, a changed timeout or
+configuration. An ndarray's memory cannot move under a view the plan holds
+(``resize`` refuses), so the object's identity pins its memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from transports.shm.arena import SharedArena
+
+from ..collectives import fused_step
+from .step import FusedCall, fusable_dtype
+
+__all__ = ["Repeats", "fusable", "fused_call"]
+
+#: Calls remembered per group (the oldest is forgotten first).
+KEPT = 8
+
+
+class _Seen:
+    """One remembered call: what must be unchanged, and its plan."""
+
+    __slots__ = ("x", "op", "shape", "strides", "dtype", "cfg", "timeout_s", "fused")
+
+    def __init__(self, x, op, cfg, timeout_s, fused):
+        self.x, self.op, self.cfg, self.timeout_s, self.fused = x, op, cfg, timeout_s, fused
+        if x is not None:
+            self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
+
+
+def fused_call(pg, call, x) -> FusedCall | None:
+    """The :class:`FusedCall` of ``call`` (as the ordinary builder made it) on
+    array ``x`` (None: a barrier), if one arena step does it: an allreduce or
+    reduce with a reduction the fused step knows, a broadcast of one round
+    (a ``NUMCOLL_SEGMENT_*`` setting may force several), a barrier. Else None."""
+    name, rank = call.name, pg._rank
+    if name == "barrier":
+        return FusedCall(pg, call, None, fused_step.NO_REDUCE, -1, []) \
+            if fusable(pg, call, None) else None
+    if x is None or not fusable(pg, call, x):
+        return None
+    flat, outs, publishes = x.reshape(-1), [x], True
+    if name in ("allreduce", "reduce"):
+        op = fused_step.OPS.get(call.op) if not call.custom_op else None
+        if op is None or name == "reduce" and not _one_round(pg, x):
+            return None
+        if name == "reduce" and rank != call.root:
+            op = fused_step.NO_REDUCE
+    elif name == "broadcast" and _one_round(pg, x):
+        op, publishes = fused_step.BROADCAST, rank == call.root
+    else:
+        return None
+    return FusedCall(pg, call, flat, op, call.root, outs, publishes)
+
+
+def _one_round(pg, x) -> bool:
+    """Whether the arena algorithms move ``x`` in one round (the segment setting
+    may force more)."""
+    seg = pg.context.segment(x.itemsize)
+    return seg is None or x.size <= seg
+
+
+def fusable(pg, call, x) -> bool:
+    """Whether ``call`` (as the ordinary builder made it) on array ``x`` (None:
+    no array) can run as a fused step on ``pg``."""
+    # (a SharedArena: the group's own arena, not the hier transport's host arena)
+    if call.algorithm != "shared" or pg._size < 2 or pg._closed \
+            or type(pg._transport.arena) is not SharedArena:
+        return False
+    if x is None:
+        return True
+    return (type(x) is np.ndarray and x.flags.c_contiguous and x.flags.writeable
+            and fusable_dtype(x.dtype) and x.nbytes <= pg._transport.arena.slot_nbytes
+            and x.size > 0)
+
+
+class Repeats:
+    """The recent small calls of group ``pg`` that can run fused."""
+
+    __slots__ = ("pg", "_seen", "_once")
+
+    def __init__(self, pg):
+        self.pg = pg
+        self._seen: dict = {}
+        # Arrays seen once, by weak reference: a plan is made for an array seen
+        # twice alive, not for each of the fresh arrays that code which
+        # allocates one per call passes (they may even reuse an address).
+        self._once: dict = {}
+
+    def allreduce(self, x, op) -> bool:
+        """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False
+        (nothing done) if it does not, or the fused path cannot take it now."""
+        seen = self._seen.get((id(x), "allreduce"))  # (_repeat, inlined: the hot path)
+        if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
+                or x.strides != seen.strides or x.dtype != seen.dtype \
+                or not x.flags.writeable:
+            return False
+        ctx = self.pg.context
+        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
+            return False
+        return seen.fused.run()
+
+    def reduce(self, x, op, root: int) -> bool:
+        """:meth:`allreduce` for ``reduce(x, op)`` into group rank ``root``."""
+        return self._repeat((id(x), "reduce", root), x, op)
+
+    def broadcast(self, x, root: int) -> bool:
+        """:meth:`allreduce` for ``broadcast(x)`` from group rank ``root``."""
+        return self._repeat((id(x), "broadcast", root), x, None)
+
+    def barrier(self, timeout) -> bool:
+        """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
+        seen = self._seen.get((timeout, "barrier"))
+        if seen is None or self._stale(seen):
+            return False
+        return seen.fused.run()
+
+    def _repeat(self, key, x, op) -> bool:
+        seen = self._seen.get(key)
+        if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
+                or x.strides != seen.strides or x.dtype != seen.dtype \
+                or not x.flags.writeable:
+            return False
+        ctx = self.pg.context
+        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
+            return False
+        return seen.fused.run()
+
+    def _stale(self, seen) -> bool:
+        ctx = self.pg.context
+        return seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s
+
+    def learn(self, x, op, call) -> None:
+        """Remember the call ``call`` (allreduce, reduce or broadcast of ``x``
+        with the op object ``op``; None for a broadcast) that the ordinary path
+        is about to run, if it can run fused."""
+        key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
+        once = self._once.get(key)
+        if once is None or once() is not x:
+            if type(x) is np.ndarray:
+                if len(self._once) >= 4 * KEPT:
+                    self._once.clear()
+                self._once[key] = weakref.ref(x)
+            return
+        del self._once[key]
+        fused = fused_call(self.pg, call, x)
+        if fused is not None:
+            self._keep(key, x, op, fused)
+
+    def learn_barrier(self, timeout, call) -> None:
+        """Remember a barrier (``timeout``: as passed), whose ordinary ``call`` is about to run."""
+        fused = fused_call(self.pg, call, None)
+        if fused is not None:
+            self._keep((timeout, "barrier"), None, None, fused)
+
+    def _keep(self, key, x, op, fused) -> None:
+        seen = self._seen
+        seen.pop(key, None)
+        if len(seen) >= KEPT:
+            seen.pop(next(iter(seen)))
+        ctx = self.pg.context
+        seen[key] = _Seen(x, op, ctx.cfg, ctx.timeout_s, fused)
+
+    def clear(self) -> None:
+        """Forget every call (the group is shutting down)."""
+        self._seen.clear()
+        self._once.clear()

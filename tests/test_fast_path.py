@@ -1,0 +1,454 @@
+"""Small calls as one fused arena step (numcoll.fast): a blocking call that
+repeats, and persistent requests. Results against a NumPy reference at 1-5
+ranks; every change to a repeated call (array, shape, layout, dtype, op,
+writability, deadline) falls back to the ordinary path with its checks; a
+mismatch, a dead or missing peer, and calls interleaved with a held start are
+handled as on the ordinary path; the flight recorder sees every call."""
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import numcoll as nc
+from numcoll.diagnostics import flight_recorder
+from numcoll.fast import FusedRequest
+
+from test_process_group import groups, on_ranks
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif("not __import__('transports').shm_available()")]
+
+
+def close(pgs):
+    for pg in pgs:
+        pg.shutdown()
+
+
+def fused_runs(pg) -> int:
+    """How many of the group's calls ran fused (their flight-recorder rows)."""
+    recorder = flight_recorder.recorder()
+    if recorder is None:
+        return sum(int(seen.fused.meta[0]) for seen in pg.repeats._seen.values())
+    return sum(int(lane.meta[0]) for lane in recorder._lanes if lane.pg_id == pg._pg_id)
+
+
+def value(rank, i, n, dtype):
+    return ((np.arange(n) % 7) + 3 * rank + i + 1).astype(dtype)
+
+
+REDUCE = {nc.ReduceOp.SUM: np.add, nc.ReduceOp.PRODUCT: np.multiply,
+          nc.ReduceOp.MIN: np.minimum, nc.ReduceOp.MAX: np.maximum}
+
+
+def reference(op, arrays):
+    out = arrays[0].copy()
+    for a in arrays[1:]:
+        out = REDUCE[op](out, a)
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.uint8])
+@pytest.mark.parametrize("op", list(REDUCE))
+def test_a_repeated_all_reduce_runs_fused_and_agrees(size, dtype, op):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    n, calls = 3, 5
+    try:
+        def body(pg):
+            x = np.zeros(n, dtype)
+            got = []
+            for i in range(calls):
+                x[...] = value(pg.rank(), i, n, dtype)
+                assert nc.all_reduce(x, op=op, group=pg) is None
+                got.append(x.copy())
+            return got, fused_runs(pg), pg.sequence_number()
+
+        results = on_ranks(pgs, body)
+        for i in range(calls):
+            expected = reference(op, [value(r, i, n, dtype) for r in range(size)])
+            for got, _, _ in results:
+                np.testing.assert_array_equal(got[i], expected)
+        for _, fused, seq in results:
+            assert seq == calls
+            assert fused == (calls - 2 if size > 1 else 0)  # the second call is learnt
+    finally:
+        close(pgs)
+
+
+def test_results_are_bitwise_equal_on_every_rank():
+    pgs = groups(4, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            rng = np.random.default_rng(pg.rank())
+            x = np.zeros(6, np.float32)
+            out = []
+            for _ in range(4):
+                x[...] = rng.standard_normal(6).astype(np.float32) * 1e3
+                nc.all_reduce(x, group=pg)
+                out.append(x.tobytes())
+            return out, fused_runs(pg)
+
+        results = on_ranks(pgs, body)
+        assert len({tuple(out) for out, _ in results}) == 1
+        assert {fused for _, fused in results} == {2}
+    finally:
+        close(pgs)
+
+
+def test_any_change_falls_back_to_the_full_checks():
+    """Each change below takes the ordinary path (the fused count does not
+    move) and gives the ordinary result or error; the unchanged call after it
+    is fused again."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r = pg.rank()
+            x = np.zeros(4, np.float32)
+            log = []
+
+            def call(arr, expect, op=nc.ReduceOp.SUM, fused=False):
+                before = fused_runs(pg)
+                nc.all_reduce(arr, op=op, group=pg)
+                np.testing.assert_array_equal(arr, expect)
+                log.append(fused_runs(pg) - before == int(fused))
+
+            for _ in range(2):
+                x[...] = r + 1
+                call(x, np.full(4, 3, np.float32))  # seen, learnt, then ...
+            x[...] = r + 1
+            call(x, np.full(4, 3, np.float32), fused=True)  # ... runs fused
+            y = np.full(4, r + 1, np.float32)  # an equal array, another object
+            call(y, np.full(4, 3, np.float32))
+            x[...] = r + 1
+            call(x, np.full(4, 2, np.float32), op=nc.ReduceOp.MAX)  # another op
+            x.shape = (2, 2)  # the same object, reshaped in place
+            x[...] = r + 1
+            call(x, np.full((2, 2), 3, np.float32))
+            x.shape = (4,)
+            for fused in (False, False, True):  # (the last plan learnt was for (2, 2))
+                x[...] = r + 1
+                call(x, np.full(4, 3, np.float32), fused=fused)
+            d = x.view(np.int32)  # another dtype (and object)
+            d[...] = r + 1
+            call(d, np.full(4, 3, np.int32))
+            big = np.full(8, r + 1, np.float32)
+            strided = big[::2]  # not contiguous: never fused
+            for _ in range(3):
+                strided[...] = r + 1
+                call(strided, np.full(4, 3, np.float32))
+            x[...] = r + 1
+            x.flags.writeable = False  # read-only: refused as on the ordinary path
+            with pytest.raises(ValueError, match="read-only|writable|writeable"):
+                nc.all_reduce(x, group=pg)
+            x.flags.writeable = True
+            pg.set_timeout(timedelta(seconds=20))  # the stamp's deadline changed
+            x[...] = r + 1
+            call(x, np.full(4, 3, np.float32))
+            return log, pg.sequence_number()
+
+        for log, seq in on_ranks(pgs, body):
+            assert all(log), [i for i, ok in enumerate(log) if not ok]
+            assert seq == 14
+    finally:
+        close(pgs)
+
+
+def test_a_mismatch_on_the_fused_path_fails_on_both_ranks():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
+    try:
+        def body(pg):
+            x = np.ones(4, np.float32)
+            for _ in range(3):
+                nc.all_reduce(x, group=pg)
+            if pg.rank() == 0:
+                nc.all_reduce(x, group=pg)  # fused
+            else:
+                nc.all_reduce(np.ones(4, np.float64), group=pg)
+
+        with pytest.raises(nc.CollectiveMismatchError, match="Detected mismatch"):
+            on_ranks(pgs, body)
+    finally:
+        close(pgs)
+
+
+def test_a_fused_persistent_start_against_a_barrier_is_a_mismatch():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
+    try:
+        def body(pg):
+            req = pg.allreduce_init(np.ones(2, np.float32))
+            assert isinstance(req, FusedRequest)
+            if pg.rank() == 0:
+                req.start()
+                req.wait()
+            else:
+                pg.barrier().wait()
+
+        with pytest.raises(nc.CollectiveMismatchError):
+            on_ranks(pgs, body)
+    finally:
+        close(pgs)
+
+
+def test_a_missing_peer_times_out_naming_it():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=2))
+    try:
+        def body(pg):
+            x = np.ones(2, np.float32)
+            for _ in range(3):
+                nc.all_reduce(x, group=pg)
+            if pg.rank() == 0:
+                nc.all_reduce(x, group=pg)  # rank 1 never comes
+
+        with pytest.raises(nc.NumcollError, match="rank 1"):
+            on_ranks(pgs, body)
+        with pytest.raises(nc.NumcollError):  # the group is poisoned, as on the ordinary path
+            pgs[0].allreduce(np.ones(2, np.float32)).wait()
+    finally:
+        close(pgs)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_persistent_requests_fused(size):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r = pg.rank()
+            x, b = np.zeros(3, np.float64), np.zeros(5, np.int32)
+            reqs = [pg.allreduce_init(x, op=nc.ReduceOp.MAX), pg.broadcast_init(b, root=size - 1),
+                    pg.barrier_init()]
+            assert all(isinstance(q, FusedRequest) for q in reqs)
+            for i in range(6):
+                x[...] = value(r, i, 3, np.float64)
+                b[...] = value(r, i, 5, np.int32)
+                for q in reqs:
+                    work = q.start()
+                    assert isinstance(work, nc.Work)
+                    q.wait()
+                    assert work.is_completed() and q.is_completed()
+                np.testing.assert_array_equal(x, value(size - 1, i, 3, np.float64))
+                np.testing.assert_array_equal(b, value(size - 1, i, 5, np.int32))
+            assert reqs[0].result()[0] is x
+            return [int(q._fused.meta[0]) for q in reqs], pg.sequence_number()
+
+        for counts, seq in on_ranks(pgs, body):
+            assert counts == [6, 6, 6] and seq == 18
+    finally:
+        close(pgs)
+
+
+def test_a_held_start_is_promoted_by_any_other_call():
+    """Between a fused start and its wait, another call (blocking, async, a
+    barrier, a second request) makes the start an ordinary Work in flight;
+    everything completes in order with the right values."""
+    pgs = groups(2, transport="shm", threads=2, timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r = pg.rank()
+            x, y = np.zeros(2, np.float32), np.zeros(2, np.float32)
+            a, b = pg.allreduce_init(x), pg.allreduce_init(y)
+            for i in range(8):
+                x[...], y[...] = r + i, 10 * r
+                first = a.start()
+                if i % 4 == 0:
+                    w = pg.allreduce(z := np.full(3, r + 1.0))
+                    w.wait()
+                    assert z.tolist() == [3.0] * 3
+                elif i % 4 == 1:
+                    pg.barrier().wait()
+                    assert first.is_completed()
+                elif i % 4 == 2:
+                    b.start()
+                    b.wait()
+                    assert y.tolist() == [10.0] * 2
+                else:
+                    nc.all_reduce(z := np.ones(1), group=pg)
+                a.wait()
+                assert first.is_completed() and a.work is not None
+                assert x.tolist() == [2 * i + 1.0] * 2
+            return pg.sequence_number()
+
+        assert on_ranks(pgs, body) == [16, 16]
+    finally:
+        close(pgs)
+
+
+def test_a_start_in_flight_and_a_changed_array_are_refused():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.zeros(4, np.float32)
+            req = pg.allreduce_init(x)
+            req.start()
+            with pytest.raises(RuntimeError, match="still in flight"):
+                req.start()
+            req.wait()
+            x.shape = (2, 2)
+            with pytest.raises(ValueError, match="changed since it was made"):
+                req.start()
+            x.shape = (4,)
+            req.start()
+            req.wait(timeout=10)
+            return pg.sequence_number()
+
+        assert on_ranks(pgs, body) == [2, 2]
+    finally:
+        close(pgs)
+
+
+@pytest.fixture
+def fresh_recorder():
+    flight_recorder._reset_for_tests(100)
+    yield
+    flight_recorder._reset_for_tests()
+
+
+def test_the_flight_recorder_sees_every_fused_call(fresh_recorder):
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.ones(2, np.float32)
+            for _ in range(4):
+                nc.all_reduce(x, group=pg)
+            req = pg.allreduce_init(x)
+            for _ in range(3):
+                req.start()
+                req.wait()
+            for _ in range(2):
+                nc.barrier(group=pg)
+            return pg._pg_id
+
+        pg_ids = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    dump = flight_recorder.dump(rank=0)
+    mine = [e for e in dump["entries"] if e["pg_id"] == pg_ids[0]]
+    assert [e["collective_seq_id"] for e in mine] == list(range(1, 10))
+    assert [e["profiling_name"] for e in mine] == ["numcoll:all_reduce"] * 7 + \
+        ["numcoll:barrier"] * 2
+    for e in mine:
+        assert e["state"] == "completed" and e["algorithm"] == "shared"
+        assert e["time_created_ns"] <= e["time_started_ns"] <= e["time_completed_ns"]
+    ids = [e["record_id"] for e in mine]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    assert dump["pg_status"][str(pg_ids[0])]["last_completed_collective"] == 9
+
+
+def test_without_a_flight_recorder_the_fused_path_still_runs():
+    flight_recorder._reset_for_tests(0)
+    try:
+        pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+        try:
+            def body(pg):
+                x = np.ones(2, np.float32)
+                for _ in range(3):
+                    nc.all_reduce(x, group=pg)
+                return x.tolist(), fused_runs(pg)
+
+            assert on_ranks(pgs, body) == [([8.0, 8.0], 1)] * 2
+        finally:
+            close(pgs)
+    finally:
+        flight_recorder._reset_for_tests()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_repeated_broadcast_and_reduce_run_fused(size):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r, root = pg.rank(), size - 1
+            b, d = np.zeros(3, np.int32), np.zeros(4, np.float64)
+            for i in range(4):
+                b[...] = value(r, i, 3, np.int32)
+                nc.broadcast(b, src=root, group=pg)
+                np.testing.assert_array_equal(b, value(root, i, 3, np.int32))
+                d[...] = value(r, i, 4, np.float64)
+                nc.reduce(d, dst=1, op=nc.ReduceOp.SUM, group=pg)
+                want = sum(value(q, i, 4, np.float64) for q in range(size)) if r == 1 \
+                    else value(r, i, 4, np.float64)  # non-roots' arrays are left alone
+                np.testing.assert_array_equal(d, want)
+            req = pg.reduce_init(d, nc.ReduceOptions(reduce_op=nc.ReduceOp.MIN, root_rank=0))
+            assert isinstance(req, FusedRequest)
+            for i in range(3):
+                d[...] = value(r, i, 4, np.float64)
+                req.start()
+                req.wait()
+                np.testing.assert_array_equal(d, value(0, i, 4, np.float64) if r == 0
+                                              else value(r, i, 4, np.float64))
+            return fused_runs(pg), pg.sequence_number()
+
+        assert on_ranks(pgs, body) == [(4 + 3, 11)] * size
+    finally:
+        close(pgs)
+
+
+def test_eight_ranks():
+    pgs = groups(8, transport="shm", timeout=timedelta(seconds=60))
+    try:
+        def body(pg):
+            x = np.zeros(2, np.int64)
+            out = []
+            for i in range(3):
+                x[...] = pg.rank() + i
+                nc.all_reduce(x, group=pg)
+                out.append(x.tolist())
+                nc.barrier(group=pg)
+            return out, fused_runs(pg)
+
+        for out, fused in on_ranks(pgs, body):
+            assert out == [[28 + 8 * i] * 2 for i in range(3)] and fused == 1 + 2
+    finally:
+        close(pgs)
+
+
+def test_a_fresh_array_per_call_makes_no_plan():
+    """Code that allocates its array per call never pays for a plan (nor fills
+    the flight recorder with lanes): only an array seen twice alive is planned."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            for i in range(6):
+                x = np.full(2, float(i), np.float32)
+                nc.all_reduce(x, group=pg)
+                assert x.tolist() == [2.0 * i] * 2
+                del x
+            return len(pg.repeats._seen), fused_runs(pg)
+
+        assert on_ranks(pgs, body) == [(0, 0)] * 2
+    finally:
+        close(pgs)
+
+
+def test_a_started_handle_is_reused_only_when_nobody_holds_it():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.ones(2, np.float32)
+            req = pg.allreduce_init(x)
+            first = req.start()
+            req.wait()
+            second = req.start()  # ``first`` is held: a new handle
+            assert second is not first and first.is_completed() and not second.is_completed()
+            req.wait()
+            assert second.is_completed() and second.result()[0] is x
+            ident = id(second)
+            del first, second
+            req.start()
+            req.wait()
+            req.start()
+            third = req.work
+            req.wait()
+            return third.is_completed(), third.seq, id(third) == ident
+
+        assert on_ranks(pgs, body) == [(True, 4, True)] * 2
+    finally:
+        close(pgs)
+
+
+def test_a_request_made_after_shutdown_fails_at_its_start():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    close(pgs)
+    req = pgs[0].allreduce_init(np.ones(2, np.float32))
+    with pytest.raises(nc.NumcollError, match="shut down"):
+        req.start()

@@ -50,7 +50,7 @@ _SHUTDOWN = object()
 _SHUTDOWN_DRAIN_S = 2.0
 
 
-class ProcessGroup(persistent.InitMethods, Recoverable):
+class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
     """A group of ``world_size`` ranks running Gloo's collectives on arrays.
 
     Parameters
@@ -270,36 +270,6 @@ class ProcessGroup(persistent.InitMethods, Recoverable):
         block q to rank q; rank r's block lands in ``output``'s r-th block."""
         call, run = movement.alltoall_base(self.context, output, input, output_split_sizes,
                                            input_split_sizes, opts)
-        return self.submit(call, run, blocking)
-
-    def send(self, arrays, dst: int, tag: int = 0, *, blocking: bool = False):
-        """Send one array to rank ``dst``, matched by the receiver's (source, tag)."""
-        call, run = p2p.send(self.context, arrays, dst, tag)
-        return self.submit(call, run, blocking)
-
-    def recv(self, arrays, src: int, tag: int = 0, *, blocking: bool = False):
-        """Receive one array from rank ``src`` into ``arrays``."""
-        call, run = p2p.recv(self.context, arrays, src, tag)
-        return self.submit(call, run, blocking)
-
-    def recv_anysource(self, arrays, tag: int = 0, *, blocking: bool = False):
-        """Receive one array from whichever rank sends with ``tag`` first;
-        ``work.source_rank()`` tells which."""
-        call, run = p2p.recv(self.context, arrays, transports.ANY_SOURCE, tag,
-                             name="recv_anysource")
-        return self.submit(call, run, blocking)
-
-    def barrier(self, opts=None, *, blocking: bool = False):
-        """Complete once every rank has entered the barrier and every call this
-        rank submitted before it has completed. The future's value is ``[]``."""
-        call, run = p2p.barrier(self.context, opts)
-        return self.submit(call, run, blocking)
-
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False, *, blocking: bool = False):
-        """A barrier where rank 0 names the ranks that did not arrive within
-        ``timeout`` (all of them with ``wait_all_ranks``)."""
-        call, run = p2p.monitored_barrier(self.context, timeout, wait_all_ranks)
         return self.submit(call, run, blocking)
 
     # -- running calls ----------------------------------------------------------------

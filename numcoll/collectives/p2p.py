@@ -21,7 +21,7 @@ from ..options import BarrierOptions
 from .checks import check_peer, originals, timeout_seconds
 from .context import GroupContext
 
-__all__ = ["send", "recv", "barrier", "monitored_barrier"]
+__all__ = ["send", "recv", "barrier", "monitored_barrier", "P2PMethods"]
 
 _BARRIER_DEFAULTS = BarrierOptions()
 
@@ -163,3 +163,40 @@ def _check_tag(tag, op: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"{op}: tag must be an int, got {type(tag).__name__} ({tag!r})")
     return tag
+
+
+class P2PMethods:
+    """The point-to-point calls and barriers of :class:`~numcoll.ProcessGroup`
+    (which inherits them; they use only its ``submit`` and ``context``). Inside
+    a method, ``send``/``recv``/``barrier`` name this module's builders."""
+
+    __slots__ = ()
+
+    def send(self, arrays, dst: int, tag: int = 0, *, blocking: bool = False):
+        """Send one array to rank ``dst``, matched by the receiver's (source, tag)."""
+        call, run = send(self.context, arrays, dst, tag)
+        return self.submit(call, run, blocking)
+
+    def recv(self, arrays, src: int, tag: int = 0, *, blocking: bool = False):
+        """Receive one array from rank ``src`` into ``arrays``."""
+        call, run = recv(self.context, arrays, src, tag)
+        return self.submit(call, run, blocking)
+
+    def recv_anysource(self, arrays, tag: int = 0, *, blocking: bool = False):
+        """Receive one array from whichever rank sends with ``tag`` first;
+        ``work.source_rank()`` tells which."""
+        call, run = recv(self.context, arrays, ANY_SOURCE, tag, name="recv_anysource")
+        return self.submit(call, run, blocking)
+
+    def barrier(self, opts=None, *, blocking: bool = False):
+        """Complete once every rank has entered the barrier and every call this
+        rank submitted before it has completed. The future's value is ``[]``."""
+        call, run = barrier(self.context, opts)
+        return self.submit(call, run, blocking)
+
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False, *, blocking: bool = False):
+        """A barrier where rank 0 names the ranks that did not arrive within
+        ``timeout`` (all of them with ``wait_all_ranks``)."""
+        call, run = monitored_barrier(self.context, timeout, wait_all_ranks)
+        return self.submit(call, run, blocking)

@@ -3,30 +3,13 @@
 tested), on a GPU with the tests marked ``gpu``."""
 
 import json
-import os
-import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+from cuda_env import SIMULATED  # noqa: E402,F401 - first: chooses the simulator
 
 import pytest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-if "numba" in sys.modules and "numba.cuda" not in sys.modules:
-    from numba.core import config as _numba_config   # numba read NUMBA_* already: re-read
-
-    _numba_config.reload_config()
-
-try:
-    from numba import cuda as _numba_cuda
-except Exception as exc:  # pragma: no cover - depends on the installation
-    pytest.skip(f"numba.cuda is not importable ({exc}); pip install numba-cuda",
-                allow_module_level=True)
-if not _numba_cuda.jit.__module__.startswith("numba.cuda.simulator") and \
-        not _numba_cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module could "
-                "enable it, and there is no GPU", allow_module_level=True)
-del _numba_cuda
 
 from numcoll.bench.cli import main  # noqa: E402
 

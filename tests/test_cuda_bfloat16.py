@@ -5,30 +5,16 @@ on the GPU); the tests marked ``gpu`` need a real GPU (and, for torch, a CUDA
 build of torch) and skip elsewhere with the reason.
 """
 
-import os
-import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+from cuda_env import SIMULATED  # noqa: E402,F401 - first: chooses the simulator
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-if "numba" in sys.modules and "numba.cuda" not in sys.modules:
-    from numba.core import config as _numba_config   # numba read NUMBA_* already: re-read
+from numba import cuda as _numba_cuda  # noqa: E402
 
-    _numba_config.reload_config()
-
-try:
-    from numba import cuda as _numba_cuda
-except Exception as exc:  # pragma: no cover - depends on the installation
-    pytest.skip(f"numba.cuda is not importable ({exc}); pip install numba-cuda",
-                allow_module_level=True)
-if not _numba_cuda.jit.__module__.startswith("numba.cuda.simulator") and \
-        not _numba_cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module could "
-                "enable it, and there is no GPU", allow_module_level=True)
 _numba_to_device = _numba_cuda.to_device
 del _numba_cuda
 

@@ -49,6 +49,23 @@ BROADCAST = -2
 STARTED, COMPLETED, MOVED = 1, 2, 4
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _accumulate(x, s, n, op):
+    """x[:n] = op(x[:n], s[:n]); op 0 SUM, 1 PRODUCT, 2 MIN, else MAX."""
+    if op == 0:
+        for i in range(n):
+            x[i] = x[i] + s[i]
+    elif op == 1:
+        for i in range(n):
+            x[i] = x[i] * s[i]
+    elif op == 2:
+        for i in range(n):
+            x[i] = _minimum(x[i], s[i])
+    else:
+        for i in range(n):
+            x[i] = _maximum(x[i], s[i])
+
+
 @njit(nogil=True, cache=True)
 def combine(x, slots, rank, size, op, root):
     """Reduce (or copy) the step's slots (``slots[q]``: rank q's, typed) into ``x``."""
@@ -63,18 +80,7 @@ def combine(x, slots, rank, size, op, root):
         return
     if size == 2:
         s = slots[1 - rank]
-        if op == 0:
-            for i in range(n):
-                x[i] = x[i] + s[i]
-        elif op == 1:
-            for i in range(n):
-                x[i] = x[i] * s[i]
-        elif op == 2:
-            for i in range(n):
-                x[i] = _minimum(x[i], s[i])
-        else:
-            for i in range(n):
-                x[i] = _maximum(x[i], s[i])
+        _accumulate(x, s, n, op)
         return
     if rank != 0:
         s = slots[0]
@@ -82,18 +88,7 @@ def combine(x, slots, rank, size, op, root):
             x[i] = s[i]
     for q in range(1, size):
         s = slots[q]
-        if op == 0:
-            for i in range(n):
-                x[i] = x[i] + s[i]
-        elif op == 1:
-            for i in range(n):
-                x[i] = x[i] * s[i]
-        elif op == 2:
-            for i in range(n):
-                x[i] = _minimum(x[i], s[i])
-        else:
-            for i in range(n):
-                x[i] = _maximum(x[i], s[i])
+        _accumulate(x, s, n, op)
 
 
 #: The fused step's plan: one int64 array (few arguments make a cheap dispatch).

@@ -17,7 +17,9 @@ requests to a closed transport or a departed peer, matching in a mailbox -- is
 Optional capabilities are declared, never discovered: a transport that has a
 shared arena (:class:`Arena`) exposes it as ``transport.arena``, one whose
 ranks can map memory together (:class:`SharedMemory`) as
-``transport.shared_memory``; every other transport sets them to None.
+``transport.shared_memory``, one whose ranks can read each other's memory
+where it lies (:class:`SingleCopy`) as ``transport.single_copy``; every other
+transport sets them to None.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "Transport",
     "Arena",
     "SharedMemory",
+    "SingleCopy",
     "TransportError",
     "TransportTimeout",
     "PeerClosed",
@@ -213,6 +216,25 @@ class SharedMemory(Protocol):
         ...
 
 
+class SingleCopy(Protocol):
+    """Reading a peer's memory where it lies, in one copy (cross-memory
+    attach): the optional capability of transports whose ranks are processes
+    of one host (``transport.single_copy``; :mod:`transports.shm.single_copy`).
+    ``refused`` says why the group cannot (the same on every rank), None
+    where it can."""
+
+    refused: str | None
+
+    def read(self, peer: int, address: int, out) -> None:
+        """Copy ``out.nbytes`` bytes from ``address`` in ``peer``'s memory into
+        ``out`` (a C-contiguous writable array)."""
+        ...
+
+    def refuse(self, reason: str) -> None:
+        """Stop reading single-copy, for ``reason`` (every rank, in the same call)."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Point-to-point messaging among the ``size`` ranks of one group."""
@@ -223,6 +245,8 @@ class Transport(Protocol):
     arena: Arena | None
     #: Memory the ranks map together (:class:`SharedMemory`), or None.
     shared_memory: SharedMemory | None
+    #: Single-copy reads from the peers (:class:`SingleCopy`), or None.
+    single_copy: SingleCopy | None
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.

@@ -282,6 +282,9 @@ class MailboxTransport:
     #: Memory the ranks map together (:class:`~transports.base.SharedMemory`):
     #: None unless they share a host (the shm transport sets its own).
     shared_memory = None
+    #: Single-copy reads from the peers (:class:`~transports.base.SingleCopy`):
+    #: None unless they are processes of one host (the shm transport sets its own).
+    single_copy = None
     #: Makes a request: ``(what, rank, peer, tag, buf=None, stamp=b"",
     #: whole_call=False) -> PendingRequest`` (a plain attribute, not a method:
     #: this runs for every message).

@@ -231,6 +231,8 @@ class HierTransport:
         self.arena = None if arena is None else HostArena(arena, self.local)
         #: No shared arrays: their memory would be this host's, not the group's.
         self.shared_memory = None
+        #: No single-copy reads: the group's ranks span hosts.
+        self.single_copy = None
         #: Both transports' mailboxes as one, in group ranks (what numcoll
         #: checks for messages of a finished call).
         self.mailbox = _Mailboxes(self._net.mailbox, self._shm.mailbox, self.local)

@@ -65,6 +65,17 @@ class Config:
     #: bytes (each block of a rank's share taken from every peer in turn
     #: while it is in cache).
     shared_arrays_block_nbytes: int = 1 << 20
+    #: shm groups whose ranks may read each other's memory (cross-memory
+    #: attach: :mod:`transports.shm.single_copy`): 1 lets collectives that
+    #: move data without reducing it read the peers' buffers where they lie,
+    #: one copy instead of the arena's two (the ``cma`` algorithms); 0 refuses
+    #: them (the arena carries everything, as where the kernel forbids it).
+    single_copy: int = 1
+    #: ... from this many bytes (as the size rules count them: allgather's
+    #: whole output, a rank's buffer otherwise); smaller calls take the arena,
+    #: whose one synchronisation beats the single-copy path's two. Measured:
+    #: docs/performance/single-copy.md.
+    single_copy_min_nbytes: int = 256 << 10
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -113,7 +124,7 @@ class Config:
 #: :func:`fingerprint`, so such ranks fail at their first call naming these.
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
-          "sparse_dense_ratio")
+          "sparse_dense_ratio", "single_copy", "single_copy_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -135,7 +146,8 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),
-           "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None)}
+           "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None),
+           "single_copy": (0, 1), "single_copy_min_nbytes": (0, None)}
 
 
 def _from_env(name: str):

@@ -40,6 +40,7 @@ __all__ = [
     "TransportClosed",
     "MessageSizeError",
     "StampMismatch",
+    "SingleCopyRefused",
     "MAX_STAMP_NBYTES",
     "CALL_SHIFT",
 ]
@@ -214,6 +215,11 @@ class SharedMemory(Protocol):
         """This rank is done with allocation ``key``: drop its mappings of the
         peers' parts (its own part stays mapped while anything views it)."""
         ...
+
+
+class SingleCopyRefused(TransportError):
+    """The kernel refused a single-copy read from ``peer`` (:class:`SingleCopy`):
+    the caller finishes another way."""
 
 
 class SingleCopy(Protocol):

@@ -13,7 +13,10 @@ The automatic choice, in order:
   their flat algorithms: each of their bytes crosses between hosts once
   already (the hier transport carries a message between two ranks of one
   host through shared memory), so two levels would save no bytes;
-- a group whose ranks share one arena (``shm``): the ``shared`` algorithms;
+- a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
+  algorithms for the collectives that move data without reducing it, from
+  ``single_copy_min_nbytes``, where the ranks may read each other's memory;
+  the ``shared`` algorithms otherwise;
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
 """
@@ -22,7 +25,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ..algorithms import ARENA, CHOICES, SHARED, TWO_LEVEL
+from ..algorithms import ARENA, CHOICES, SHARED, SINGLE_COPY, TWO_LEVEL
+from ..algorithms.single_copy import where_nbytes
 from ..config import Config, forced_algorithm
 
 __all__ = ["Choice", "choose", "check_forced", "segment_count"]
@@ -49,25 +53,42 @@ TWO_LEVEL_FAMILIES = frozenset(f for f, names in CHOICES.items() if TWO_LEVEL & 
 TWO_LEVEL_DEFAULT = "twolevel_lanes"
 
 
+#: Why a group without a ``single_copy`` capability reads no peer's memory.
+NO_SINGLE_COPY = "its transport offers no single-copy reads (the shm transport does)"
+
+
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
-           size: int, shared: bool = True, topology=None) -> Choice:
+           size: int, shared: bool = True, topology=None,
+           single_copy_refused: str | None = NO_SINGLE_COPY) -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
     arena's (for a collective run inside another call, whose arena turn was
     not taken: a configured arena algorithm gives way to the automatic
     choice). ``topology``: the group's :class:`numcoll.algorithms.levels.Topology`, if it
-    knows which ranks share a host."""
+    knows which ranks share a host. ``single_copy_refused``: why this group's
+    ranks cannot read each other's memory, None where they can."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
     if name is None or (not shared and requested is None and name in ARENA):
-        name = _automatic(cfg, collective, nbytes, size, shared, topology)
+        name = _automatic(cfg, collective, nbytes, size, shared, topology,
+                          single_copy_refused)
     try:
         choice = Choice(name, options[name])
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
+    if name in SINGLE_COPY and size > 1:
+        why = single_copy_refused or (None if cfg.single_copy else
+                                      "single_copy is 0 (NUMCOLL_SINGLE_COPY)")
+        if why is None and _hosts(topology) > 1:
+            why = f"this group spans {_hosts(topology)} hosts"
+        if why is None and not _single_copy_fits(cfg, size):
+            why = f"the arena's {cfg.arena_slot_nbytes}-byte slot cannot hold {size} addresses"
+        if why is not None:
+            raise ValueError(f"{collective}: algorithm {name!r} reads the peers' buffers "
+                             f"where they lie, which this group cannot: {why}")
     if name in SHARED and size > 1:
         if not cfg.arena_slot_nbytes:
             raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share "
@@ -102,8 +123,13 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
+def _single_copy_fits(cfg: Config, size: int) -> bool:
+    """Whether the arena's slot holds a single-copy *where* for every rank."""
+    return 0 < cfg.arena_slot_nbytes and where_nbytes(size) <= cfg.arena_slot_nbytes
+
+
 def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool,
-               topology) -> str:
+               topology, single_copy_refused: str | None = NO_SINGLE_COPY) -> str:
     if topology is not None and len(topology.hosts) > 1:
         if shared and topology.two_level and collective in TWO_LEVEL_FAMILIES:
             return TWO_LEVEL_DEFAULT if TWO_LEVEL_DEFAULT in CHOICES[collective] \
@@ -111,6 +137,10 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         on_arena = None  # an arena here is a host's, not the group's
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
+        if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
+                "cma" in CHOICES[collective] and nbytes >= cfg.single_copy_min_nbytes and \
+                _single_copy_fits(cfg, size):
+            on_arena = "cma"
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":

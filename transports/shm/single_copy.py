@@ -55,7 +55,7 @@ import threading
 
 import numpy as np
 
-from ..base import TransportError
+from ..base import SingleCopyRefused, TransportError
 
 __all__ = ["SingleCopy", "SingleCopyRefused", "ptrace_scope"]
 
@@ -69,10 +69,6 @@ PROBE_SEQ = 0
 PROBE_STAMP = b"numcoll/cma-prob"
 #: A verdict's reason is at most this many bytes (UTF-8) in the arena.
 _REASON_NBYTES = 512
-
-
-class SingleCopyRefused(TransportError):
-    """The kernel refused a single-copy read from ``peer``."""
 
 
 class _IOVec(ctypes.Structure):

@@ -62,7 +62,7 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 #: the stamp (255: one not listed). Append only, as :data:`COLLECTIVES`.
 ALGORITHMS = ("", "ring", "recursive_doubling", "shared", "shared_split", "binomial", "chain",
               "direct", "pairwise", "dissemination", "gather_release", "allgather_coalesce",
-              "shared_arrays", "twolevel", "twolevel_lanes")
+              "shared_arrays", "twolevel", "twolevel_lanes", "cma")
 _ALGORITHM_CODE = {name: i for i, name in enumerate(ALGORITHMS)}
 _OTHER_ALGORITHM = 255
 #: version, collective, dtype, op, algorithm, settings fingerprint, then root + 1

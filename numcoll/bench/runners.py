@@ -217,7 +217,7 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
                         nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll",
                         numcoll_buffers)
     # The group's own configuration says what ran (e.g. whether it has a shared arena).
-    algorithms = [algorithm(plan, case, pg.context.cfg) for case in plan.cases]
+    algorithms = [algorithm(plan, case, pg.context) for case in plan.cases]
     return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 

@@ -332,18 +332,22 @@ def _check_algorithm(op: str, algorithm: str) -> None:
                          f"{', '.join(sorted(CHOICES[op]))}")
 
 
-def algorithm_name(plan: Plan, case: Case, cfg=None) -> str:
+def algorithm_name(plan: Plan, case: Case, cfg=None, context=None) -> str:
     """The numcoll algorithm that runs ``case`` (forced, or chosen by size) on a
     group configured as ``cfg`` (default: the current configuration, as a group
-    whose ranks share memory would have it)."""
+    whose ranks share memory would have it), or on the group whose
+    :class:`~numcoll.collectives.context.GroupContext` is ``context`` (which
+    also knows what its transport offers, e.g. single-copy reads)."""
     from ..collectives.choice import choose
     from ..config import current
     from ..dtypes import is_half
 
-    cfg = cfg if cfg is not None else current()
+    cfg = context.cfg if context is not None else cfg if cfg is not None else current()
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
+    if context is not None:
+        return context.choose(plan.op, plan.algorithm, case.count * wire).name
     return choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size).name
 
 

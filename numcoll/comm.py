@@ -330,11 +330,13 @@ class Comm:
 
     def refuse_single_copy(self, reason: str) -> None:
         """Every rank agreed, in this call, that a single-copy read was refused:
-        the group stops choosing single-copy algorithms (``reason`` is logged)."""
-        self.transport.single_copy.refuse(reason)
-        _log.warning("%s (collective #%d) on rank %d: single-copy reads refused, the arena "
-                     "carries this call and the next ones: %s", self.op_name, self.seq,
-                     self.rank, reason)
+        later reads fail at once (their calls finish through the arena); the
+        first refusal is logged with ``reason``."""
+        if self.transport.single_copy.refuse(reason):
+            _log.warning("%s (collective #%d) on rank %d: a single-copy read was refused; "
+                         "this call and later single-copy calls finish through the arena "
+                         "(NUMCOLL_SINGLE_COPY=0 chooses the arena from the start): %s",
+                         self.op_name, self.seq, self.rank, reason)
 
     # -- shared arrays (a capability some transports declare) ------------------------
     def shared_array(self, peer: int, key: int, start: int, nbytes: int):

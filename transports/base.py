@@ -226,18 +226,20 @@ class SingleCopy(Protocol):
     """Reading a peer's memory where it lies, in one copy (cross-memory
     attach): the optional capability of transports whose ranks are processes
     of one host (``transport.single_copy``; :mod:`transports.shm.single_copy`).
-    ``refused`` says why the group cannot (the same on every rank), None
-    where it can."""
+    ``refused`` says why the group cannot (the same on every rank, fixed at
+    set-up), None where it can; ``failed``, why reads failed in a call since."""
 
     refused: str | None
+    failed: str | None
 
     def read(self, peer: int, address: int, out) -> None:
         """Copy ``out.nbytes`` bytes from ``address`` in ``peer``'s memory into
         ``out`` (a C-contiguous writable array)."""
         ...
 
-    def refuse(self, reason: str) -> None:
-        """Stop reading single-copy, for ``reason`` (every rank, in the same call)."""
+    def refuse(self, reason: str) -> bool:
+        """Reads failed in a call, for ``reason`` (every rank, in the same call):
+        later reads fail at once. True the first time."""
         ...
 
 

@@ -31,9 +31,9 @@ the owner's writes of its input before any reader's copy.
 
 If a read is refused by the kernel (``EPERM``: this process's reader was
 re-named by another group since the group agreed; a seccomp filter), the
-*done* step says so, every rank learns it in the same step, the group stops
-choosing single-copy (:meth:`numcoll.comm.Comm.refuse_single_copy`) and the
-call is finished through the arena (the ``shared`` algorithm of the same
+*done* step says so, every rank learns it in the same step and marks its
+reads failed (:meth:`numcoll.comm.Comm.refuse_single_copy`: later reads fail
+at once, without a syscall), and the call is finished through the arena (the ``shared`` algorithm of the same
 collective, on the same buffers, whose inputs are still intact): a refused
 read costs time, never a wrong result.
 
@@ -109,7 +109,7 @@ def _read(comm, buf, start: int, count: int, peer: int, entry) -> str | None:
 
 def _done(comm, refused: str | None) -> bool:
     """Phase 3: publish this rank's verdict; True if every rank's reads
-    succeeded. Otherwise every rank stops choosing single-copy, for the first
+    succeeded. Otherwise every rank marks its reads failed, for the first
     refusal's reason (the same text on every rank), and returns False."""
     text = np.zeros(_REASON_NBYTES, np.uint8)
     if refused is not None:

@@ -37,8 +37,12 @@ Agreement
     otherwise every rank holds the same reason (:attr:`SingleCopy.refused`).
     A read that fails later (``EPERM``: another group re-named this
     process's tracer) raises :class:`SingleCopyRefused`; the algorithms
-    then finish the call through the arena and the group stops choosing
-    single-copy (:meth:`SingleCopy.refuse`).
+    then finish the call through the arena, and every rank marks the reads
+    failed (:meth:`SingleCopy.refuse`: later reads fail at once, so later
+    calls go straight to the arena). The *choice* keeps reading
+    :attr:`~SingleCopy.refused` only, the set-up's answer: a call is chosen
+    on the caller's thread, maybe before an earlier call ran, and ranks must
+    never choose differently.
 Lifetime
     Nothing is kept but the peers' pids: no memory, file or descriptor.
     The ``PR_SET_PTRACER`` grant lasts as long as the process (a later
@@ -129,13 +133,16 @@ class SingleCopy:
     ----------
     refused : str or None
         Why the group does not read single-copy (the same on every rank once
-        :meth:`agree` returned); None where it does.
+        :meth:`agree` returned); None where it does. The choice reads this.
+    failed : str or None
+        Why reads failed in a call since (see :meth:`refuse`); None while they work.
     """
 
     def __init__(self, rank: int, size: int, pids: dict[int, int]):
         self.rank, self.size = rank, size
         self._pids = dict(pids)
         self.refused: str | None = "not agreed yet"
+        self.failed: str | None = None
         self._lock = threading.Lock()
 
     # -- set-up ----------------------------------------------------------------------
@@ -205,9 +212,9 @@ class SingleCopy:
         when the kernel refuses (the caller falls back), :class:`TransportError`
         for anything else (the peer's buffer is not mapped: a bug, never a
         peer's choice)."""
-        if self.refused is not None:
-            raise SingleCopyRefused(f"single-copy reads are off on this group: {self.refused}",
-                                    peer)
+        why = self.refused or self.failed
+        if why is not None:
+            raise SingleCopyRefused(f"single-copy reads are off on this group: {why}", peer)
         nbytes = out.nbytes
         local = out.ctypes.data
         done = 0
@@ -224,9 +231,11 @@ class SingleCopy:
                 raise TransportError(message, peer)
             done += n
 
-    def refuse(self, reason: str) -> None:
-        """Stop reading single-copy (a read was refused in a call; every rank
-        calls this in the same call, having agreed on it there)."""
+    def refuse(self, reason: str) -> bool:
+        """A read was refused in a call (every rank calls this in the same call,
+        having agreed on it there): later reads fail at once. True the first time."""
         with self._lock:
-            if self.refused is None:
-                self.refused = reason
+            if self.failed is not None:
+                return False
+            self.failed = reason
+            return True

@@ -73,9 +73,15 @@ class Config:
     single_copy: int = 1
     #: ... from this many bytes (as the size rules count them: allgather's
     #: whole output, a rank's buffer otherwise); smaller calls take the arena,
-    #: whose one synchronisation beats the single-copy path's two. Measured:
-    #: docs/performance/single-copy.md.
+    #: whose one synchronisation beats the single-copy path's two. Measured
+    #: (docs/performance/single-copy.md): on 2 ranks, 2 cores, single-copy
+    #: took 0.45-0.9x the arena's time from 256 KiB on, 1.0x at 64 KiB.
     single_copy_min_nbytes: int = 256 << 10
+    #: The same threshold for groups with more ranks than the host has CPUs:
+    #: there every synchronisation waits for context switches, and readers
+    #: contend for the pages they pin (4 ranks on 2 cores: single-copy took
+    #: 1.1-2.4x the arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
+    single_copy_crowded_min_nbytes: int = 32 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -124,7 +130,8 @@ class Config:
 #: :func:`fingerprint`, so such ranks fail at their first call naming these.
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
-          "sparse_dense_ratio", "single_copy", "single_copy_min_nbytes")
+          "sparse_dense_ratio", "single_copy", "single_copy_min_nbytes",
+          "single_copy_crowded_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -147,7 +154,8 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),
            "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None),
-           "single_copy": (0, 1), "single_copy_min_nbytes": (0, None)}
+           "single_copy": (0, 1), "single_copy_min_nbytes": (0, None),
+           "single_copy_crowded_min_nbytes": (0, None)}
 
 
 def _from_env(name: str):

@@ -32,6 +32,7 @@ W = 301  # alltoall_base: elements per row
 def small_threshold(monkeypatch):
     # Single-copy from 1 KiB, so small arrays exercise it.
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
 
 
 def shm_groups(size):
@@ -126,6 +127,13 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     cfg = current()  # NUMCOLL_SINGLE_COPY_MIN_NBYTES=1024 (the fixture)
     assert choose(cfg, "allgather", None, 4096, 2, single_copy_refused=None).name == "cma"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
+    # More ranks than CPUs: the crowded threshold.
+    crowded = current(single_copy_crowded_min_nbytes=1 << 30)
+    many = (os.cpu_count() or 1) + 1
+    assert choose(crowded, "allgather", None, 1 << 20, many, single_copy_refused=None).name \
+        == "shared"
+    assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
+        == "cma"
     # Reductions never read single-copy; a group whose ranks cannot read each
     # other takes the arena, and forcing cma there says why.
     assert choose(cfg, "allreduce", None, 1 << 20, 2, single_copy_refused=None).name \

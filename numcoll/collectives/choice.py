@@ -15,7 +15,8 @@ The automatic choice, in order:
   host through shared memory), so two levels would save no bytes;
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it, from
-  ``single_copy_min_nbytes``, where the ranks may read each other's memory;
+  ``single_copy_min_nbytes`` (``single_copy_crowded_min_nbytes`` with more
+  ranks than CPUs), where the ranks may read each other's memory;
   the ``shared`` algorithms otherwise;
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
@@ -23,6 +24,7 @@ The automatic choice, in order:
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
 from ..algorithms import ARENA, CHOICES, SHARED, SINGLE_COPY, TWO_LEVEL
@@ -123,6 +125,14 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
+def _single_copy_min(cfg: Config, size: int) -> int:
+    """The size from which the ``cma`` algorithms are chosen: another on a
+    group with more ranks than the host has CPUs (the same on every rank of
+    one host, as an shm group's ranks are)."""
+    crowded = size > (os.cpu_count() or 1)
+    return cfg.single_copy_crowded_min_nbytes if crowded else cfg.single_copy_min_nbytes
+
+
 def _single_copy_fits(cfg: Config, size: int) -> bool:
     """Whether the arena's slot holds a single-copy *where* for every rank."""
     return 0 < cfg.arena_slot_nbytes and where_nbytes(size) <= cfg.arena_slot_nbytes
@@ -138,7 +148,7 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
         if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
-                "cma" in CHOICES[collective] and nbytes >= cfg.single_copy_min_nbytes and \
+                "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, size) and \
                 _single_copy_fits(cfg, size):
             on_arena = "cma"
     if on_arena is not None:

@@ -2,7 +2,9 @@
 :class:`numcoll.comm.Comm`) and a work buffer (:mod:`.buffer`) that
 knows how to reduce. They never see sockets, dtypes or kernels. The
 ``shared`` ones (:mod:`.shared`) use the Comm's shared-arena steps instead of
-messages, on groups whose ranks share memory; the ``twolevel`` ones
+messages, on groups whose ranks share memory; the ``cma`` ones
+(:mod:`.single_copy`) synchronise on the arena but read the peers' buffers
+where they lie (cross-memory attach), on groups whose ranks may; the ``twolevel`` ones
 (:mod:`.twolevel`, :mod:`.twolevel_streams`) combine each host's ranks in its
 arena and exchange between hosts by messages, on groups over several hosts.
 

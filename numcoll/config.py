@@ -73,10 +73,13 @@ class Config:
     single_copy: int = 1
     #: ... from this many bytes (as the size rules count them: allgather's
     #: whole output, a rank's buffer otherwise); smaller calls take the arena,
-    #: whose one synchronisation beats the single-copy path's two. Measured
-    #: (docs/performance/single-copy.md): on 2 ranks, 2 cores, single-copy
-    #: took 0.45-0.9x the arena's time from 256 KiB on, 1.0x at 64 KiB.
-    single_copy_min_nbytes: int = 256 << 10
+    #: whose one synchronisation and cache-resident slots beat the
+    #: single-copy path's two synchronisations and page pinning (the kernel
+    #: reads at ~12 GB/s here, cached or not). Measured on 2 ranks, 2 cores,
+    #: the same algorithm call after call (docs/performance/single-copy.md):
+    #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
+    #: 4 MiB, noisy at 8 MiB, single-copy 2.2-2.6x faster at 16 MiB.
+    single_copy_min_nbytes: int = 16 << 20
     #: The same threshold for groups with more ranks than the host has CPUs:
     #: there every synchronisation waits for context switches, and readers
     #: contend for the pages they pin (4 ranks on 2 cores: single-copy took

@@ -80,6 +80,11 @@ class Config:
     #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
     #: 4 MiB, noisy at 8 MiB, single-copy 2.2-2.6x faster at 16 MiB.
     single_copy_min_nbytes: int = 16 << 20
+    #: The threshold for broadcast and gather, where one rank copies
+    #: everything: the arena's pipeline keeps both sides copying at once
+    #: (2 ranks: gather of 16 MiB took 840 us on the arena, 1126 us
+    #: single-copy, least times; at 64 MiB single-copy was as fast or faster).
+    single_copy_rooted_min_nbytes: int = 64 << 20
     #: The same threshold for groups with more ranks than the host has CPUs:
     #: there every synchronisation waits for context switches, and readers
     #: contend for the pages they pin (4 ranks on 2 cores: single-copy took
@@ -134,7 +139,7 @@ class Config:
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
           "sparse_dense_ratio", "single_copy", "single_copy_min_nbytes",
-          "single_copy_crowded_min_nbytes")
+          "single_copy_rooted_min_nbytes", "single_copy_crowded_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -158,6 +163,7 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),
            "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None),
            "single_copy": (0, 1), "single_copy_min_nbytes": (0, None),
+           "single_copy_rooted_min_nbytes": (0, None),
            "single_copy_crowded_min_nbytes": (0, None)}
 
 

@@ -33,6 +33,7 @@ def small_threshold(monkeypatch):
     # Single-copy from 1 KiB, so small arrays exercise it.
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
 
 
 def shm_groups(size):
@@ -127,6 +128,10 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     cfg = current()  # NUMCOLL_SINGLE_COPY_MIN_NBYTES=1024 (the fixture)
     assert choose(cfg, "allgather", None, 4096, 2, single_copy_refused=None).name == "cma"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
+    # Broadcast and gather: the rooted threshold.
+    rooted = current(single_copy_rooted_min_nbytes=1 << 30)
+    assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    assert choose(rooted, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
     # More ranks than CPUs: the crowded threshold.
     crowded = current(single_copy_crowded_min_nbytes=1 << 30)
     many = (os.cpu_count() or 1) + 1

@@ -15,8 +15,9 @@ The automatic choice, in order:
   host through shared memory), so two levels would save no bytes;
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it, from
-  ``single_copy_min_nbytes`` (``single_copy_crowded_min_nbytes`` with more
-  ranks than CPUs), where the ranks may read each other's memory;
+  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for broadcast
+  and gather, ``single_copy_crowded_min_nbytes`` with more ranks than CPUs),
+  where the ranks may read each other's memory;
   the ``shared`` algorithms otherwise;
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
@@ -125,12 +126,17 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
-def _single_copy_min(cfg: Config, size: int) -> int:
-    """The size from which the ``cma`` algorithms are chosen: another on a
-    group with more ranks than the host has CPUs (the same on every rank of
-    one host, as an shm group's ranks are)."""
-    crowded = size > (os.cpu_count() or 1)
-    return cfg.single_copy_crowded_min_nbytes if crowded else cfg.single_copy_min_nbytes
+def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
+    """The size from which the ``cma`` algorithms are chosen: the larger of
+    two for broadcast and gather (one rank copies everything), and the larger
+    again on a group with more ranks than the host has CPUs (the same on every
+    rank of one host, as an shm group's ranks are)."""
+    least = cfg.single_copy_min_nbytes
+    if collective in ("broadcast", "gather"):
+        least = max(least, cfg.single_copy_rooted_min_nbytes)
+    if size > (os.cpu_count() or 1):
+        least = max(least, cfg.single_copy_crowded_min_nbytes)
+    return least
 
 
 def _single_copy_fits(cfg: Config, size: int) -> bool:
@@ -148,7 +154,7 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
         if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
-                "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, size) and \
+                "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, collective, size) and \
                 _single_copy_fits(cfg, size):
             on_arena = "cma"
     if on_arena is not None:

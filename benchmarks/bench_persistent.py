@@ -154,7 +154,7 @@ def test_process_ranks(benchmark, lockstep, case_index):
     benchmark.extra_info.update(
         op="allreduce", world_size=2, transport=TRANSPORT, ranks="processes",
         nbytes=case.nbytes, persistent=plan.persistent, shared_arrays=plan.shared_arrays,
-        algorithm=algorithm(plan, case, nc.get_default_group().context.cfg), timed_rank=1,
+        algorithm=algorithm(plan, case, nc.get_default_group().context), timed_rank=1,
         round_nbytes=case.nbytes, bus_factor=bus_factor("allreduce", 2))
     lockstep.start(case_index, warmup + rounds)
     try:

@@ -17,6 +17,7 @@ from transports import (
     CALL_SHIFT,
     MessageSizeError,
     PeerClosed,
+    SingleCopyRefused,
     StampMismatch,
     TransportClosed,
     TransportError,
@@ -26,6 +27,7 @@ from transports import (
 from .call import SEQ_MASK, Call
 from .diagnostics.mismatch import AGREE, both_calls, settings_hint
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
+from .logs import get_logger
 
 __all__ = ["Comm", "AbortNotes", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
            "MAX_USER_TAG"]
@@ -34,6 +36,7 @@ _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call
 MAX_STEP = (1 << _STEP_BITS) - 1
 _P2P_BIT = 1 << 63
 MAX_USER_TAG = _P2P_BIT - 1
+_log = get_logger("comm")
 
 
 def collective_tag(seq: int, step: int) -> int:
@@ -311,6 +314,38 @@ class Comm:
             return arena.view(step, peer, start, nbytes)
         except TransportError as exc:
             raise self._translate(exc, peer, "recv") from exc
+
+    def published_nbytes(self, step: int, peer: int) -> int:
+        """How many bytes ``peer`` published at ``step`` of the arena."""
+        try:
+            return self.transport.arena.nbytes(step, peer)
+        except TransportError as exc:
+            raise self._translate(exc, peer, "arena") from exc
+
+    # -- single-copy reads (a capability some transports declare) ---------------------
+    def read_peer(self, peer: int, address: int, out) -> str | None:
+        """Copy ``out.nbytes`` bytes from ``address`` in ``peer``'s memory into
+        ``out`` (uint8, C-contiguous), in one copy (the transport's
+        ``single_copy``). Returns None, or why the kernel refused the read (the
+        algorithm then finishes the call another way)."""
+        self.started = True
+        try:
+            self.transport.single_copy.read(peer, address, out)
+        except SingleCopyRefused as exc:
+            return str(exc)
+        except TransportError as exc:
+            raise self._translate(exc, peer, "recv") from exc
+        return None
+
+    def refuse_single_copy(self, reason: str) -> None:
+        """Every rank agreed, in this call, that a single-copy read was refused:
+        later reads fail at once (their calls finish through the arena); the
+        first refusal is logged with ``reason``."""
+        if self.transport.single_copy.refuse(reason):
+            _log.warning("%s (collective #%d) on rank %d: a single-copy read was refused; "
+                         "this call and later single-copy calls finish through the arena "
+                         "(NUMCOLL_SINGLE_COPY=0 chooses the arena from the start): %s",
+                         self.op_name, self.seq, self.rank, reason)
 
     # -- shared arrays (a capability some transports declare) ------------------------
     def shared_array(self, peer: int, key: int, start: int, nbytes: int):

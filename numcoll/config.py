@@ -65,6 +65,31 @@ class Config:
     #: bytes (each block of a rank's share taken from every peer in turn
     #: while it is in cache).
     shared_arrays_block_nbytes: int = 1 << 20
+    #: shm groups whose ranks may read each other's memory (cross-memory
+    #: attach: :mod:`transports.shm.single_copy`): 1 lets collectives that
+    #: move data without reducing it read the peers' buffers where they lie,
+    #: one copy instead of the arena's two (the ``cma`` algorithms); 0 refuses
+    #: them (the arena carries everything, as where the kernel forbids it).
+    single_copy: int = 1
+    #: ... from this many bytes (as the size rules count them: allgather's
+    #: whole output, a rank's buffer otherwise); smaller calls take the arena,
+    #: whose one synchronisation and cache-resident slots beat the
+    #: single-copy path's two synchronisations and page pinning (the kernel
+    #: reads at ~12 GB/s here, cached or not). Measured on 2 ranks, 2 cores,
+    #: the same algorithm call after call (docs/performance/single-copy.md):
+    #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
+    #: 4 MiB, noisy at 8 MiB, single-copy 2.2-2.6x faster at 16 MiB.
+    single_copy_min_nbytes: int = 16 << 20
+    #: The threshold for broadcast and gather, where one rank copies
+    #: everything: the arena's pipeline keeps both sides copying at once
+    #: (2 ranks: gather of 16 MiB took 840 us on the arena, 1126 us
+    #: single-copy, least times; at 64 MiB single-copy was as fast or faster).
+    single_copy_rooted_min_nbytes: int = 64 << 20
+    #: The same threshold for groups with more ranks than the host has CPUs:
+    #: there every synchronisation waits for context switches, and readers
+    #: contend for the pages they pin (4 ranks on 2 cores: single-copy took
+    #: 1.1-2.4x the arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
+    single_copy_crowded_min_nbytes: int = 32 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -131,7 +156,8 @@ class Config:
 #: :func:`fingerprint`, so such ranks fail at their first call naming these.
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
-          "sparse_dense_ratio", "cuda_ipc")
+          "sparse_dense_ratio", "cuda_ipc", "single_copy", "single_copy_min_nbytes",
+          "single_copy_rooted_min_nbytes", "single_copy_crowded_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -154,7 +180,10 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),
            "shared_split_nbytes": (0, None), "call_plans_kept": (1, None),
-           "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None)}
+           "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None),
+           "single_copy": (0, 1), "single_copy_min_nbytes": (0, None),
+           "single_copy_rooted_min_nbytes": (0, None),
+           "single_copy_crowded_min_nbytes": (0, None)}
 
 
 def _from_env(name: str):

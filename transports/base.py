@@ -17,7 +17,9 @@ requests to a closed transport or a departed peer, matching in a mailbox -- is
 Optional capabilities are declared, never discovered: a transport that has a
 shared arena (:class:`Arena`) exposes it as ``transport.arena``, one whose
 ranks can map memory together (:class:`SharedMemory`) as
-``transport.shared_memory``; every other transport sets them to None.
+``transport.shared_memory``, one whose ranks can read each other's memory
+where it lies (:class:`SingleCopy`) as ``transport.single_copy``; every other
+transport sets them to None.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ __all__ = [
     "Transport",
     "Arena",
     "SharedMemory",
+    "SingleCopy",
     "TransportError",
     "TransportTimeout",
     "PeerClosed",
     "TransportClosed",
     "MessageSizeError",
     "StampMismatch",
+    "SingleCopyRefused",
     "MAX_STAMP_NBYTES",
     "CALL_SHIFT",
 ]
@@ -213,6 +217,32 @@ class SharedMemory(Protocol):
         ...
 
 
+class SingleCopyRefused(TransportError):
+    """The kernel refused a single-copy read from ``peer`` (:class:`SingleCopy`):
+    the caller finishes another way."""
+
+
+class SingleCopy(Protocol):
+    """Reading a peer's memory where it lies, in one copy (cross-memory
+    attach): the optional capability of transports whose ranks are processes
+    of one host (``transport.single_copy``; :mod:`transports.shm.single_copy`).
+    ``refused`` says why the group cannot (the same on every rank, fixed at
+    set-up), None where it can; ``failed``, why reads failed in a call since."""
+
+    refused: str | None
+    failed: str | None
+
+    def read(self, peer: int, address: int, out) -> None:
+        """Copy ``out.nbytes`` bytes from ``address`` in ``peer``'s memory into
+        ``out`` (a C-contiguous writable array)."""
+        ...
+
+    def refuse(self, reason: str) -> bool:
+        """Reads failed in a call, for ``reason`` (every rank, in the same call):
+        later reads fail at once. True the first time."""
+        ...
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Point-to-point messaging among the ``size`` ranks of one group."""
@@ -226,6 +256,8 @@ class Transport(Protocol):
     #: Whether every rank is a thread of this one process (they can then use
     #: each other's memory, device memory included, by address).
     in_process: bool
+    #: Single-copy reads from the peers (:class:`SingleCopy`), or None.
+    single_copy: SingleCopy | None
 
     def isend(self, peer: int, tag: int, buf, stamp: bytes = b"") -> Request:
         """Post a send of the bytes of ``buf`` (any C-contiguous buffer) to ``peer``.

@@ -135,6 +135,9 @@ class MailboxTransport:
     shared_memory = None
     #: Whether the ranks are threads of this process (the inproc transport's are).
     in_process = False
+    #: Single-copy reads from the peers (:class:`~transports.base.SingleCopy`):
+    #: None unless they are processes of one host (the shm transport sets its own).
+    single_copy = None
     #: Makes a request: ``(what, rank, peer, tag, buf=None, stamp=b"",
     #: whole_call=False) -> PendingRequest`` (a plain attribute, not a method:
     #: this runs for every message).

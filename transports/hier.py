@@ -239,6 +239,8 @@ class HierTransport:
         #: No shared arrays: their memory would be this host's, not the group's.
         self.shared_memory = None
         self.in_process = False     # its ranks are processes (on several hosts)
+        #: No single-copy reads: the group's ranks span hosts.
+        self.single_copy = None
         #: Both transports' mailboxes as one, in group ranks (what numcoll
         #: checks for messages of a finished call).
         self.mailbox = _Mailboxes(self._net.mailbox, self._shm.mailbox, self.local)

@@ -2,7 +2,9 @@
 :class:`numcoll.comm.Comm`) and a work buffer (:mod:`.buffer`) that
 knows how to reduce. They never see sockets, dtypes or kernels. The
 ``shared`` ones (:mod:`.shared`) use the Comm's shared-arena steps instead of
-messages, on groups whose ranks share memory; the ``twolevel`` ones
+messages, on groups whose ranks share memory; the ``cma`` ones
+(:mod:`.single_copy`) synchronise on the arena but read the peers' buffers
+where they lie (cross-memory attach), on groups whose ranks may; the ``twolevel`` ones
 (:mod:`.twolevel`, :mod:`.twolevel_streams`) combine each host's ranks in its
 arena and exchange between hosts by messages, on groups over several hosts.
 
@@ -22,6 +24,7 @@ from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
                      alltoall_shared, barrier_shared, broadcast_shared, gather_shared,
                      reduce_scatter_shared, reduce_shared, scatter_shared)
+from .single_copy import allgather_cma, alltoall_cma, broadcast_cma, gather_cma, scatter_cma
 from .twolevel import (allreduce_twolevel, allreduce_twolevel_lanes, barrier_twolevel,
                        broadcast_twolevel, broadcast_twolevel_lanes, reduce_twolevel,
                        reduce_twolevel_lanes)
@@ -29,7 +32,12 @@ from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
                                reduce_scatter_twolevel, reduce_scatter_twolevel_lanes)
 
 __all__ = [
+    "allgather_cma",
     "allgather_ipc",
+    "alltoall_cma",
+    "broadcast_cma",
+    "gather_cma",
+    "scatter_cma",
     "allgather_ring",
     "allgather_shared",
     "allreduce_shared",
@@ -83,19 +91,21 @@ CHOICES = {
                   "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes,
                   "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
-                  "shared": broadcast_shared, "twolevel": broadcast_twolevel,
+                  "shared": broadcast_shared, "cma": broadcast_cma,
+                  "twolevel": broadcast_twolevel,
                   "twolevel_lanes": broadcast_twolevel_lanes, "ipc": broadcast_ipc},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
                "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
-    "allgather": {"ring": allgather_ring, "shared": allgather_shared,
+    "allgather": {"ring": allgather_ring, "shared": allgather_shared, "cma": allgather_cma,
                   "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes,
                   "ipc": allgather_ipc},
-    "gather": {"direct": gather_direct, "shared": gather_shared},
-    "scatter": {"direct": scatter_direct, "shared": scatter_shared},
+    "gather": {"direct": gather_direct, "shared": gather_shared, "cma": gather_cma},
+    "scatter": {"direct": scatter_direct, "shared": scatter_shared, "cma": scatter_cma},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
                        "twolevel": reduce_scatter_twolevel,
                        "twolevel_lanes": reduce_scatter_twolevel_lanes, "ipc": reduce_scatter_ipc},
-    "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared},
+    "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared,
+                 "cma": alltoall_cma},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
                 "twolevel": barrier_twolevel},
 }
@@ -109,8 +119,11 @@ SHARED = frozenset({"shared", "shared_split", "shared_arrays"})
 #: The two-level algorithms: groups over several hosts with the ``hier``
 #: transport (an arena on each host) offer them.
 TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})
+#: The single-copy algorithms (:mod:`.single_copy`): groups whose ranks share
+#: an arena and may read each other's memory (``transport.single_copy``) offer them.
+SINGLE_COPY = frozenset({"cma"})
 #: Every algorithm that takes steps of an arena, so runs in sequence-number order.
-ARENA = SHARED | TWO_LEVEL
+ARENA = SHARED | TWO_LEVEL | SINGLE_COPY
 #: The algorithms over the peers' device memory (:mod:`.peers`): device arrays
 #: only, between ranks of one host that can address each other's device memory.
 DEVICE_PEERS = frozenset({"ipc"})

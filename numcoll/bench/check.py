@@ -58,6 +58,10 @@ def expected(plan: Plan, case: Case, rank: int) -> np.ndarray | None:
         return _sum([fill(k, block, dtype, offset=rank * block) for k in range(n)])
     if plan.op == "alltoall":  # block j of the result is block `rank` of rank j's input
         return np.concatenate([fill(j, block, dtype, offset=rank * block) for j in range(n)])
+    if plan.op == "gather":  # the root's output: every rank's input in rank order
+        return np.concatenate([fill(k, block, dtype) for k in range(n)]) if rank == 0 else None
+    if plan.op == "scatter":  # block `rank` of the root's input
+        return fill(0, block, dtype, offset=rank * block)
     raise ValueError(f"{plan.op} has no result to check")
 
 

@@ -43,9 +43,10 @@ __all__ = ["main", "build_parser", "add_rank_arguments", "check_rank_arguments"]
 
 _EPILOG = """\
 size is the per-rank buffer as nccl-tests define it (allgather: the output;
-reduce_scatter: the input; alltoall: the send buffer); count = size / itemsize.
+reduce_scatter: the input; alltoall: the send buffer; gather: the root's
+output; scatter: the root's input); count = size / itemsize.
 algbw = size / time; busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (allgather,
-reduce_scatter, alltoall), 1 (broadcast, reduce). time = median over iterations
+reduce_scatter, alltoall, gather, scatter), 1 (broadcast, reduce). time = median over iterations
 of the slowest rank (min and max over iterations beside it). place: "out" of
 place or "in" place (allgather: the input is this rank's block of the output;
 reduce_scatter: the output is this rank's block of the input; allreduce,

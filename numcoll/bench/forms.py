@@ -63,8 +63,9 @@ def numcoll_buffers(plan: Plan, case: Case, rank: int) -> tuple[np.ndarray, np.n
     raise ValueError(f"numcoll_buffers: unknown op {plan.op!r}")
 
 
-def algorithm(plan: Plan, case: Case, cfg) -> str:
-    """The algorithm that runs ``case`` on a group configured as ``cfg``:
+def algorithm(plan: Plan, case: Case, context) -> str:
+    """The algorithm that runs ``case`` on the group whose context is
+    ``context`` (:class:`~numcoll.collectives.context.GroupContext`):
     ``shared_arrays`` where ``plan.shared_arrays`` takes that path (see
     :func:`numcoll.collectives.shared_arrays.applies`), else
     :func:`~numcoll.bench.sweep.algorithm_name`'s."""
@@ -73,9 +74,9 @@ def algorithm(plan: Plan, case: Case, cfg) -> str:
 
     nbytes = case.nbytes // plan.world_size if plan.op == "allgather" else case.nbytes
     if plan.shared_arrays and not is_half(plan.numpy_dtype) and \
-            applies(cfg, plan.world_size, plan.op, nbytes, plan.algorithm):
+            applies(context.cfg, plan.world_size, plan.op, nbytes, plan.algorithm):
         return "shared_arrays"
-    return algorithm_name(plan, case, cfg)
+    return algorithm_name(plan, case, context=context)
 
 
 def numcoll_form_step(plan: Plan, inp: np.ndarray, out: np.ndarray | None) -> Callable[[], object]:

@@ -62,6 +62,11 @@ def _mpi_step(MPI, comm, op: str, inp: np.ndarray, out: np.ndarray | None):
         return lambda: comm.Reduce_scatter_block(inp, out, op=MPI.SUM)
     if op == "alltoall":
         return lambda: comm.Alltoall(inp, out)
+    root = comm.Get_rank() == 0
+    if op == "gather":
+        return lambda: comm.Gather(inp, out if root else None, root=0)
+    if op == "scatter":
+        return lambda: comm.Scatter(inp if root else None, out, root=0)
     if op == "barrier":
         return comm.Barrier
     raise ValueError(f"mpi4py anchor: unknown op {op!r}")

@@ -37,7 +37,7 @@ import numpy as np
 from .check import count_wrong, prepare_check
 from .forms import algorithm, bind_to_core, numcoll_buffers, numcoll_form_step
 from .progress import ProgressDisplay, Reporter
-from .steps import numcoll_issue, numcoll_step, rank_buffers  # noqa: F401 - re-exported
+from .steps import blocks, numcoll_issue, numcoll_step, rank_buffers  # noqa: F401 - re-exported
 from .sweep import Case, Plan, format_nbytes, summarize
 
 __all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "numcoll_step",
@@ -123,7 +123,7 @@ def numcoll_rank(plan: Plan, reporter: Reporter | None = None, first_case: int =
                         nc.barrier, reporter if pg.rank() == 0 else None, first_case, "numcoll",
                         numcoll_buffers)
     # The group's own configuration says what ran (e.g. whether it has a shared arena).
-    algorithms = [algorithm(plan, case, pg.context.cfg) for case in plan.cases]
+    algorithms = [algorithm(plan, case, pg.context) for case in plan.cases]
     return {**result, "algorithms": algorithms, "transport": pg.transport_kind}
 
 
@@ -184,6 +184,13 @@ def _torch_step(dist, plan: Plan, inp, out):
         return lambda: scatter(out, inp)
     if plan.op == "alltoall":
         return lambda: dist.all_to_all_single(out, inp)
+    root = dist.get_rank() == 0
+    if plan.op == "gather":
+        outs = blocks(out, dist.get_world_size()) if root else None
+        return lambda: dist.gather(inp, outs, dst=0)
+    if plan.op == "scatter":
+        ins = blocks(inp, dist.get_world_size()) if root else None
+        return lambda: dist.scatter(out, ins, src=0)
     if plan.op == "barrier":
         return dist.barrier
     raise ValueError(f"torch anchor: unknown op {plan.op!r}")

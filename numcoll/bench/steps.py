@@ -43,7 +43,18 @@ def rank_buffers(plan: Plan, case: Case, rank: int = 0) -> tuple[np.ndarray, np.
         return inp, (inp[rank * block:(rank + 1) * block] if plan.in_place else filled(block))
     if plan.op == "alltoall":
         return filled(case.count), filled(case.count)
+    if plan.op == "gather":  # the output is the root's (allocated everywhere, as MPI's anchor)
+        return filled(block), filled(case.count)
+    if plan.op == "scatter":  # the input is the root's
+        return filled(case.count), filled(block)
     raise ValueError(f"rank_buffers: unknown op {plan.op!r}")
+
+
+def blocks(buf, n: int) -> list:
+    """``buf`` (a NumPy array or a torch tensor) as ``n`` equal views: the
+    list form of gather's output and scatter's input."""
+    block = buf.shape[0] // n
+    return [buf[i * block:(i + 1) * block] for i in range(n)]
 
 
 def numcoll_issue(pg, plan: Plan, inp: np.ndarray,
@@ -72,6 +83,13 @@ def numcoll_issue(pg, plan: Plan, inp: np.ndarray,
     if plan.op == "alltoall":
         opts = nc.AllToAllOptions(algorithm=alg)
         return lambda: pg.alltoall_base(out, inp, opts=opts)
+    root = pg.rank() == 0
+    if plan.op == "gather":
+        opts, outs = nc.GatherOptions(root_rank=0, algorithm=alg), [blocks(out, pg.size())]
+        return lambda: pg.gather(outs if root else [], [inp], opts)
+    if plan.op == "scatter":
+        opts, ins = nc.ScatterOptions(root_rank=0, algorithm=alg), [blocks(inp, pg.size())]
+        return lambda: pg.scatter([out], ins if root else [], opts)
     if plan.op == "barrier":
         opts = nc.BarrierOptions(algorithm=alg)
         return lambda: pg.barrier(opts)
@@ -102,6 +120,12 @@ def numcoll_step(plan: Plan, inp: np.ndarray, out: np.ndarray | None) -> Callabl
         return lambda: nc.reduce_scatter_tensor(out, inp)
     if plan.op == "alltoall":
         return lambda: nc.all_to_all_single(out, inp)
+    if plan.op == "gather":
+        outs = blocks(out, nc.get_world_size()) if nc.get_rank() == 0 else None
+        return lambda: nc.gather(inp, outs, dst=0)
+    if plan.op == "scatter":
+        ins = blocks(inp, nc.get_world_size()) if nc.get_rank() == 0 else None
+        return lambda: nc.scatter(out, ins, src=0)
     if plan.op == "barrier":
         return lambda: nc.barrier()
     raise ValueError(f"numcoll_step: unknown op {plan.op!r}")

@@ -4,13 +4,14 @@ A sweep is a :class:`Plan`: one collective, one dtype, one world size and a
 list of :class:`Case` (one per message size). ``size`` is the nccl-tests
 size: the bytes of the per-rank buffer (allreduce, broadcast, reduce: the
 buffer; allgather: the *output*, n x input; reduce_scatter: the *input*,
-n x output; alltoall: the per-rank send buffer). ``count = size / itemsize``.
+n x output; alltoall: the per-rank send buffer; gather: the root's output,
+n x input; scatter: the root's input, n x output). ``count = size / itemsize``.
 A barrier moves no data: its plan has one case of size 0, no placement, no
 bandwidth and nothing for ``#wrong`` to check.
 
 Bandwidths follow nccl-tests' PERFORMANCE.md: ``algbw = size / time`` and
 ``busbw = algbw * factor`` with factor ``2(n-1)/n`` for allreduce,
-``(n-1)/n`` for allgather, reduce_scatter and alltoall, and 1 for broadcast
+``(n-1)/n`` for allgather, reduce_scatter, alltoall, gather and scatter, and 1 for broadcast
 and reduce, so that busbw is comparable to the link bandwidth whatever n.
 
 :data:`SWEEPS` holds the named size ranges of ``numcoll-bench --sweep``: a
@@ -53,20 +54,23 @@ __all__ = [
 
 #: The collectives the benchmark knows.
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "alltoall",
-       "barrier")
+       "gather", "scatter", "barrier")
 #: Collectives without a buffer: one case of size 0, no placement, no busbw,
 #: no #wrong.
 _NO_DATA_OPS = frozenset({"barrier"})
 #: Collectives whose buffer is split into world_size equal blocks: their size
 #: is rounded down to a multiple of world_size elements (as nccl-tests does).
-_SPLIT_OPS = frozenset({"allgather", "reduce_scatter", "alltoall"})
+_SPLIT_OPS = frozenset({"allgather", "reduce_scatter", "alltoall", "gather", "scatter"})
+#: Collectives numcoll has no persistent form or shared-array path for.
+_LIST_OPS = frozenset({"gather", "scatter"})
 #: The placements each collective has (in numcoll and torch alike): allreduce,
 #: broadcast and reduce write into their input; alltoall_base does not take
 #: aliased buffers; barrier has no buffer, so its one plan has placement None.
 PLACEMENTS = {
     "allreduce": ("in-place",), "broadcast": ("in-place",), "reduce": ("in-place",),
     "allgather": ("out-of-place", "in-place"), "reduce_scatter": ("out-of-place", "in-place"),
-    "alltoall": ("out-of-place",), "barrier": (None,),
+    "alltoall": ("out-of-place",), "gather": ("out-of-place",), "scatter": ("out-of-place",),
+    "barrier": (None,),
 }
 
 #: Default iteration policy: about this many bytes of buffer per size (so the
@@ -297,6 +301,9 @@ def make_plan(op: str, sizes: Iterable[int], *, world_size: int = 2, dtype: str 
     if placement not in PLACEMENTS[op]:
         raise ValueError(f"{op} has no {placement} form in numcoll; {placements_text(op)}")
     sizes = list(sizes)
+    if op in _LIST_OPS and (persistent or shared_arrays):
+        raise ValueError(f"{op} has no {'persistent' if persistent else 'shared-array'} form "
+                         "in numcoll")
     if op in _NO_DATA_OPS:
         if sizes:
             raise ValueError(f"{op} moves no data: give no sizes (its one case is size 0)")
@@ -332,18 +339,22 @@ def _check_algorithm(op: str, algorithm: str) -> None:
                          f"{', '.join(sorted(CHOICES[op]))}")
 
 
-def algorithm_name(plan: Plan, case: Case, cfg=None) -> str:
+def algorithm_name(plan: Plan, case: Case, cfg=None, context=None) -> str:
     """The numcoll algorithm that runs ``case`` (forced, or chosen by size) on a
     group configured as ``cfg`` (default: the current configuration, as a group
-    whose ranks share memory would have it)."""
+    whose ranks share memory would have it), or on the group whose
+    :class:`~numcoll.collectives.context.GroupContext` is ``context`` (which
+    also knows what its transport offers, e.g. single-copy reads)."""
     from ..collectives.choice import choose
     from ..config import current
     from ..dtypes import is_half
 
-    cfg = cfg if cfg is not None else current()
+    cfg = context.cfg if context is not None else cfg if cfg is not None else current()
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
+    if context is not None:
+        return context.choose(plan.op, plan.algorithm, case.count * wire).name
     return choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size).name
 
 

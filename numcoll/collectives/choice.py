@@ -17,16 +17,23 @@ The automatic choice, in order:
   one host that can address each
   other's device memory (``device_peers``: threads of one process, or CUDA
   IPC; config ``cuda_ipc``): ``ipc`` (:mod:`numcoll.algorithms.peers`);
-- a group whose ranks share one arena (``shm``): the ``shared`` algorithms;
+- a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
+  algorithms for the collectives that move data without reducing it, from
+  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for broadcast
+  and gather, ``single_copy_crowded_min_nbytes`` with more ranks than CPUs),
+  where the ranks may read each other's memory;
+  the ``shared`` algorithms otherwise;
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple
 
-from ..algorithms import ARENA, CHOICES, DEVICE_PEERS, SHARED, TWO_LEVEL
+from ..algorithms import ARENA, CHOICES, DEVICE_PEERS, SHARED, SINGLE_COPY, TWO_LEVEL
+from ..algorithms.single_copy import where_nbytes
 from ..config import Config, forced_algorithm
 
 __all__ = ["Choice", "choose", "check_forced", "segment_count"]
@@ -53,22 +60,30 @@ TWO_LEVEL_FAMILIES = frozenset(f for f, names in CHOICES.items() if TWO_LEVEL & 
 TWO_LEVEL_DEFAULT = "twolevel_lanes"
 
 
+#: Why a group without a ``single_copy`` capability reads no peer's memory.
+NO_SINGLE_COPY = "its transport offers no single-copy reads (the shm transport does)"
+
+
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
            size: int, shared: bool = True, topology=None,
-           device_peers: str | None = "host arrays") -> Choice:
+           device_peers: str | None = "host arrays",
+           single_copy_refused: str | None = NO_SINGLE_COPY) -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
     arena's (for a collective run inside another call, whose arena turn was
     not taken: a configured arena algorithm gives way to the automatic
     choice). ``topology``: the group's :class:`numcoll.algorithms.levels.Topology`, if it
     knows which ranks share a host. ``device_peers``: None for device arrays
-    whose ranks can address each other's device memory, else why not."""
+    whose ranks can address each other's device memory, else why not.
+    ``single_copy_refused``: why this group's ranks cannot read each other's
+    memory, None where they can."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
     if name is None or (not shared and requested is None and name in ARENA):
-        name = _automatic(cfg, collective, nbytes, size, shared, topology)
+        name = _automatic(cfg, collective, nbytes, size, shared, topology,
+                          single_copy_refused)
         if collective in _DEVICE_PEER_FAMILIES and device_peers is None and size > 1 \
                 and _hosts(topology) == 1 and cfg.cuda_ipc == "auto":
             name = _DEVICE_PEER_FAMILIES[collective]
@@ -77,6 +92,16 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
+    if name in SINGLE_COPY and size > 1:
+        why = single_copy_refused or (None if cfg.single_copy else
+                                      "single_copy is 0 (NUMCOLL_SINGLE_COPY)")
+        if why is None and _hosts(topology) > 1:
+            why = f"this group spans {_hosts(topology)} hosts"
+        if why is None and not _single_copy_fits(cfg, size):
+            why = f"the arena's {cfg.arena_slot_nbytes}-byte slot cannot hold {size} addresses"
+        if why is not None:
+            raise ValueError(f"{collective}: algorithm {name!r} reads the peers' buffers "
+                             f"where they lie, which this group cannot: {why}")
     if name in SHARED and size > 1:
         if not cfg.arena_slot_nbytes:
             raise ValueError(f"{collective}: algorithm {name!r} needs ranks that share "
@@ -120,8 +145,26 @@ def check_forced(cfg: Config) -> None:
                              f"{collective}; choose one of {sorted(CHOICES[collective])}")
 
 
+def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
+    """The size from which the ``cma`` algorithms are chosen: the larger of
+    two for broadcast and gather (one rank copies everything), and the larger
+    again on a group with more ranks than the host has CPUs (the same on every
+    rank of one host, as an shm group's ranks are)."""
+    least = cfg.single_copy_min_nbytes
+    if collective in ("broadcast", "gather"):
+        least = max(least, cfg.single_copy_rooted_min_nbytes)
+    if size > (os.cpu_count() or 1):
+        least = max(least, cfg.single_copy_crowded_min_nbytes)
+    return least
+
+
+def _single_copy_fits(cfg: Config, size: int) -> bool:
+    """Whether the arena's slot holds a single-copy *where* for every rank."""
+    return 0 < cfg.arena_slot_nbytes and where_nbytes(size) <= cfg.arena_slot_nbytes
+
+
 def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool,
-               topology) -> str:
+               topology, single_copy_refused: str | None = NO_SINGLE_COPY) -> str:
     if topology is not None and len(topology.hosts) > 1:
         if shared and topology.two_level and collective in TWO_LEVEL_FAMILIES:
             return TWO_LEVEL_DEFAULT if TWO_LEVEL_DEFAULT in CHOICES[collective] \
@@ -129,6 +172,10 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         on_arena = None  # an arena here is a host's, not the group's
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
+        if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
+                "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, collective, size) and \
+                _single_copy_fits(cfg, size):
+            on_arena = "cma"
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":

@@ -39,7 +39,7 @@ from .. import config as _config
 from ..algorithms.levels import Topology
 from ..memory.reduction import Reduction
 from .checks import timeout_seconds
-from .choice import Choice, choose, segment_count
+from .choice import NO_SINGLE_COPY, Choice, choose, segment_count
 
 __all__ = ["GroupContext", "cached", "check_options"]
 
@@ -52,7 +52,8 @@ class GroupContext:
     one ProcessGroup."""
 
     __slots__ = ("rank", "size", "cfg", "timeout_s", "plans", "plans_kept", "_reductions",
-                 "settings", "shared_memory", "topology", "in_process", "_device_peers")
+                 "settings", "shared_memory", "topology", "in_process", "_device_peers",
+                 "single_copy")
 
     def __init__(self, rank: int, size: int, cfg: _config.Config, timeout_s: float):
         self.rank, self.size, self.cfg, self.timeout_s = rank, size, cfg, timeout_s
@@ -68,6 +69,9 @@ class GroupContext:
         #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`),
         #: on groups whose transport knows it (``hier``); else None.
         self.topology = None
+        #: The transport's ``single_copy`` (reading the peers' memory where it
+        #: lies), where the group also has a shared arena; else None.
+        self.single_copy = None
         self.plans: OrderedDict = OrderedDict()
         self.plans_kept = cfg.call_plans_kept
         self._reductions: dict = {}  # (op, dtype, on device) -> Reduction
@@ -104,6 +108,7 @@ class GroupContext:
                 self.disable_arena()  # no shared memory between these ranks
         else:
             self.shared_memory = transport.shared_memory
+            self.single_copy = transport.single_copy
         return self.topology
 
     def disable_arena(self) -> None:
@@ -132,8 +137,10 @@ class GroupContext:
                device: bool = False) -> Choice:
         """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`);
         ``device``: the arrays are CUDA arrays."""
+        single_copy = self.single_copy
         return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology,
-                      self.device_peers() if device else "host arrays")
+                      self.device_peers() if device else "host arrays",
+                      NO_SINGLE_COPY if single_copy is None else single_copy.refused)
 
     def device_peers(self) -> str | None:
         """None if the ranks can address each other's device memory (threads of

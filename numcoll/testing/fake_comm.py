@@ -16,6 +16,7 @@ rank ran the same shared-arena steps.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import defaultdict, deque
@@ -80,6 +81,9 @@ class FakeComm:
         self.arena = None if arena is None else _ArenaView(arena, rank)
         self.topology = topology
         self._shared = shared or {}
+        #: Why single-copy reads are refused (None: they succeed): set it to
+        #: test an algorithm's fallback; :meth:`refuse_single_copy` sets it too.
+        self.single_copy_refused: str | None = None
 
     @property
     def arena_slot_nbytes(self) -> int:
@@ -146,6 +150,24 @@ class FakeComm:
             f"rank {self.rank} reads bytes {start}..{start + nbytes} of rank {peer}'s "
             f"shared part #{key} of {part.size}")
         return part[start:start + nbytes]
+
+    def published_nbytes(self, step: int, peer: int) -> int:
+        """Comm.published_nbytes: what ``peer`` published at ``step``."""
+        arena = self._arena_checked(step)
+        return int(arena.nbytes[step & 1, arena.index[peer]])
+
+    def read_peer(self, peer: int, address: int, out: np.ndarray) -> str | None:
+        """Comm.read_peer: the ranks are threads of this process, so a peer's
+        address is this process's; a refusal's text if :attr:`single_copy_refused`."""
+        assert 0 <= peer < self.size and peer != self.rank, f"rank {self.rank} reads {peer}"
+        if self.single_copy_refused is not None:
+            return self.single_copy_refused
+        ctypes.memmove(out.ctypes.data, address, out.nbytes)
+        return None
+
+    def refuse_single_copy(self, reason: str) -> None:
+        """Comm.refuse_single_copy: later reads are refused."""
+        self.single_copy_refused = reason
 
     def size_mismatch(self, peer: int, detail: str):
         raise AssertionError(f"rank {self.rank}: wrong size from rank {peer}: {detail}")

@@ -91,12 +91,15 @@ _NO_PROOF = bytes(tokens.PROOF_NBYTES)
 @dataclasses.dataclass
 class Link:
     """One connected peer: the socket this rank pokes it through, the socket it
-    pokes this rank through (EOF on it: the peer is gone), and its memory file,
-    mapped."""
+    pokes this rank through (EOF on it: the peer is gone), its memory file,
+    mapped, and its pid as the kernel reported it for the socket behind the
+    name it published (checked against the pid it published; 0 where its pid
+    namespace hides it)."""
 
     out_sock: socket.socket
     in_sock: socket.socket
     region: mmap.mmap
+    pid: int = 0
 
 
 def connect_peers(rank: int, size: int, store: Rendezvous, fd: int, *,
@@ -129,6 +132,7 @@ class _Out:
         self.buf = b""
         self.next_try = 0.0
         self.challenge = self.nonce = self.hello = b""
+        self.pid = 0  # the listener's, from SO_PEERCRED, once connected
 
 
 class _In:
@@ -174,7 +178,8 @@ class _Setup:
                         self._connect(out)
                 self._expire(now)
                 self._poll()
-            links = {p: Link(self.outs[p].sock, *self.done_in[p]) for p in self.peers}
+            links = {p: Link(self.outs[p].sock, *self.done_in[p], pid=self.outs[p].pid)
+                     for p in self.peers}
             self.outs.clear()
             self.done_in.clear()
             # Every peer connected, so every peer has read our card: a store
@@ -257,7 +262,7 @@ class _Setup:
                 f"rank {self.rank}: the socket rank {out.peer} published belongs to pid {pid} "
                 f"(uid {uid}), not to rank {out.peer} (pid {card.pid}, uid {self.uid}): "
                 "refusing to hand it this rank's memory", out.peer)
-        out.sock, out.state, out.buf = sock, "greeting", b""
+        out.sock, out.state, out.buf, out.pid = sock, "greeting", b"", pid
 
     def _on_out(self, out: _Out) -> None:
         need = GREETING.size if out.state == "greeting" else ANSWER.size

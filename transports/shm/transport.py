@@ -52,6 +52,7 @@ from .progress import RingProgress, Send, ShmRequest
 from .region import arena_offset, create_region, region_nbytes
 from .rendezvous import connect_peers
 from .shared_arrays import SharedMemory
+from .single_copy import SingleCopy
 
 __all__ = ["ShmRingTransport", "ring_nbytes_for"]
 
@@ -111,6 +112,10 @@ class ShmRingTransport(MailboxTransport):
         self._rings: RingProgress | None = None
         #: The shared arena (:mod:`transports.shm.arena`), or None.
         self.arena: SharedArena | None = None
+        #: Single-copy reads from the peers (:mod:`transports.shm.single_copy`):
+        #: where there is an arena to agree on it; ``single_copy.refused`` says
+        #: why not, where the kernel refuses.
+        self.single_copy: SingleCopy | None = None
         #: Memory the ranks map together (:mod:`transports.shm.shared_arrays`).
         self.shared_memory = SharedMemory(rank, size, store, token=token,
                                           refusals=self.refusals, timeout_s=timeout_s)
@@ -121,6 +126,14 @@ class ShmRingTransport(MailboxTransport):
         except BaseException:
             self.refusals.close()
             raise
+        if self.arena is not None:
+            single_copy = SingleCopy(rank, size, self._peer_pids)
+            try:
+                single_copy.agree(self.arena, time.monotonic() + timeout_s)
+            except BaseException:
+                self.close()
+                raise
+            self.single_copy = single_copy
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -140,6 +153,7 @@ class ShmRingTransport(MailboxTransport):
             raise
         finally:
             os.close(fd)  # every peer that needs it holds its own
+        self._peer_pids = {p: link.pid for p, link in links.items()}
         try:
             self._rings = RingProgress(self.rank, self.size, self._mailbox, region, links,
                                        self._capacity, self._spin_ns, self._yield_ns)

@@ -1,0 +1,234 @@
+"""Single-copy algorithms: each rank reads what it needs from the peers' buffers
+where they lie, with one kernel copy (cross-memory attach, ``process_vm_readv``).
+
+The arena algorithms (:mod:`.shared`) copy every byte twice: the owner copies
+it into its arena slot, the reader copies it out. Here the arena carries only
+a few words per rank -- *where* each rank's buffer lies in its own address
+space -- and each reader copies straight from the owner's buffer into its own
+(:meth:`numcoll.comm.Comm.read_peer`), as Open MPI's shared-memory transport
+does with CMA. Any plain array qualifies: nothing is allocated in shared
+memory beforehand. The group offers these only where the kernel lets its
+ranks read each other (:mod:`transports.shm.single_copy` says when, and how
+every rank agrees on it at set-up).
+
+Every algorithm here is three phases over the arena:
+
+1. *where*: every rank publishes the address and length of each buffer a
+   peer will read (one step); from then on those buffers hold their inputs;
+2. the reads: each rank copies what it needs from the peers' buffers into
+   its own, and writes nowhere else;
+3. *done* (one step): every rank publishes whether its reads succeeded.
+
+Why the reads are safe (the source stays valid and unchanged until every
+reader is done): a rank publishes *done* only after its last read returned,
+and no rank leaves the algorithm -- so no caller can free, reuse or write
+the buffers it published -- before the *done* step has every rank's part.
+During phase 2 no rank writes a byte another rank reads: each algorithm's
+docstring says which bytes it reads and writes, and the published ranges
+(a rank's input, or its own block of an output) are never among the ranges
+it writes. Between phases the arena's release/acquire publication orders
+the owner's writes of its input before any reader's copy.
+
+If a read is refused by the kernel (``EPERM``: this process's reader was
+re-named by another group since the group agreed; a seccomp filter), the
+*done* step says so, every rank learns it in the same step and marks its
+reads failed (:meth:`numcoll.comm.Comm.refuse_single_copy`: later reads fail
+at once, without a syscall), and the call is finished through the arena (the ``shared`` algorithm of the same
+collective, on the same buffers, whose inputs are still intact): a refused
+read costs time, never a wrong result.
+
+Cost: two synchronisations; every byte is copied once, by its reader.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
+                     scatter_shared)
+
+__all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "alltoall_cma",
+           "where_nbytes"]
+
+#: Marks a published *where* (b"ncsingle" as a little-endian word).
+_MAGIC = int.from_bytes(b"ncsinglc", "little")
+#: A *done* step carries a refusal's text, at most this many bytes.
+_REASON_NBYTES = 256
+
+
+def where_nbytes(entries: int) -> int:
+    """Bytes of a *where* with ``entries`` (address, length) pairs: what the
+    arena's slot must hold (the choice checks it)."""
+    return 16 + 16 * entries
+
+
+def _address(view) -> int:
+    return view.__array_interface__["data"][0]
+
+
+def _where(comm, ranges) -> list:
+    """Phase 1: publish ``ranges`` (each a uint8-viewable contiguous array a
+    peer will read, or None) and return every rank's table: an int64 array of
+    (address, nbytes) pairs per rank (None for this rank)."""
+    words = np.zeros(2 + 2 * len(ranges), np.int64)
+    words[0], words[1] = _MAGIC, len(ranges)
+    for i, view in enumerate(ranges):
+        if view is not None and view.nbytes:
+            words[2 + 2 * i] = _address(view)
+            words[3 + 2 * i] = view.nbytes
+    payload = words.view(np.uint8)
+    step = comm.shared_step(payload)
+    tables = [None] * comm.size
+    for q in range(comm.size):
+        if q == comm.rank:
+            continue
+        theirs = np.frombuffer(comm.shared_view(step, q, 0, 16), np.int64)
+        if theirs[0] != _MAGIC:
+            comm.size_mismatch(q, f"rank {q} runs another algorithm than this rank's "
+                                  "single-copy one")
+        n = int(theirs[1])
+        tables[q] = np.frombuffer(comm.shared_view(step, q, 16, 16 * n), np.int64).reshape(n, 2)
+    return tables
+
+
+def _read(comm, buf, start: int, count: int, peer: int, entry) -> str | None:
+    """Copy ``count`` elements of ``peer``'s published range ``entry`` into
+    ``buf``'s elements ``start:start + count``; a refusal's text, or None."""
+    address, nbytes = int(entry[0]), int(entry[1])
+    want = count * buf.itemsize
+    if nbytes != want:
+        comm.size_mismatch(peer, f"rank {peer} offers {nbytes} bytes, this rank reads {want}")
+    if not count:
+        return None
+    view = buf.recv_view(start, count)
+    refused = comm.read_peer(peer, address, view.view(np.uint8))
+    if refused is None:
+        buf.recv_done(start, count)
+    return refused
+
+
+def _done(comm, refused: str | None) -> bool:
+    """Phase 3: publish this rank's verdict; True if every rank's reads
+    succeeded. Otherwise every rank marks its reads failed, for the first
+    refusal's reason (the same text on every rank), and returns False."""
+    text = np.zeros(_REASON_NBYTES, np.uint8)
+    if refused is not None:
+        raw = refused.encode()[:_REASON_NBYTES - 1] or b"?"
+        text[:len(raw)] = np.frombuffer(raw, np.uint8)
+        step = comm.shared_step(text)
+    else:
+        step = comm.shared_step(text[:0])
+    reasons = []
+    for q in range(comm.size):
+        if q == comm.rank:
+            reasons.append(refused)
+            continue
+        n = comm.published_nbytes(step, q)
+        if n:
+            reasons.append(bytes(comm.shared_view(step, q, 0, n)).rstrip(b"\0").decode(
+                errors="replace"))
+    first = next((r for r in reasons if r), None)
+    if first is None:
+        return True
+    comm.refuse_single_copy(first)
+    return False
+
+
+def allgather_cma(comm, buf, chunks, segment_count: int | None = None) -> None:
+    """Allgather by single-copy reads: ``buf``'s chunk ``comm.rank`` holds this
+    rank's input; afterwards every chunk holds its rank's.
+
+    Rank r publishes its chunk r and reads chunk q from every peer q straight
+    into its chunk q; it writes only chunks q != r, which no peer reads
+    (each reads only its owner's chunk). Every peer reads at once: P-1
+    direct reads per rank, no ring.
+    Cost: two synchronisations; each rank copies (P-1) S/P once (the arena's
+    ``allgather_shared``: twice). Source: Open MPI's vader BTL with CMA.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return
+    first, n = chunks[rank]
+    tables = _where(comm, [buf.send_view(first, n)])
+    refused = None
+    for k in range(1, size):
+        q = (rank + k) % size  # every rank starts with a different peer
+        start, count = chunks[q]
+        refused = refused or _read(comm, buf, start, count, q, tables[q][0])
+    if not _done(comm, refused):
+        allgather_shared(comm, buf, chunks, segment_count)
+
+
+def broadcast_cma(comm, buf, root: int, segment_count: int | None = None) -> None:
+    """Broadcast by single-copy reads: the root publishes its buffer and every
+    other rank reads it whole into its own (which no one reads).
+    Cost: two synchronisations; one copy of S per non-root (the arena's
+    ``broadcast_shared``: one in at the root, one out per rank, per slot)."""
+    if comm.size == 1:
+        return
+    tables = _where(comm, [buf.send_view(0, buf.count) if comm.rank == root else None])
+    refused = None
+    if comm.rank != root:
+        refused = _read(comm, buf, 0, buf.count, root, tables[root][0])
+    if not _done(comm, refused):
+        broadcast_shared(comm, buf, root, segment_count)
+
+
+def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None) -> None:
+    """Gather by single-copy reads: every other rank publishes ``send_buf``;
+    the root reads rank q's into ``recv_bufs[q]`` (its own is the caller's).
+    The root writes only its outputs, which no one reads.
+    Cost: two synchronisations; the root copies (P-1) S/P once."""
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return
+    tables = _where(comm, [None if rank == root else send_buf.send_view(0, send_buf.count)])
+    refused = None
+    if rank == root:
+        for q in range(size):
+            if q != root:
+                refused = refused or _read(comm, recv_bufs[q], 0, recv_bufs[q].count, q,
+                                           tables[q][0])
+    if not _done(comm, refused):
+        gather_shared(comm, send_buf, recv_bufs, root, segment_count)
+
+
+def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None = None) -> None:
+    """Scatter by single-copy reads: the root publishes every ``send_bufs[q]``
+    and rank q reads its own into ``recv_buf`` (the root's is the caller's).
+    Each rank writes only ``recv_buf``; the root's inputs are only read.
+    Cost: two synchronisations; every non-root copies S/P once."""
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return
+    ranges = ([b.send_view(0, b.count) if q != root else None for q, b in enumerate(send_bufs)]
+              if rank == root else [])
+    tables = _where(comm, ranges)
+    refused = None
+    if rank != root:
+        refused = _read(comm, recv_buf, 0, recv_buf.count, root, tables[root][rank])
+    if not _done(comm, refused):
+        scatter_shared(comm, send_bufs, recv_buf, root, segment_count)
+
+
+def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
+                 segment_count: int | None = None) -> None:
+    """All-to-all by single-copy reads: rank r publishes where its block for
+    every rank lies in ``send_buf`` and reads its block from every peer q
+    into ``recv_buf``'s chunk q (its own block is the caller's). Ranks may
+    send each other different amounts: a block of another length than the
+    reader expects fails as a wrong-size message. Each rank writes only
+    ``recv_buf``, which no one reads.
+    Cost: two synchronisations; one copy of (P-1)/P S per rank."""
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return
+    tables = _where(comm, [send_buf.send_view(first, n) if q != rank else None
+                           for q, (first, n) in enumerate(send_chunks)])
+    refused = None
+    for k in range(1, size):
+        q = (rank + k) % size
+        start, count = recv_chunks[q]
+        refused = refused or _read(comm, recv_buf, start, count, q, tables[q][rank])
+    if not _done(comm, refused):
+        alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks, segment_count)

@@ -1,0 +1,305 @@
+"""Single-copy reads (CMA, ``process_vm_readv``) end to end: the ``cma``
+algorithms of allgather, broadcast, gather, scatter and alltoall on shm
+groups (ranks as threads, and as processes) at 1..4 ranks against NumPy;
+the choice (by size, forced, refused); what the ranks agree at set-up; the
+fallback when the kernel refuses a read (EPERM simulated), at set-up and in
+the middle of a call; ranks that disagree; nothing left behind. The
+algorithms alone, at 1..33 ranks over the fake comm, are in
+tests/test_algorithms.py (every name of ``CHOICES``)."""
+
+import errno
+import os
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import numcoll as nc
+from numcoll.collectives.choice import choose
+from numcoll.config import current
+from transports.shm import single_copy
+
+from test_process_group import groups, on_ranks
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif("not __import__('transports').shm_available()")]
+
+N = 3001  # float64 elements per rank: odd, not a multiple of anything
+W = 301  # alltoall_base: elements per row
+
+
+@pytest.fixture(autouse=True)
+def small_threshold(monkeypatch):
+    # Single-copy from 1 KiB, so small arrays exercise it.
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
+
+
+def shm_groups(size):
+    return groups(size, transport="shm", timeout=timedelta(seconds=30))
+
+
+def close(pgs):
+    for pg in pgs:
+        pg.shutdown()
+
+
+def inputs(rank, n, dtype=np.float64):
+    return (np.arange(n) % 97 + 1000 * rank + 0.25).astype(dtype)
+
+
+def algorithms(pg, last):
+    from numcoll.diagnostics import flight_recorder
+
+    entries = [e for e in flight_recorder.dump(pg.rank())["entries"] if e["pg_id"] == pg._pg_id]
+    return [e["algorithm"] for e in entries[-last:]]
+
+
+def every_collective(pg, algorithm=None):
+    """Each moving collective once, checked against NumPy; the number of calls."""
+    r, size, n = pg.rank(), pg.size(), N
+    x = inputs(r, n)
+    out = np.zeros(n * size)
+    pg.allgather_into_tensor(out, x, nc.AllgatherOptions(algorithm=algorithm)).wait()
+    assert np.array_equal(out, np.concatenate([inputs(q, n) for q in range(size)]))
+    lists = [[np.zeros(n) for _ in range(size)]]
+    pg.allgather(lists, [x], nc.AllgatherOptions(algorithm=algorithm)).wait()
+    for q in range(size):
+        assert np.array_equal(lists[0][q], inputs(q, n))
+    b = inputs(r, n)
+    pg.broadcast([b], nc.BroadcastOptions(root_rank=size - 1, algorithm=algorithm)).wait()
+    assert np.array_equal(b, inputs(size - 1, n))
+    root = size // 2
+    targets = [[np.zeros(n) for _ in range(size)]] if r == root else []
+    pg.gather(targets, [x], nc.GatherOptions(root_rank=root, algorithm=algorithm)).wait()
+    if r == root:
+        for q in range(size):
+            assert np.array_equal(targets[0][q], inputs(q, n))
+    got = np.zeros(n)
+    sources = [[inputs(100 + q, n) for q in range(size)]] if r == root else []
+    pg.scatter([got], sources, nc.ScatterOptions(root_rank=root, algorithm=algorithm)).wait()
+    assert np.array_equal(got, inputs(100 + r, n))
+    # Uneven splits: rank r sends rank q (r + 2q) % 3 + 1 rows of W.
+    rows = lambda src, dst: (src + 2 * dst) % 3 + 1  # noqa: E731
+    send = np.concatenate([inputs(10 * r + q, W * rows(r, q)) for q in range(size)])
+    recv = np.zeros(sum(W * rows(q, r) for q in range(size)))
+    pg.alltoall_base(recv.reshape(-1, W), send.reshape(-1, W),
+                     [rows(q, r) for q in range(size)], [rows(r, q) for q in range(size)],
+                     nc.AllToAllOptions(algorithm=algorithm)).wait()
+    assert np.array_equal(recv, np.concatenate([inputs(10 * q + r, W * rows(q, r))
+                                                for q in range(size)]))
+    outs = [np.zeros(n) for _ in range(size)]
+    pg.alltoall(outs, [inputs(10 * r + q, n) for q in range(size)],
+                nc.AllToAllOptions(algorithm=algorithm)).wait()
+    for q in range(size):
+        assert np.array_equal(outs[q], inputs(10 * q + r, n))
+    return 7
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_every_moving_collective_reads_single_copy(size):
+    pgs = shm_groups(size)
+    try:
+        def body(pg):
+            calls = every_collective(pg)
+            assert pg._transport.single_copy is None or pg._transport.single_copy.refused is None
+            return algorithms(pg, calls)
+
+        for got in on_ranks(pgs, body):
+            assert got == (["cma"] * 7 if size > 1 else got)
+    finally:
+        close(pgs)
+
+
+def test_processes_read_each_other_single_copy():
+    def body():
+        pg = nc.get_default_group()
+        calls = every_collective(pg)
+        return pg._transport.single_copy.refused, algorithms(pg, calls)
+
+    for refused, got in nc.launch(body, 3, mode="process", transport="shm",
+                                  timeout=timedelta(seconds=60)):
+        assert refused is None
+        assert got == ["cma"] * 7
+
+
+def test_the_choice_by_size_forced_and_refused(monkeypatch):
+    cfg = current()  # NUMCOLL_SINGLE_COPY_MIN_NBYTES=1024 (the fixture)
+    assert choose(cfg, "allgather", None, 4096, 2, single_copy_refused=None).name == "cma"
+    assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
+    # Broadcast and gather: the rooted threshold.
+    rooted = current(single_copy_rooted_min_nbytes=1 << 30)
+    assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    assert choose(rooted, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
+    # More ranks than CPUs: the crowded threshold.
+    crowded = current(single_copy_crowded_min_nbytes=1 << 30)
+    many = (os.cpu_count() or 1) + 1
+    assert choose(crowded, "allgather", None, 1 << 20, many, single_copy_refused=None).name \
+        == "shared"
+    assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
+        == "cma"
+    # Reductions never read single-copy; a group whose ranks cannot read each
+    # other takes the arena, and forcing cma there says why.
+    assert choose(cfg, "allreduce", None, 1 << 20, 2, single_copy_refused=None).name \
+        == "shared_split"
+    assert choose(cfg, "broadcast", None, 1 << 20, 2, single_copy_refused="no").name == "shared"
+    with pytest.raises(ValueError, match="which this group cannot: EPERM here"):
+        choose(cfg, "alltoall", "cma", 1 << 20, 2, single_copy_refused="EPERM here")
+    with pytest.raises(ValueError, match="offers no single-copy"):
+        choose(cfg, "gather", "cma", 1 << 20, 2)
+    off = current(single_copy=0)
+    assert choose(off, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    with pytest.raises(ValueError, match="NUMCOLL_SINGLE_COPY"):
+        choose(off, "scatter", "cma", 1 << 20, 2, single_copy_refused=None)
+    # Refusable per group: NUMCOLL_SINGLE_COPY=0 (or Options(algorithm=...)).
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY", "0")
+    pgs = shm_groups(2)
+    try:
+        def body(pg):
+            every_collective(pg)
+            with pytest.raises(ValueError, match="reads the peers' buffers"):
+                pg.broadcast([np.zeros(N)], nc.BroadcastOptions(algorithm="cma"))
+            return algorithms(pg, 7)
+
+        for got in on_ranks(pgs, body):
+            assert "cma" not in got
+    finally:
+        close(pgs)
+
+
+def _refuse_every_read(monkeypatch):
+    monkeypatch.setattr(single_copy, "_process_vm_readv",
+                        lambda pid, local, remote, nbytes: -errno.EPERM)
+
+
+def test_refused_at_set_up_every_rank_agrees_and_takes_the_arena(monkeypatch):
+    _refuse_every_read(monkeypatch)
+    pgs = shm_groups(3)
+    try:
+        def body(pg):
+            refused = pg._transport.single_copy.refused
+            every_collective(pg)
+            with pytest.raises(ValueError, match="EPERM"):
+                pg.allgather_into_tensor(np.zeros(2 * N * 3), np.zeros(2 * N),
+                                         nc.AllgatherOptions(algorithm="cma"))
+            return refused, algorithms(pg, 7)
+
+        results = on_ranks(pgs, body)
+        reasons = {refused for refused, _ in results}
+        assert len(reasons) == 1, reasons  # the same reason on every rank
+        (reason,) = reasons
+        assert "process_vm_readv failed with EPERM" in reason
+        for _, got in results:
+            assert "cma" not in got and "shared" in got
+    finally:
+        close(pgs)
+
+
+@pytest.mark.parametrize("refuse_first_only", [False, True])
+def test_a_read_refused_in_a_call_finishes_through_the_arena(monkeypatch, refuse_first_only):
+    pgs = shm_groups(3)
+    try:
+        real = single_copy._process_vm_readv
+        refusals = []
+
+        def flaky(pid, local, remote, nbytes):
+            if refuse_first_only and refusals:
+                return real(pid, local, remote, nbytes)
+            refusals.append(nbytes)
+            return -errno.EPERM
+
+        monkeypatch.setattr(single_copy, "_process_vm_readv", flaky)
+
+        def body(pg):
+            every_collective(pg, algorithm="cma")  # each call falls back, results right
+            assert pg._transport.single_copy.refused is None  # the choice stays as agreed
+            return pg._transport.single_copy.failed
+
+        reasons = set(on_ranks(pgs, body))
+        assert len(reasons) == 1 and "EPERM" in reasons.pop()
+        assert refusals
+    finally:
+        close(pgs)
+
+
+def test_yama_scopes(monkeypatch):
+    calls = []
+
+    class FakeLibc:
+        def prctl(self, option, arg, *rest):
+            calls.append((option, arg))
+            return 0
+
+    monkeypatch.setattr(single_copy, "_LIBC", FakeLibc())
+    monkeypatch.setattr(single_copy, "ptrace_scope", lambda: 1)
+    # Scope 1, two ranks: exactly the one peer may read this process.
+    assert single_copy.SingleCopy(0, 2, {1: 4242})._allow_peers() is None
+    assert calls == [(single_copy.PR_SET_PTRACER, 4242)]
+    # Scope 1 names one reader: a group of three cannot.
+    why = single_copy.SingleCopy(0, 3, {1: 4242, 2: 4343})._allow_peers()
+    assert "ptrace_scope is 1" in why and "2 peers" in why
+    assert len(calls) == 1  # never PR_SET_PTRACER_ANY, nor a partial grant
+    for scope in (2, 3):
+        monkeypatch.setattr(single_copy, "ptrace_scope", lambda scope=scope: scope)
+        assert f"ptrace_scope is {scope}" in single_copy.SingleCopy(0, 2, {1: 4242})._allow_peers()
+    monkeypatch.setattr(single_copy, "ptrace_scope", lambda: None)
+    assert "pid namespace" in single_copy.SingleCopy(0, 2, {1: 0})._allow_peers()
+
+
+def test_ranks_that_disagree_on_the_algorithm_fail_on_both():
+    pgs = shm_groups(2)
+    try:
+        def body(pg):
+            algorithm = "cma" if pg.rank() == 0 else "shared"
+            work = pg.allgather_into_tensor(np.zeros(2 * N), np.zeros(N),
+                                            nc.AllgatherOptions(algorithm=algorithm,
+                                                                timeout=timedelta(seconds=10)))
+            with pytest.raises(nc.CollectiveMismatchError):
+                work.wait()
+            return True
+
+        assert on_ranks(pgs, body) == [True, True]
+    finally:
+        close(pgs)
+
+
+def _fds() -> set:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_nothing_left_behind(no_leaked_threads):
+    shm_before, fds_before = set(os.listdir("/dev/shm")), _fds()
+    for _ in range(3):
+        pgs = shm_groups(2)
+        try:
+            on_ranks(pgs, every_collective)
+        finally:
+            close(pgs)
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert _fds() - fds_before == set()
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_algorithms_alone_fall_back_when_one_rank_is_refused(size):
+    from numcoll.algorithms import CHOICES
+    from numcoll.memory.host import HostBuffer
+    from numcoll.testing import run_ranks
+
+    count = 11
+    chunks = [(r * count, count) for r in range(size)]
+
+    def rank_fn(comm):
+        if comm.rank == size - 1:
+            comm.single_copy_refused = "EPERM (simulated)"
+        buf = np.zeros(count * size)
+        buf[comm.rank * count:(comm.rank + 1) * count] = inputs(comm.rank, count)
+        CHOICES["allgather"]["cma"](comm, HostBuffer(buf), chunks, 4)
+        b = inputs(comm.rank, count)
+        CHOICES["broadcast"]["cma"](comm, HostBuffer(b), 0, 4)
+        return buf, b, comm.single_copy_refused
+
+    for buf, b, refused in run_ranks(size, rank_fn):
+        assert np.array_equal(buf, np.concatenate([inputs(q, count) for q in range(size)]))
+        assert np.array_equal(b, inputs(0, count))
+        assert refused == "EPERM (simulated)"  # every rank learnt it in the same call

@@ -27,7 +27,7 @@ from transports.endpoint import forget
 from . import config as _config
 from .algorithms import ARENA
 from .call import SEQ_MASK, Call
-from .collectives import movement, p2p, persistent, reductions
+from .collectives import exchange, movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
@@ -261,14 +261,14 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
 
     def alltoall(self, output_list, input_list, opts=None, *, blocking: bool = False):
         """Rank r's ``input_list[q]`` lands in rank q's ``output_list[r]``."""
-        call, run = movement.alltoall(self.context, output_list, input_list, opts)
+        call, run = exchange.alltoall(self.context, output_list, input_list, opts)
         return self.submit(call, run, blocking)
 
     def alltoall_base(self, output, input, output_split_sizes=None, input_split_sizes=None,
                       opts=None, *, blocking: bool = False):
         """``input`` split along dim 0 (equally or by ``input_split_sizes``):
         block q to rank q; rank r's block lands in ``output``'s r-th block."""
-        call, run = movement.alltoall_base(self.context, output, input, output_split_sizes,
+        call, run = exchange.alltoall_base(self.context, output, input, output_split_sizes,
                                            input_split_sizes, opts)
         return self.submit(call, run, blocking)
 

@@ -18,7 +18,7 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 import numcoll as nc
-from numcoll.collectives import movement, reductions
+from numcoll.collectives import exchange, movement, reductions
 from numcoll.memory.overlap import (INTERNAL_OVERLAP, check_overlap, has_internal_overlap,
                                     same_view, shares_memory)
 
@@ -313,9 +313,9 @@ def _build(ctx, t, ins, outs):
         return movement.scatter(ctx, outs, [ins] if ins else [],
                                 nc.ScatterOptions(root_rank=root))
     if name == "alltoall":
-        return movement.alltoall(ctx, outs, ins)
+        return exchange.alltoall(ctx, outs, ins)
     if name == "alltoall_base":
-        return movement.alltoall_base(ctx, outs[0], ins[0])
+        return exchange.alltoall_base(ctx, outs[0], ins[0])
     if name == "reduce_scatter":
         return reductions.reduce_scatter(ctx, outs, [ins])
     raise AssertionError(name)

@@ -22,7 +22,7 @@ import inspect
 import warnings
 from datetime import timedelta
 
-from ..collectives import movement, p2p, reductions
+from ..collectives import exchange, movement, p2p, reductions
 from ..memory.arrays import as_array
 from ..ops import ReduceOp
 from ..options import (AllreduceCoalescedOptions, BarrierOptions, GatherOptions,
@@ -317,7 +317,7 @@ def all_to_all(pg, output_tensor_list, input_tensor_list, group=None, async_op=F
     output_tensor_list = _tensor_list(output_tensor_list, "output_tensor_list")
     input_tensor_list = _tensor_list(input_tensor_list, "input_tensor_list")
     _same_dtype(output_tensor_list, input_tensor_list)
-    return movement.alltoall(pg.context, output_tensor_list, input_tensor_list)
+    return exchange.alltoall(pg.context, output_tensor_list, input_tensor_list)
 
 
 @collective
@@ -325,7 +325,7 @@ def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_si
                       group=None, async_op=False):
     """all_to_all on the first dimension of single arrays (equal or given splits)."""
     _same_dtype(output, input)
-    return movement.alltoall_base(pg.context, output, input, output_split_sizes,
+    return exchange.alltoall_base(pg.context, output, input, output_split_sizes,
                                   input_split_sizes)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from ..call import Call
 from ..memory.arrays import as_array
 from ..options import AllreduceOptions, ReduceOptions
-from . import movement, p2p, reductions
+from . import exchange, movement, p2p, reductions
 from .arena_step import ArenaStep
 from .context import GroupContext
 
@@ -264,7 +264,7 @@ def reduce_scatter_tensor(ctx: GroupContext, output, input, opts=None) -> Plan:
 def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
                   input_split_sizes=None, opts=None) -> Plan:
     """Arguments as ``ProcessGroup.alltoall_base``."""
-    call, run = movement.alltoall_base(ctx, output, input, output_split_sizes,
+    call, run = exchange.alltoall_base(ctx, output, input, output_split_sizes,
                                        input_split_sizes, opts)
     return Plan(call, run, None, Guard("alltoall_base_init", [output, input]))
 

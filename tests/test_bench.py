@@ -111,12 +111,12 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
-    (["--op", "gather"], "invalid choice: 'gather'"),
+    (["--op", "sendrecv"], "invalid choice: 'sendrecv'"),
     (["--min-bytes", "1M", "--max-bytes", "8"], "max size (8 B) is smaller than min size"),
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
     (["--op", "allgather", "--algorithm", "tree"],
-     "unknown allgather algorithm 'tree'; choose one of ipc, ring"),
+     "unknown allgather algorithm 'tree'; choose one of cma, ipc, ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
     (["--compare", "torch,nccl"], "unknown anchor 'nccl'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),

@@ -261,7 +261,7 @@ def test_the_stamp_carries_and_renders_the_algorithm_and_the_settings():
     # every setting that decides the messages changes the fingerprint
     base = config.current()
     changed = {"algorithm": "allreduce:ring", "half_wire": "native", "sparse_dense_ratio": 2.0,
-               "cuda_ipc": "off"}
+               "cuda_ipc": "off", "single_copy": 0}
     for name in config.AGREED:
         value = changed.get(name, getattr(base, name) * 2 or 4096)
         assert config.fingerprint(config.replace(base, **{name: value})) != \

@@ -11,34 +11,16 @@ synchronous), pinned memory (its "pinned" arrays are plain NumPy), and
 Numba's strided-assignment kernel (its device arrays are NumPy arrays).
 """
 
-import os
 import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+from cuda_env import SIMULATED  # noqa: E402 - first: chooses the simulator
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-if "numba" in sys.modules and "numba.cuda" not in sys.modules:
-    # numba read NUMBA_* when it was imported (by numcoll's CPU kernels, for a
-    # test module collected earlier); re-read so that numba.cuda sees the simulator.
-    from numba.core import config as _numba_config
-
-    _numba_config.reload_config()
-
-try:
-    from numba import cuda as _numba_cuda
-except Exception as exc:  # pragma: no cover - depends on the installation
-    pytest.skip(f"numba.cuda is not importable ({exc}); pip install numba-cuda",
-                allow_module_level=True)
-
-SIMULATED = _numba_cuda.jit.__module__.startswith("numba.cuda.simulator")
-if not SIMULATED and not _numba_cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module could "
-                "enable it, and there is no GPU: run this module on its own or with "
-                "NUMBA_ENABLE_CUDASIM=1 set in the environment", allow_module_level=True)
+from numba import cuda as _numba_cuda  # noqa: E402
 
 # Bound names only: while a simulated kernel runs a custom op defined in this
 # module, the simulator swaps this module's references to numba.cuda.

@@ -12,7 +12,7 @@ code that runs as Python but does not type or lower for the CUDA target.
 import os
 import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+from cuda_env import SIMULATED  # noqa: E402 - first: chooses the simulator
 
 import subprocess  # noqa: E402
 import threading  # noqa: E402
@@ -22,24 +22,7 @@ import pytest  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-if "numba" in sys.modules and "numba.cuda" not in sys.modules:
-    # numba read NUMBA_* when it was imported (by numcoll's CPU kernels, for a
-    # test module collected earlier); re-read so that numba.cuda sees the simulator.
-    from numba.core import config as _numba_config
-
-    _numba_config.reload_config()
-
-try:
-    from numba import cuda
-except Exception as exc:  # pragma: no cover - depends on the installation
-    pytest.skip(f"numba.cuda is not importable ({exc}); pip install numba-cuda",
-                allow_module_level=True)
-
-SIMULATED = cuda.jit.__module__.startswith("numba.cuda.simulator")
-if not SIMULATED and not cuda.is_available():
-    pytest.skip("numba.cuda was imported without the simulator before this module could "
-                "enable it, and there is no GPU: run this module on its own or with "
-                "NUMBA_ENABLE_CUDASIM=1 set in the environment", allow_module_level=True)
+from numba import cuda  # noqa: E402
 
 import ml_dtypes  # noqa: E402
 

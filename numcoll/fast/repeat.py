@@ -135,10 +135,7 @@ class Repeats:
         seen = self._seen.get(key)
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
-                or not x.flags.writeable:
-            return False
-        ctx = self.pg.context
-        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
+                or not x.flags.writeable or self._stale(seen):
             return False
         return seen.fused.run()
 

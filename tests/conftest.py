@@ -104,6 +104,7 @@ def pytest_runtest_call(item):
     import time
 
     started = time.time_ns()
+    item._numcoll_started = started
     item._numcoll_waits = None
     timeout_s = _timeout_s(item)
     timer = None
@@ -123,15 +124,32 @@ def pytest_runtest_call(item):
             timer.join()
 
 
+def _history(since_ns: int) -> str:
+    from numcoll.diagnostics import flight_recorder
+
+    recorder = flight_recorder.recorder()
+    lines = [] if recorder is None else recorder.history(since_ns)
+    return "\n".join(lines or ["no collective ran in this process (ranks in other processes "
+                               "report through their launcher)"])
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if call.when != "call" or not report.failed or "Timeout" not in str(report.longrepr):
+    if call.when != "call" or not report.failed:
         return
-    report.sections.append((
-        "numcoll: what every rank was waiting for when the test ran out of time",
-        getattr(item, "_numcoll_waits", None) or _waits(0)))
+    text = str(report.longrepr)
+    if "Timeout" in text:  # pytest-timeout's, or numcoll's CollectiveTimeoutError
+        report.sections.append((
+            "numcoll: what every rank was waiting for when the test ran out of time",
+            getattr(item, "_numcoll_waits", None) or _waits(0)))
+    if "Timeout" in text or "Timed out" in text:
+        # Every call of the test on every rank of this process, finished or
+        # not: a rank that completed a call a peer timed out waiting for tells
+        # a lost message from a stalled rank.
+        report.sections.append(("numcoll: every collective this test ran, per rank",
+                                _history(getattr(item, "_numcoll_started", 0))))
 
 
 # --- tests that need a real GPU ----------------------------------------------------

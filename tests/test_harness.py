@@ -36,6 +36,31 @@ def test_rank_one_never_calls():
         for pg in pgs:
             pg.shutdown()
 
+@pytest.mark.timeout(30)
+def test_rank_one_stops_calling():
+    from datetime import timedelta
+    store = nc.HashStore()
+    pgs = [None, None]
+    def make(r):
+        pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(
+            transport="inproc", group_name="late", timeout=timedelta(seconds=1)))
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        both = [threading.Thread(target=lambda pg: pg.allreduce(np.ones(4)).wait(),
+                                 args=(pg,)) for pg in pgs]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(30)
+        pgs[0].allreduce(np.ones(4)).wait()  # rank 1 does not call the second one
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+
 def test_repeated(_stress_run=None):
     pass
 '''
@@ -57,6 +82,19 @@ def test_a_test_out_of_time_says_what_every_rank_waited_for(tmp_path):
     assert "numcoll: what every rank was waiting for" in out, out[-3000:]
     assert "rank 0 of group 'stuck/0': allreduce (collective #1) waiting to recv from rank 1" \
         in out, out[-3000:]
+
+
+def test_a_collective_timeout_lists_every_call_of_the_test_per_rank(tmp_path):
+    done = _pytest(tmp_path, "test_hang.py::test_rank_one_stops_calling")
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "numcoll: every collective this test ran, per rank" in out, out[-3000:]
+    # The first call completed on both ranks; the second failed on rank 0.
+    for rank in (0, 1):
+        assert f"rank {rank} of group 'late/0': allreduce (collective #1) completed" in out, \
+            out[-3000:]
+    assert "rank 0 of group 'late/0': allreduce (collective #2) failed" in out, out[-3000:]
+    assert "collective #2" not in out.split("rank 1 of group 'late/0'", 1)[1].split("\n")[0]
 
 
 def test_the_stress_plugin_repeats_a_test_and_keeps_only_what_was_asked(tmp_path):

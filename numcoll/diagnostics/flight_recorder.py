@@ -298,6 +298,29 @@ class FlightRecorder:
                 f"{r.describe_wait() or f'{r.call.name} (collective #{r.seq}) {r.state}'}"
                 for r in records]
 
+    def history(self, since_ns: int = 0) -> list[str]:
+        """One line per collective created from ``since_ns`` on, finished or
+        not, every rank and group, oldest first: when it started and ended
+        (seconds after ``since_ns``), and what it waits for or why it failed.
+        What a test that failed on a deadline prints: a rank whose call
+        *completed* while a peer timed out waiting for it lost a message; one
+        still waiting says for whom."""
+        with self._lock:
+            records = [r for r in self._all_records() if r.time_created_ns >= since_ns]
+            names = {k: v["name"] for k, v in self._pg_config.items()}
+
+        def at(ns):
+            return "-" if ns is None else f"+{(ns - since_ns) / 1e9:.3f}s"
+
+        lines = []
+        for r in records:
+            what = r.describe_wait() or f"{r.call.name} (collective #{r.seq})"
+            tail = f": {r.error}" if r.error else ""
+            lines.append(f"rank {r.rank} of group {names.get(r.pg_id, r.pg_id)!r}: {what} "
+                         f"{r.state} (started {at(r.time_started_ns)}, ended "
+                         f"{at(r.time_completed_ns)}){tail}")
+        return lines
+
     def dump(self, rank: int | None = None) -> dict:
         """The records (of one global ``rank`` only, if given) as plain data."""
         with self._lock:

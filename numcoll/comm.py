@@ -85,10 +85,14 @@ def _hinted(text: str) -> str:
     return text if "nc.shrink_group()" in text else f"{text}; {_SHRINK}"
 
 
-def abort_note(culprit: int, reason: str) -> bytes:
+def abort_note(culprit: int, reason: str, mismatch: str | None = None) -> bytes:
     """What an aborting rank publishes in the store: the rank that caused the
-    failure (itself, or the peer it lost) and why, for its peers' errors."""
-    return json.dumps({"culprit": culprit, "reason": reason}).encode()
+    failure (itself, or the peer it lost) and why, for its peers' errors;
+    where the cause is a mismatch of calls, the mismatch's own message too."""
+    note = {"culprit": culprit, "reason": reason}
+    if mismatch:
+        note["mismatch"] = mismatch
+    return json.dumps(note).encode()
 
 
 class AbortNotes:
@@ -100,9 +104,10 @@ class AbortNotes:
     def __init__(self, store, rank: int):
         self._store, self._rank = store, rank
 
-    def publish(self, culprit: int, reason: str) -> None:
-        """This rank aborts (or is stuck) because of rank ``culprit``."""
-        note = abort_note(culprit, reason)
+    def publish(self, culprit: int, reason: str, mismatch: str | None = None) -> None:
+        """This rank aborts (or is stuck) because of rank ``culprit`` (with
+        ``mismatch``, the message of the mismatch of calls that caused it)."""
+        note = abort_note(culprit, reason, mismatch)
 
         def write():
             try:
@@ -144,6 +149,15 @@ def _read_note(note: bytes | str | None) -> tuple[int | None, str | None]:
     except (ValueError, KeyError, TypeError):
         text = note.decode(errors="replace") if isinstance(note, bytes) else str(note)
         return None, text
+
+
+def _note_mismatch(note: bytes | str | None) -> str | None:
+    """The mismatch of calls that a peer's abort note says caused the failure."""
+    try:
+        mismatch = None if note is None else json.loads(note).get("mismatch")
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return mismatch if isinstance(mismatch, str) and mismatch else None
 
 
 class Comm:
@@ -431,7 +445,16 @@ class Comm:
         if isinstance(exc, PeerClosed):
             note = self._notes.read(peer) if self._notes and peer is not None else None
             culprit, reason = _read_note(note)
-            if culprit == self.rank:  # the peer aborted because of this rank (a mismatch)
+            mismatch = _note_mismatch(note)
+            if mismatch is not None:
+                # Ranks ran different calls: every rank fails with the mismatch,
+                # in torch's words, whichever rank saw it first.
+                err = CollectiveMismatchError(
+                    f"{mismatch} ({where} learned it from rank {peer}, which aborted the "
+                    "group)", peer=culprit if culprit not in (None, self.rank) else peer)
+                err.root_reason, err.mismatch = reason, mismatch
+                return err
+            if culprit == self.rank:  # the peer aborted because of this rank
                 err = PeerError(f"{where}: rank {peer} aborted the group because of this "
                                 f"rank: {reason}", peer=peer)
                 err.root_reason = reason

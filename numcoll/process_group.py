@@ -34,7 +34,7 @@ from .collectives.context import GroupContext
 from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
 from .diagnostics.mismatch import Finished
-from .errors import GroupPoisonedError, NumcollError
+from .errors import CollectiveMismatchError, GroupPoisonedError, NumcollError
 from .fast import Repeats, make_request, promote
 from .options import GroupOptions
 from .recovery import SHRINK_HINT, Recoverable
@@ -428,7 +428,9 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             # every rank's error leads with the same rank.
             peer = getattr(exc, "peer", None)
             culprit = peer if peer is not None else self._rank
-            self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit)
+            mismatch = (getattr(exc, "mismatch", None) or str(exc)) \
+                if isinstance(exc, CollectiveMismatchError) else None
+            self._abort(getattr(exc, "root_reason", None) or self._poisoned, culprit, mismatch)
             flight_recorder.dump_on_failure(self._recorder, self._global_rank)
             return exc
         poisoned = self._poison_class(
@@ -437,8 +439,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         poisoned.__cause__ = exc
         return poisoned
 
-    def _abort(self, reason: str, culprit: int) -> None:
-        self._notes.publish(culprit, reason)
+    def _abort(self, reason: str, culprit: int, mismatch: str | None = None) -> None:
+        self._notes.publish(culprit, reason, mismatch)
         self._transport.close()
         self._arena_order.wake()
 

@@ -156,9 +156,23 @@ class DeviceBuffer:
     def copy_from_peers(self, peers: list, chunks: list) -> None:
         """Chunk r (``chunks[r] = (start, count)``) copied from rank r's buffer,
         for every peer r; done when this returns."""
-        for other, (start, count) in zip(peers, chunks):
+        self.copy_peer_ranges(peers, [(r, start, start, count)
+                                      for r, (start, count) in enumerate(chunks)])
+
+    def copy_peer_ranges(self, peers: list, moves, wait: bool = True) -> None:
+        """For each ``(r, src, dst, count)`` of ``moves``: elements ``dst:dst + count``
+        of this buffer := elements ``src:src + count`` of rank r's buffer (device
+        to device, on the stream). ``wait``: done when this returns; else only
+        queued (a later call with ``wait``, or :meth:`settle`, on a buffer of
+        the same stream finishes them)."""
+        for r, src, dst, count in moves:
+            other = peers[r]
             if other is not None and count:
-                mine = self.array[start:start + count].view(np.uint8)
-                mine.copy_to_device(other[start:start + count].view(np.uint8),
-                                    stream=self._stream)
+                mine = self.array[dst:dst + count].view(np.uint8)
+                mine.copy_to_device(other[src:src + count].view(np.uint8), stream=self._stream)
+        if wait:
+            self._stream.synchronize()
+
+    def settle(self) -> None:
+        """Wait until everything queued on this buffer's stream has run."""
         self._stream.synchronize()

@@ -285,7 +285,8 @@ def _expected(world_size, dtype, root, rank):
     for q in range(world_size):
         rows = [(q + p) % 3 for p in range(world_size)]
         start = 2 * sum(rows[:rank])
-        blocks.append(make_input(dtype, 2 * sum(rows), q, None, salt=3)[start:start + 2 * rows[rank]])
+        sent = make_input(dtype, 2 * sum(rows), q, None, salt=3)
+        blocks.append(sent[start:start + 2 * rows[rank]])
     want["alltoall_base"] = np.concatenate(blocks).reshape(-1, 2)
     return want
 
@@ -304,10 +305,10 @@ def test_reduce_gather_scatter_alltoall_read_the_peers_directly(world_size):
             for dtype in (np.float32, nc.bfloat16, np.int64):
                 got, algorithms = _rooted_and_exchange(world_size, dtype, root)
                 out.append((root, dtype, got, algorithms))
+        names = ("numcoll:reduce", "numcoll:gather", "numcoll:scatter", "numcoll:all_to_all",
+                 "numcoll:all_to_all_single")
         recorded = {e["algorithm"] for e in nc.flight_recorder.dump(rank)["entries"]
-                    if e["record_id"] not in before and e["profiling_name"] in ("numcoll:reduce", "numcoll:gather",
-                                               "numcoll:scatter", "numcoll:all_to_all",
-                                               "numcoll:all_to_all_single")}
+                    if e["record_id"] not in before and e["profiling_name"] in names}
         return out, recorded
 
     for rank, (results, recorded) in enumerate(nc.launch(body, world_size, mode="thread",

@@ -22,7 +22,7 @@ from .allreduce import allreduce_ring
 from .alltoall import alltoall_pairwise
 from .broadcast import broadcast_binomial
 from .partition import chunk_bounds
-from .reduce import reduce_binomial, reduce_ring
+from .reduce import reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
 

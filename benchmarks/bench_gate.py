@@ -15,6 +15,8 @@ how they are timed: :mod:`numcoll.bench.schedule`; the rows:
 * the reduction kernel (float32, float16) and the pack kernels in this process;
 * persistent collectives and shared arrays (issue 19): ``nc.all_reduce_init``
   started and waited for, ``nc.all_reduce`` on an ``nc.zeros_shared`` array;
+* device rows, where a CUDA GPU is (skipped, with the reason, elsewhere):
+  allreduce on device arrays at 2 ranks, as chosen (``ipc``) and staged;
 * references, never judged: a memcpy, NumPy's add, a Python loop and a socket
   ping-pong with a rank process, which tell how fast the machine is right now.
 

@@ -108,6 +108,13 @@ class Config:
     cuda_blocks: int = 1024
     #: Idle pinned host memory the CUDA staging pool keeps for reuse (bytes).
     cuda_staging_idle_nbytes: int = 1 << 30
+    #: A staged device buffer comes to the host in this many asynchronous
+    #: copies, each followed by an event, so the host algorithm starts on the
+    #: first piece it needs while the rest are still copying; pieces are at
+    #: least ``cuda_staging_piece_min_nbytes`` (smaller buffers: fewer pieces).
+    #: The count is fixed, so the host work of a call does not grow with its size.
+    cuda_staging_pieces: int = 4
+    cuda_staging_piece_min_nbytes: int = 1 << 20
     #: Idle device memory kept for the collectives' device temporaries (bytes;
     #: the most recently released block is kept whatever its size). Reusing the
     #: same allocations also lets peers keep them open for CUDA IPC.
@@ -176,6 +183,7 @@ _DEFAULTS = Config()
 #: Inclusive ranges of the integer tunables that have one.
 _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's block limit
            "cuda_blocks": (1, 2**31 - 1), "cuda_staging_idle_nbytes": (0, None),
+           "cuda_staging_pieces": (1, 64), "cuda_staging_piece_min_nbytes": (1, None),
            "cuda_ipc_open_max": (1, None), "cuda_device_idle_nbytes": (0, None),
            "fr_buffer_size": (0, None), "shm_slots": (0, None), "zero_copy_nbytes": (0, None),
            "store_max_frame_nbytes": (1024, None), "shared_max_nbytes": (0, None),

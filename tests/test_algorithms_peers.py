@@ -49,11 +49,25 @@ class PeerBuffer(HostBuffer):
             if other is not None:
                 self.array[start:start + count] += other.array[start:start + count]
 
+    @property
+    def size(self):             # what the algorithms ask of a peer's view
+        return self.count
+
     def copy_from_peers(self, peers, chunks):
         for other, (start, count) in zip(peers, chunks):
             if other is not None:
                 self.log.append(("copy", self.rank, other.rank, start, count))
                 self.array[start:start + count] = other.array[start:start + count]
+
+    def copy_peer_ranges(self, peers, moves, wait=True):
+        for r, src, dst, count in moves:
+            other = peers[r]
+            if other is not None and count:
+                self.log.append(("copy", self.rank, other.rank, dst, count))
+                self.array[dst:dst + count] = other.array[src:src + count]
+
+    def settle(self):
+        pass
 
 
 def data(rank, count):
@@ -173,3 +187,141 @@ def test_uneven_chunks_over_peers(family, size, refuse):
             np.testing.assert_array_equal(got, whole[s:s + n])
     if refuse and size > 1:
         assert log == []
+
+
+SIZES = [1, 2, 3, 4, 5, 7, 8, 16, 33]
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("refuse", [False, True])
+def test_reduce_over_peers(size, refuse):
+    """The root alone reads the peers (with ``refuse``, the last rank cannot,
+    and everyone takes the staged ring)."""
+    algorithm = CHOICES["reduce"]["ipc"]
+    for root in sorted({0, size // 2, size - 1}):
+        for count in (0, 1, 2 * size + 3):
+            log = []
+
+            def rank_fn(comm):
+                buf = PeerBuffer(data(comm.rank, count), comm.rank, log,
+                                 refuse=refuse and comm.rank == size - 1)
+                algorithm(comm, buf, root, 3)
+                return buf.array
+
+            got = run_ranks(size, rank_fn)
+            np.testing.assert_array_equal(got[root], sum(data(r, count) for r in range(size)))
+            if refuse and size > 1 and root == size - 1:
+                assert log == []
+            elif not refuse and count and size > 1:
+                assert {(kind, r) for kind, r, *_ in log} == {("reduce", root)}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("refuse", [False, True])
+def test_gather_and_scatter_over_peers(size, refuse):
+    for family in ("gather", "scatter"):
+        algorithm = CHOICES[family]["ipc"]
+        for root in sorted({0, size - 1}):
+            log = []
+
+            def rank_fn(comm):
+                rank = comm.rank
+                mine = refuse and rank == size - 1
+                if family == "gather":
+                    send = PeerBuffer(data(rank, 5), rank, log, refuse=mine)
+                    recv = [np.zeros(5) for _ in range(size)] if rank == root else []
+                    algorithm(comm, send, [PeerBuffer(r, rank, log) for r in recv], root, 2)
+                    return recv
+                sends = [PeerBuffer(data(q, 5), rank, log) for q in range(size)] \
+                    if rank == root else []
+                recv = np.zeros(5)
+                algorithm(comm, sends, PeerBuffer(recv, rank, log, refuse=mine), root, 2)
+                return recv
+
+            got = run_ranks(size, rank_fn)
+            for q in range(size):
+                if family == "gather" and q != root:
+                    np.testing.assert_array_equal(got[root][q], data(q, 5))
+                if family == "scatter" and q != root:
+                    np.testing.assert_array_equal(got[q], data(q, 5))
+            if size > 1 and not (refuse and (family == "scatter" or root == size - 1)):
+                # every block crossed once, read by its receiver
+                assert sorted((e[1], e[2]) for e in log) == sorted(
+                    (root, q) if family == "gather" else (q, root)
+                    for q in range(size) if q != root), (family, root, log)
+            if refuse and size > 1 and (family == "scatter" or root == size - 1):
+                assert log == []
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("refuse", [False, True])
+def test_alltoall_with_uneven_splits_over_peers(size, refuse):
+    """Rank r sends rank q (r + q) % 3 elements (some none); every rank reads
+    each of its blocks from its sender, once."""
+    algorithm = CHOICES["alltoall"]["ipc"]
+    log = []
+
+    def block(src, dst):
+        return data(src, 5)[:(src + dst) % 3] + dst / 10
+
+    def rank_fn(comm):
+        rank = comm.rank
+        send_chunks = _chunks([(rank + q) % 3 for q in range(size)])
+        recv_chunks = _chunks([(q + rank) % 3 for q in range(size)])
+        send = np.concatenate([block(rank, q) for q in range(size)])
+        recv = np.zeros(sum(n for _, n in recv_chunks))
+        s, n = send_chunks[rank]
+        r, _ = recv_chunks[rank]
+        recv[r:r + n] = send[s:s + n]
+        algorithm(comm, PeerBuffer(send, rank, log), send_chunks,
+                  PeerBuffer(recv, rank, log, refuse=refuse and rank == size - 1),
+                  recv_chunks, 2)
+        return recv
+
+    for rank, got in enumerate(run_ranks(size, rank_fn)):
+        np.testing.assert_array_equal(got, np.concatenate([block(q, rank) for q in range(size)]))
+    if refuse and size > 1:
+        assert log == []
+    else:
+        assert sorted((e[1], e[2]) for e in log) == sorted(
+            (r, q) for r in range(size) for q in range(size) if q != r and (q + r) % 3)
+
+
+def test_alltoall_blocks_that_disagree_make_every_rank_raise():
+    """Rank 1 sends rank 0 two elements where rank 0 expects one: every rank
+    raises (none waits for the others until its deadline)."""
+    from numcoll.errors import NumcollError
+
+    algorithm = CHOICES["alltoall"]["ipc"]
+
+    def rank_fn(comm):
+        rank = comm.rank
+        send_chunks = _chunks([2, 2, 2])
+        recv_chunks = _chunks([2, 1 if rank == 0 else 2, 2])
+        send = PeerBuffer(data(rank, 6), rank, [])
+        recv = PeerBuffer(np.zeros(sum(n for _, n in recv_chunks)), rank, [])
+        with pytest.raises(NumcollError, match="block sizes do not agree") as info:
+            algorithm(comm, send, send_chunks, recv, recv_chunks, 2)
+        return str(info.value)
+
+    said = run_ranks(3, rank_fn)
+    assert "rank 1 sends rank 0 2 elements, it expects 1" in said[0]
+    assert "rank 2" not in said[0]
+    assert "another rank's do not" in said[1] and "another rank's do not" in said[2]
+
+
+def test_gather_block_that_disagrees_makes_every_rank_raise():
+    from numcoll.errors import NumcollError
+
+    algorithm = CHOICES["gather"]["ipc"]
+
+    def rank_fn(comm):
+        rank = comm.rank
+        send = PeerBuffer(data(rank, 3 if rank == 2 else 4), rank, [])
+        recv = [PeerBuffer(np.zeros(4), rank, []) for _ in range(3)] if rank == 0 else []
+        with pytest.raises(NumcollError, match="sizes do not agree") as info:
+            algorithm(comm, send, recv, 0, 2)
+        return str(info.value)
+
+    said = run_ranks(3, rank_fn)
+    assert "rank 2 has 3 elements, rank 0 expects 4" in said[0]

@@ -165,7 +165,8 @@ def test_the_rows_cover_the_default_paths():
         assert f"barrier n={n}" in names and f"Reducer step n={n} 32 grads" in names
         assert f"pg.allreduce().wait() n={n} 8B" in names
         assert f"all_reduce_init n={n} 8B" in names and f"zeros_shared n={n} 1MiB" in names
-    assert not any("16MiB" in n for n in names)
+    # quick: no 16 MiB host rows (the device rows keep theirs: a GPU takes it in microseconds)
+    assert not any("16MiB" in n for n in names if "device" not in n)
     assert any("16MiB" in r.name for r in default_rows(quick=False))
     assert len({r.id for r in rows}) == len(rows)
     for r in rows:
@@ -183,7 +184,7 @@ def test_every_row_records_its_settings_and_versions(monkeypatch):
 
 
 def test_a_schedule_in_this_process_interleaves_its_rows():
-    rows = [r for r in default_rows() if r.world_size == 0]
+    rows = [r for r in default_rows() if r.world_size == 0 and "device" not in r.name]
     with Schedule(rows, seed=1) as schedule:
         assert schedule.run(3) == 3
         assert schedule.run(2, names=[rows[0].name]) == 2
@@ -219,6 +220,49 @@ def test_a_schedule_on_rank_processes():
     assert schedule.info["all_reduce_init n=2 8B"]["algorithm"] == "shared"
     assert not [d for d in set(os.listdir(tempfile.gettempdir())) - before
                 if d.startswith("numcoll-gate-")]
+
+
+def _device_rows():
+    from numcoll.bench.rows import DEVICE_KINDS
+
+    return [r for r in default_rows() if r.spec["kind"] in DEVICE_KINDS]
+
+
+def test_device_rows_are_there_and_skip_saying_why_without_a_gpu(monkeypatch):
+    """The device rows are in every run; where there is no GPU (here: the CUDA
+    simulator, forced so the answer does not depend on the machine) the
+    schedule skips them with the reason, and times the rest."""
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    from numcoll.bench import rows as gate_rows
+
+    monkeypatch.setattr("numcoll.bench.device.device_problem", lambda: (None, True))
+    names = {r.name for r in _device_rows()}
+    assert names == {"ref: device copy 16MiB", "device allreduce chosen n=2 4KiB",
+                     "device allreduce chosen n=2 16MiB", "device allreduce staged n=2 16MiB"}
+    assert "simulator" in gate_rows.missing_api("device_collective")
+    monkeypatch.setattr("numcoll.bench.device.device_problem",
+                        lambda: ("no usable CUDA GPU here", False))
+    local = [r for r in default_rows() if r.world_size == 0]
+    with Schedule(local + [r for r in _device_rows() if r.world_size == 2], seed=1) as schedule:
+        schedule.run(1)
+    assert set(schedule.skipped) == names
+    assert all(why == "device row: needs a CUDA GPU (no usable CUDA GPU here)"
+               for why in schedule.skipped.values())
+    assert all(len(schedule.rounds[r.name]) == 1 for r in local if r.name not in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_device_rows_on_a_gpu():
+    """On a GPU the device rows run: ``ipc`` as chosen, the ring when staged."""
+    rows = _device_rows()
+    with Schedule(rows) as schedule:
+        schedule.run(2, deadline=time.monotonic() + 120)
+    assert not schedule.skipped
+    assert schedule.info["device allreduce chosen n=2 16MiB"]["algorithm"] == "ipc"
+    assert schedule.info["device allreduce staged n=2 16MiB"]["algorithm"] == "ring"
+    assert all(len(schedule.rounds[r.name]) >= 2 for r in rows)
 
 
 # -- the gate, as the docs run it -------------------------------------------------------------

@@ -33,8 +33,8 @@ def test_every_collective_on_device_arrays(op, tmp_path, capsys):
     assert run["metadata"]["device"] == "cuda"
     assert [r["nbytes"] for r in run["metadata"]["device_limits"]] == [64, 256]
     assert run["rows"] and all(r["wrong"] == 0 for r in run["rows"])
-    if op == "allreduce":      # thread ranks address each other's device memory
-        assert {r["algorithm"] for r in run["rows"]} == {"ipc"}
+    # thread ranks address each other's device memory: every collective reads it
+    assert {r["algorithm"] for r in run["rows"]} == {"ipc"}
 
 
 def test_what_does_not_apply_is_refused(capsys):

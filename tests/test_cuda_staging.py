@@ -95,9 +95,11 @@ def test_a_buffer_used_twice_waits_for_its_flush():
 
 
 @pytest.mark.gpu
-def test_large_allreduce_on_the_gpu():
+def test_large_allreduce_on_the_gpu(monkeypatch):
     """16 MiB of float32 and of bfloat16 between 2 ranks on a real GPU, staged
-    through the pinned pool (real asynchronous copies, real streams)."""
+    through the pinned pool (real asynchronous copies, real streams; thread
+    ranks would read each other's memory instead, so that is switched off)."""
+    monkeypatch.setenv("NUMCOLL_CUDA_IPC", "off")
     count = 4 << 20
 
     def body():
@@ -152,3 +154,86 @@ def test_device_temporaries_are_pooled_and_reused():
     assert DEVICE_POOL.pinned_nbytes == allocated[0]
     assert numcoll.cuda.release_idle() >= 0
     assert DEVICE_POOL._idle_nbytes == 0
+
+
+# -- the copy into the mirror, in pieces ---------------------------------------------
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling"])
+def test_pieces_a_fixed_number_of_copies_whatever_the_segments(monkeypatch, algorithm):
+    """With 4 pieces of at least 16 bytes, a rank's buffer comes over in 4
+    copies (fewer when it is small) and goes back in one, however many 64-byte
+    segments the algorithm takes; the results are exact at every count,
+    including counts the pieces do not divide."""
+    monkeypatch.setenv("NUMCOLL_SEGMENT_NBYTES", "64")
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", f"allreduce:{algorithm}")
+    monkeypatch.setenv("NUMCOLL_CUDA_STAGING_PIECES", "4")
+    monkeypatch.setenv("NUMCOLL_CUDA_STAGING_PIECE_MIN_NBYTES", "16")
+    copies = _Copies(monkeypatch)
+    for count, pieces in ((3, 1), (9, 2), (1001, 4), (4096, 4)):
+        copies.to_host = copies.to_device = 0
+
+        def body():
+            rank = nc.get_rank()
+            x = to_device(np.arange(count, dtype=np.float32) * (rank + 1))
+            nc.all_reduce(x)
+            return to_host(x)
+
+        for x in nc.launch(body, 3, mode="thread", timeout=150):
+            np.testing.assert_array_equal(x, np.arange(count, dtype=np.float32) * 6)
+        assert (copies.to_host, copies.to_device) == (3 * pieces, 3), count
+
+
+class _Events:
+    """Stands in for the buffer's events: records which piece the host waited for."""
+
+    def __init__(self):
+        self.made, self.waited = 0, []
+
+    def __call__(self):
+        events, index = self, self.made
+        self.made += 1
+
+        class Event:
+            def record(self, stream):
+                pass
+
+            def synchronize(self):
+                events.waited.append(index)
+
+        return Event()
+
+
+def test_a_protocol_call_waits_only_for_the_pieces_it_touches(monkeypatch):
+    from numcoll.cuda import buffer as staged
+
+    events = _Events()
+    monkeypatch.setattr(staged, "_new_event", events)
+    monkeypatch.setenv("NUMCOLL_CUDA_STAGING_PIECES", "4")
+    monkeypatch.setenv("NUMCOLL_CUDA_STAGING_PIECE_MIN_NBYTES", "8")
+    host = np.arange(40, dtype=np.float64)
+    stream = numcoll.cuda.device.cuda.stream()
+    buf = staged.DeviceBuffer(to_device(host), stream, lambda n: np.empty(n, np.uint8))
+    np.testing.assert_array_equal(buf.send_view(12, 5), host[12:17])
+    assert events.made == 4 and events.waited == [1]
+    buf.send_view(19, 2)                            # pieces 1 and 2: 1 is here already
+    assert events.waited == [1, 2]
+    buf.recv_view(0, 40)[:] = 0                     # writing waits for what may still land
+    assert sorted(events.waited) == [0, 1, 2, 3]
+    buf.send_view(30, 10)
+    assert len(events.waited) == 4                  # nothing left to wait for
+
+
+@pytest.mark.gpu
+def test_the_first_piece_is_used_while_the_last_is_still_copying():
+    """On a GPU, 256 MiB from device to pinned host in 4 pieces: once the first
+    piece is in, the last one's copy has not finished (the copies run while the
+    host works), and every piece arrives intact."""
+    from numcoll.cuda import buffer as staged
+
+    count = 64 << 20
+    stream = numcoll.cuda.device.cuda.stream()
+    dev = to_device(np.arange(count, dtype=np.float32))
+    stream.synchronize()
+    buf = staged.DeviceBuffer(dev, stream, pinned_pool.POOL.take)
+    assert buf.send_view(0, 16)[15] == 15.0
+    assert buf._arrivals[-1] is not None and not buf._arrivals[-1].query()
+    np.testing.assert_array_equal(buf.send_view(0, count), np.arange(count, dtype=np.float32))

@@ -201,6 +201,17 @@ def test_performance_notebook(kernel_name, tmp_path, monkeypatch):
         assert anchors["gloo"], "torch is installed: gloo must have been measured"
     # the prose states no transport: the run prints the one it used
     assert f"numcoll over {saved['transport']}:" in text_of(sweep)
+    # the device section: on a GPU both paths measured right, elsewhere the reason and nothing
+    device = text_of(cell_with(nb, "device_problem()"))
+    saved_device = tmp_path / "performance-device.json"
+    if device.startswith("device section skipped (nothing to plot): "):
+        assert not saved_device.exists()
+        assert "GPU" in device or "simulator" in device, device
+    else:
+        measured = json.loads(saved_device.read_text())["results"]
+        assert all(r["wrong"] == 0 for rows in measured.values() for r in rows)
+        assert {r["algorithm"] for r in measured["device allreduce (auto)"]} == {"ipc"}
+        assert {r["algorithm"] for r in measured["device allreduce staged (ring)"]} == {"ring"}
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ from .allreduce import allreduce_recursive_doubling, allreduce_ring
 from .alltoall import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .broadcast import broadcast_binomial, broadcast_chain
-from .peers import allgather_ipc, allreduce_ipc, broadcast_ipc, reduce_scatter_ipc
+from .peers import (allgather_ipc, allreduce_ipc, alltoall_ipc, broadcast_ipc, gather_ipc,
+                    reduce_ipc, reduce_scatter_ipc, scatter_ipc)
 from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
@@ -35,6 +36,10 @@ __all__ = [
     "allgather_cma",
     "allgather_ipc",
     "alltoall_cma",
+    "alltoall_ipc",
+    "gather_ipc",
+    "reduce_ipc",
+    "scatter_ipc",
     "broadcast_cma",
     "gather_cma",
     "scatter_cma",
@@ -95,17 +100,20 @@ CHOICES = {
                   "twolevel": broadcast_twolevel,
                   "twolevel_lanes": broadcast_twolevel_lanes, "ipc": broadcast_ipc},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
-               "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes},
+               "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes,
+               "ipc": reduce_ipc},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared, "cma": allgather_cma,
                   "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes,
                   "ipc": allgather_ipc},
-    "gather": {"direct": gather_direct, "shared": gather_shared, "cma": gather_cma},
-    "scatter": {"direct": scatter_direct, "shared": scatter_shared, "cma": scatter_cma},
+    "gather": {"direct": gather_direct, "shared": gather_shared, "cma": gather_cma,
+               "ipc": gather_ipc},
+    "scatter": {"direct": scatter_direct, "shared": scatter_shared, "cma": scatter_cma,
+                "ipc": scatter_ipc},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
                        "twolevel": reduce_scatter_twolevel,
                        "twolevel_lanes": reduce_scatter_twolevel_lanes, "ipc": reduce_scatter_ipc},
     "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared,
-                 "cma": alltoall_cma},
+                 "cma": alltoall_cma, "ipc": alltoall_ipc},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
                 "twolevel": barrier_twolevel},
 }

@@ -5,7 +5,8 @@ does. Messages carry only where the buffers are and when they are ready; the
 data never leaves the device.
 
 They are written against the buffer's peer verbs (``peer_export``,
-``peer_views``, ``reduce_peers``, ``copy_from_peers``: see
+``peer_views``, ``reduce_peers``, ``copy_from_peers``, ``copy_peer_ranges``,
+``settle``: see
 :class:`numcoll.cuda.buffer.DeviceBuffer`) and the Comm's messages, like every
 algorithm here; device buffers offer them, and :mod:`numcoll.collectives.choice`
 chooses these only for device arrays.
@@ -13,13 +14,20 @@ chooses these only for device arrays.
 
 from __future__ import annotations
 
+import struct
+
+from ..errors import NumcollError
 from .allgather import allgather_ring
 from .allreduce import allreduce_ring
+from .alltoall import alltoall_pairwise
 from .broadcast import broadcast_binomial
 from .partition import chunk_bounds
+from .reduce import reduce_ring
 from .reduce_scatter import reduce_scatter_ring
+from .rooted import gather_direct, scatter_direct
 
-__all__ = ["allreduce_ipc", "broadcast_ipc", "allgather_ipc", "reduce_scatter_ipc"]
+__all__ = ["allreduce_ipc", "broadcast_ipc", "allgather_ipc", "reduce_scatter_ipc",
+           "reduce_ipc", "gather_ipc", "scatter_ipc", "alltoall_ipc"]
 
 # Steps far above any other algorithm's, so that the staged fallback (the
 # ring, steps 0 .. 2P-3) never shares a tag with them. Each dissemination
@@ -28,6 +36,13 @@ _EXCHANGE_STEP = 1 << 20
 _AGREE_STEP = _EXCHANGE_STEP + 1
 _REDUCED_STEP = _AGREE_STEP + 64
 _COPIED_STEP = _REDUCED_STEP + 64
+
+# What the agreement after the exchange settles on, the highest any rank saw:
+# every rank reads its peers; every rank stages; every rank raises (the ranks'
+# sizes disagree, which only the exchange shows).
+_READY, _STAGE, _MISMATCH = 0, 1, 2
+# alltoall: where the block for the receiver lies in the sender's buffer (start, count).
+_PLACE = struct.Struct("<qq")
 
 
 def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
@@ -163,16 +178,215 @@ def broadcast_ipc(comm, buf, root: int, segment_count: int | None = None) -> Non
     _barrier(comm, _COPIED_STEP)
 
 
+def reduce_ipc(comm, buf, root: int, segment_count: int | None = None) -> None:
+    """The root reduces every peer's whole buffer into its own, straight from
+    the peers' device memory.
+
+    Every other rank waits for its buffer to be ready and sends the root where
+    it is; the root opens the peers' memory and the ranks agree whether it
+    could (else they all run the staged :func:`reduce_ring`); the root reduces
+    the peers' buffers into its own in rank order (P - 1 kernel launches), and
+    a barrier keeps every peer's buffer unchanged until the root has read it.
+
+    Why one reader: on one GPU the ranks share its memory bandwidth, and the
+    root's (P - 1) S bytes are the least any schedule reads for one result; a
+    reduce-scatter first (as :func:`allreduce_ipc`) would add (P - 1) S/P bytes
+    of copies and a barrier.
+
+    Cost: P - 1 messages of a few hundred bytes to the root, two dissemination
+    rounds; on the device, the root reads (P - 1) S bytes from peers. Host work
+    per call does not depend on S. Source: NCCL's intra-node direct reads.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or buf.count == 0:
+        return
+    described = _to_root(comm, buf, root)
+    peers, why = buf.peer_views(described, "reduce") if rank == root else ([], None)
+    if _any(comm, _AGREE_STEP, why is not None):
+        reduce_ring(comm, buf, root, segment_count or buf.count)
+        return
+    if rank == root:
+        buf.reduce_peers(peers, 0, buf.count)
+    _barrier(comm, _COPIED_STEP)
+
+
+def gather_ipc(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None) -> None:
+    """The root copies every peer's ``send_buf`` straight from the peer's device
+    memory into ``recv_bufs[peer]`` (its own is copied by the caller).
+
+    As :func:`reduce_ipc`: the peers send the root where their buffers are,
+    the ranks agree (else :func:`gather_direct`, staged), the root queues
+    P - 1 device-to-device copies and waits for them once, and a barrier keeps
+    the peers' buffers unchanged until then. A peer whose buffer holds another
+    size than the root expects makes every rank raise.
+
+    Cost: P - 1 messages of a few hundred bytes to the root, two dissemination
+    rounds; on the device, the root reads S (P - 1)/P bytes.
+    Source: NCCL's intra-node direct reads.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or send_buf.count == 0:
+        return
+    described = _to_root(comm, send_buf, root)
+    peers, level = [], _READY
+    if rank == root:
+        peers, why = send_buf.peer_views(described, "gather")
+        level = _STAGE if why is not None else _READY
+        level = max(level, _sizes(peers, {q: recv_bufs[q].count for q in range(size)
+                                          if q != root}))
+    level = _agree(comm, _AGREE_STEP, level)
+    _raise_on_mismatch("gather", level, rank, root, peers,
+                       {q: recv_bufs[q].count for q in range(size) if q != root}
+                       if rank == root else {})
+    if level == _STAGE:
+        gather_direct(comm, send_buf, recv_bufs, root, segment_count or send_buf.count)
+        return
+    if rank == root:
+        for q in range(size):
+            if q != root:
+                recv_bufs[q].copy_peer_ranges(peers, [(q, 0, 0, recv_bufs[q].count)],
+                                              wait=False)
+        send_buf.settle()
+    _barrier(comm, _COPIED_STEP)
+
+
+def scatter_ipc(comm, send_bufs, recv_buf, root: int, segment_count: int | None = None) -> None:
+    """Rank q copies its block straight from the root's ``send_bufs[q]`` in the
+    root's device memory (the root's own is copied by the caller).
+
+    The root waits for its buffers to be ready and sends each rank where its
+    block is; the ranks agree that all could open theirs (else
+    :func:`scatter_direct`, staged); every other rank copies its block (device
+    to device, all at once), and a barrier keeps the root's buffers unchanged
+    until every copy is done.
+
+    Cost: P - 1 messages of a few hundred bytes from the root, two
+    dissemination rounds; on the device, each rank reads S/P bytes from the root.
+    Source: NCCL's intra-node direct reads.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1 or recv_buf.count == 0:
+        return
+    described = [None] * size
+    if rank == root:
+        comm.wait_all([comm.isend(q, _EXCHANGE_STEP, send_bufs[q].peer_export())
+                       for q in range(size) if q != root])
+    else:
+        described[root] = bytes(comm.wait(comm.irecv(root, _EXCHANGE_STEP)))
+    peers, why = recv_buf.peer_views(described, "scatter")
+    expect = {} if rank == root else {root: recv_buf.count}
+    level = max(_STAGE if why is not None else _READY, _sizes(peers, expect))
+    level = _agree(comm, _AGREE_STEP, level)
+    _raise_on_mismatch("scatter", level, rank, root, peers, expect)
+    if level == _STAGE:
+        scatter_direct(comm, send_bufs, recv_buf, root, segment_count or recv_buf.count)
+        return
+    if rank != root:
+        recv_buf.copy_peer_ranges(peers, [(root, 0, 0, recv_buf.count)])
+    _barrier(comm, _COPIED_STEP)
+
+
+def alltoall_ipc(comm, send_buf, send_chunks, recv_buf, recv_chunks,
+                 segment_count: int | None = None) -> None:
+    """Rank r copies its block from every peer q straight from q's ``send_buf``
+    (q's ``send_chunks[r]``) into ``recv_chunks[q]`` of its own ``recv_buf``
+    (its own block is copied by the caller).
+
+    Every rank waits for its buffer to be ready and sends each peer where its
+    buffer is and where the block for that peer lies in it (alltoall_base's
+    splits differ per rank); the ranks agree that all could open their peers'
+    memory and that every block has the size its receiver expects (else all
+    run :func:`alltoall_pairwise`, staged, or all raise); every rank queues its
+    P - 1 copies and waits once; a barrier keeps every ``send_buf`` unchanged
+    until every rank has read it. No rank writes a buffer that a peer reads.
+
+    Cost: messages of a few hundred bytes to each of P - 1 peers, two
+    dissemination rounds; on the device, each rank reads what it receives,
+    S (P - 1)/P bytes. Host work per call does not depend on S.
+    Source: NCCL's intra-node direct reads.
+    """
+    size, rank = comm.size, comm.rank
+    if size == 1:
+        return
+    mine = send_buf.peer_export()
+    receives = {q: comm.irecv(q, _EXCHANGE_STEP) for q in range(size) if q != rank}
+    sends = [comm.isend(q, _EXCHANGE_STEP, _PLACE.pack(*send_chunks[q]) + mine)
+             for q in receives]
+    described, places = [None] * size, {}
+    for q, pending in receives.items():
+        got = bytes(comm.wait(pending))
+        places[q], described[q] = _PLACE.unpack_from(got), got[_PLACE.size:]
+    comm.wait_all(sends)
+    peers, why = recv_buf.peer_views(described, "alltoall")
+    expect = {q: recv_chunks[q][1] for q in receives}
+    sent = {q: places[q][1] for q in receives}
+    level = _STAGE if why is not None else _READY
+    if sent != expect:
+        level = _MISMATCH
+    level = _agree(comm, _AGREE_STEP, level)
+    if level == _MISMATCH:
+        wrong = {q: (sent[q], expect[q]) for q in receives if sent[q] != expect[q]}
+        raise NumcollError(
+            "alltoall: the ranks' block sizes do not agree: " + (
+                ", ".join(f"rank {q} sends rank {rank} {n} elements, it expects {m}"
+                          for q, (n, m) in wrong.items())
+                or f"rank {rank}'s blocks match; another rank's do not (its error says which)"))
+    if level == _STAGE:
+        alltoall_pairwise(comm, send_buf, send_chunks, recv_buf, recv_chunks,
+                          segment_count or max(1, recv_buf.count))
+        return
+    recv_buf.copy_peer_ranges(peers, [(q, places[q][0], *recv_chunks[q]) for q in receives])
+    _barrier(comm, _COPIED_STEP)
+
+
+def _to_root(comm, buf, root: int) -> list:
+    """Every rank's :meth:`peer_export` at the root (None elsewhere, and for the
+    root's own)."""
+    described = [None] * comm.size
+    if comm.rank == root:
+        receives = {q: comm.irecv(q, _EXCHANGE_STEP) for q in range(comm.size) if q != root}
+        for q, pending in receives.items():
+            described[q] = bytes(comm.wait(pending))
+    else:
+        comm.wait(comm.isend(root, _EXCHANGE_STEP, buf.peer_export()))
+    return described
+
+
+def _sizes(peers: list, expect: dict) -> int:
+    """_MISMATCH if a peer's buffer (``peers[q]``; None: empty) holds another
+    number of elements than ``expect[q]``, else _READY."""
+    if not peers:       # the views failed: nothing to compare (the ranks stage)
+        return _READY
+    return _MISMATCH if any((0 if peers[q] is None else peers[q].size) != n
+                            for q, n in expect.items()) else _READY
+
+
+def _raise_on_mismatch(op: str, level: int, rank: int, root: int, peers, expect) -> None:
+    if level != _MISMATCH:
+        return
+    wrong = [f"rank {q} has {0 if peers[q] is None else peers[q].size} elements, "
+             f"rank {rank} expects {n}" for q, n in expect.items()
+             if (0 if peers[q] is None else peers[q].size) != n] if peers else []
+    raise NumcollError(f"{op}: the ranks' sizes do not agree with the root's (rank {root}): "
+                       + ("; ".join(wrong) or "another rank's error says which"))
+
+
 def _any(comm, first_step: int, mine: bool) -> bool:
-    """Whether ``mine`` is true on any rank: a dissemination barrier whose
-    messages carry what the sender has heard so far (OR is idempotent, so
-    hearing a rank twice does no harm); every rank gets the same answer."""
+    """Whether ``mine`` is true on any rank (every rank gets the same answer)."""
+    return _agree(comm, first_step, _STAGE if mine else _READY) != _READY
+
+
+def _agree(comm, first_step: int, mine: int) -> int:
+    """The highest of every rank's ``mine`` (0..255): a dissemination barrier
+    whose messages carry the highest the sender has heard so far (max is
+    idempotent, so hearing a rank twice does no harm); every rank gets the
+    same answer."""
     size, rank = comm.size, comm.rank
     distance, step, heard = 1, first_step, mine
     while distance < size:
         got = comm.sendrecv((rank + distance) % size, (rank - distance) % size, step,
-                            b"\x01" if heard else b"\x00")
-        heard = heard or bytes(got) == b"\x01"
+                            bytes((heard,)))
+        heard = max(heard, bytes(got)[0])
         distance <<= 1
         step += 1
     return heard

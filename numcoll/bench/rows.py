@@ -15,7 +15,10 @@ the ranks should line up (an untimed barrier) before each iteration.
 
 Rows of issue 19 (persistent collectives ``nc.all_reduce_init``, shared
 arrays ``nc.zeros_shared``) are in :func:`default_rows`; a numcoll without
-those functions leaves them out, with the reason (:func:`missing_api`).
+those functions leaves them out, with the reason (:func:`missing_api`). So do
+the device rows (allreduce on CUDA arrays at 2 ranks, as numcoll chooses and
+staged, beside a device-to-device copy) on a machine without a CUDA GPU, or
+under Numba's simulator, whose timings mean nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 from .sweep import bus_factor, format_nbytes, make_plan, moves_data
 
 __all__ = ["Row", "default_rows", "rank_step", "local_step", "environment", "ROOTED",
-           "COLLECTIVES", "missing_api", "usable_cpus", "exchange_file_nbytes"]
+           "COLLECTIVES", "DEVICE_KINDS", "missing_api", "usable_cpus", "exchange_file_nbytes"]
 
 #: Every collective the suite measures (numcoll-bench's ops).
 COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall",
@@ -41,6 +44,8 @@ COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter"
 #: its receivers, so every iteration starts from an untimed barrier.
 ROOTED = frozenset({"broadcast", "reduce"})
 _DTYPE = "float32"
+#: The row kinds that need a CUDA GPU (skipped, saying why, without one).
+DEVICE_KINDS = frozenset({"device_collective", "ref_device_copy"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,38 @@ def missing_api(kind: str) -> str | None:
     needs = {"persistent": "all_reduce_init", "shared_array": "zeros_shared"}.get(kind)
     if needs and not hasattr(nc, needs):
         return f"numcoll has no nc.{needs} yet (issue 19)"
+    if kind in DEVICE_KINDS:
+        from .device import device_problem
+
+        why, simulated = device_problem()
+        if why is None and simulated:
+            why = "numba.cuda is the CUDA simulator here, whose timings mean nothing"
+        if why is not None:
+            return f"device row: needs a CUDA GPU ({why})"
     return None
+
+
+def _device_rows(anchor_small: str) -> list[Row]:
+    """Allreduce on CUDA arrays at 2 process ranks: 4 KiB and 16 MiB as numcoll
+    chooses (``ipc`` on one host), and 16 MiB staged through pinned host memory
+    (the ring, forced per call), beside a device-to-device copy of 16 MiB."""
+    copy = f"ref: device copy {_size_id(16 << 20)}"
+    rows = [Row(copy, 0, {"kind": "ref_device_copy", "nbytes": 16 << 20}, 20, gated=False,
+                info=dict(reference=True, device="cuda", nbytes=16 << 20,
+                          round_nbytes=16 << 20))]
+    for nbytes, algorithm, iters in ((4 << 10, None, 100), (16 << 20, None, 10),
+                                     (16 << 20, "ring", 4)):
+        path = "staged" if algorithm else "chosen"
+        rows.append(Row(
+            f"device allreduce {path} n=2 {_size_id(nbytes)}", 2,
+            {"kind": "device_collective", "nbytes": nbytes, "algorithm": algorithm}, iters,
+            anchor=anchor_small if nbytes <= 64 << 10 else copy,
+            info=dict(op="allreduce", world_size=2, ranks="processes", device="cuda",
+                      nbytes=nbytes, dtype=_DTYPE, path=path, round_nbytes=nbytes,
+                      bus_factor=bus_factor("allreduce", 2),
+                      call=("pg.allreduce(x, AllreduceOptions(algorithm='ring')).wait()"
+                            if algorithm else "nc.all_reduce(x)"))))
+    return rows
 
 
 def _anchor_nbytes(nbytes: int) -> int:
@@ -173,6 +209,7 @@ def default_rows(quick: bool = True) -> list[Row]:
                     base, name=f"{label} n={world_size} {_size_id(nbytes)}",
                     spec={**base.spec, "kind": kind}, info={**base.info, "call": label}))
         rows += [_process_reference(world_size, _anchor_nbytes(n)) for n in sizes]
+    rows += _device_rows(_process_reference(2, 8).name)
     copy, add = "ref: memcpy 1MiB", "ref: numpy add 1MiB"
     rows += [
         Row("reduce_into SUM float32 1MiB", 0,
@@ -237,6 +274,14 @@ def rank_step(spec: dict) -> tuple[Callable[[], object], bool]:
     if kind == "shared_array":
         x = nc.zeros_shared((spec["nbytes"] // 4,), np.float32)
         return (lambda: nc.all_reduce(x)), False
+    if kind == "device_collective":
+        from ..cuda import to_device
+
+        x = to_device(np.zeros(spec["nbytes"] // 4, np.float32))
+        if spec["algorithm"] is None:
+            return (lambda: nc.all_reduce(x)), False
+        pg, opts = nc.get_default_group(), nc.AllreduceOptions(algorithm=spec["algorithm"])
+        return (lambda: pg.allreduce(x, opts).wait()), False
     raise ValueError(f"rank_step: unknown row kind {kind!r}")
 
 
@@ -319,6 +364,16 @@ def local_step(spec: dict) -> Callable[[], object]:
     if kind == "ref_copy":
         src, dst = np.ones(spec["nbytes"], np.uint8), np.empty(spec["nbytes"], np.uint8)
         return lambda: np.copyto(dst, src)
+    if kind == "ref_device_copy":
+        from ..cuda.device import cuda
+
+        src, dst = (cuda.device_array(spec["nbytes"], np.uint8) for _ in range(2))
+        synchronize = cuda.synchronize
+
+        def step():
+            dst.copy_to_device(src)
+            synchronize()       # a device-to-device copy may return before it is done
+        return step
     if kind == "ref_add":
         a, b = np.zeros(spec["nbytes"] // 4, np.float32), np.zeros(spec["nbytes"] // 4,
                                                                     np.float32)

@@ -13,10 +13,10 @@ The automatic choice, in order:
   their flat algorithms: each of their bytes crosses between hosts once
   already (the hier transport carries a message between two ranks of one
   host through shared memory), so two levels would save no bytes;
-- device arrays (allreduce, reduce_scatter, allgather, broadcast), ranks on
-  one host that can address each
-  other's device memory (``device_peers``: threads of one process, or CUDA
-  IPC; config ``cuda_ipc``): ``ipc`` (:mod:`numcoll.algorithms.peers`);
+- device arrays (every collective but the barrier), ranks on one host that
+  can address each other's device memory (``device_peers``: threads of one
+  process, or CUDA IPC; config ``cuda_ipc``): ``ipc``
+  (:mod:`numcoll.algorithms.peers`);
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it, from
   ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for broadcast

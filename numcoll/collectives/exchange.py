@@ -8,7 +8,8 @@ Builders (see :mod:`.context`): ``alltoall(ctx, output_list, input_list, opts)
 from __future__ import annotations
 
 from ..call import Call, nbytes_of, shapes
-from ..memory.arrays import _describe, as_array, as_array_list, check_writable, memory_of
+from ..memory.arrays import (_describe, as_array, as_array_list, check_writable,
+                             is_device_array, memory_of)
 from ..memory.overlap import check_overlap
 from ..options import AllToAllOptions
 from . import shared_arrays
@@ -117,15 +118,16 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
 
 def _alltoall_plan(ctx, name, opts, inputs, outputs):
     """The algorithm, segment and call of alltoall(_base) (cached)."""
-    key = (name, inputs[0].dtype, shapes(inputs), shapes(outputs), opts.algorithm,
-           opts.timeout)
+    key = (name, inputs[0].dtype, shapes(inputs), shapes(outputs),
+           is_device_array(inputs[0]), opts.algorithm, opts.timeout)
     return cached(ctx, key, opts, name, _build_alltoall_plan, ctx, name, opts, inputs,
                   outputs)
 
 
 def _build_alltoall_plan(ctx, name, opts, inputs, outputs):
     dtype = inputs[0].dtype
-    algorithm = ctx.choose("alltoall", opts.algorithm, nbytes_of(inputs))
+    algorithm = ctx.choose("alltoall", opts.algorithm, nbytes_of(inputs),
+                           device=is_device_array(inputs[0]))
     # Ranks may send each other different amounts (alltoall_base's splits), so
     # no element count is stamped: each message's size is checked exactly instead.
     call = Call(name, ctx.timeout_for(opts, name), dtype, 0, algorithm=algorithm.name,

@@ -347,13 +347,14 @@ def _rooted_plan(ctx, name, opts, share, root, inputs, outputs):
     """The algorithm, segment and call of gather/scatter (cached); ``share`` is
     the array every rank sends (gather) or receives (scatter)."""
     key = (name, share.dtype, share.shape, root, shapes(inputs), shapes(outputs),
-           opts.algorithm, opts.timeout)
+           is_device_array(share), opts.algorithm, opts.timeout)
     return cached(ctx, key, opts, name, _build_rooted_plan, ctx, name, opts, share, root,
                   inputs, outputs)
 
 
 def _build_rooted_plan(ctx, name, opts, share, root, inputs, outputs):
-    algorithm = ctx.choose(name, opts.algorithm, share.size * share.dtype.itemsize)
+    algorithm = ctx.choose(name, opts.algorithm, share.size * share.dtype.itemsize,
+                           device=is_device_array(share))
     call = Call(name, ctx.timeout_for(opts, name), share.dtype, share.size, root=root,
                 algorithm=algorithm.name, input_sizes=shapes(inputs),
                 output_sizes=shapes(outputs), nbytes=nbytes_of(inputs),

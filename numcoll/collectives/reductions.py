@@ -191,7 +191,8 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
 def _reduce_plan(ctx, name, arrays, xp, reduce_op, root_rank, opts):
     arr = arrays[0]
     red = ctx.reduction(reduce_op, arr.dtype, name, xp.is_device)
-    algorithm = ctx.choose(name, opts.algorithm, arr.size * red.wire_dtype.itemsize)
+    algorithm = ctx.choose(name, opts.algorithm, arr.size * red.wire_dtype.itemsize,
+                           device=xp.is_device)
     is_root = ctx.rank == root_rank
     call = Call(name, ctx.timeout_for(opts, name), arr.dtype, arr.size,
                 root=root_rank, algorithm=algorithm.name, input_sizes=shapes(arrays),

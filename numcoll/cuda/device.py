@@ -39,6 +39,9 @@ _to_device = cuda.to_device
 _pinned_array = cuda.pinned_array
 _as_cuda_array = getattr(cuda, "as_cuda_array", None)   # absent from the simulator
 _cuda_is_available = cuda.is_available
+# Events only order streams and tell the host when a stream has passed a point
+# (no timing); the simulator's take no arguments.
+_new_event = cuda.event if _SIMULATED else (lambda: cuda.event(timing=False))
 _DRIVER_ERRORS = tuple(
     getattr(_cuda_errors, name)
     for name in ("CudaSupportError", "CudaDriverError", "CudaRuntimeError")

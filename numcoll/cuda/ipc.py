@@ -124,9 +124,9 @@ class PeerMemory:
 
         desc = pickle.loads(data)
         count = desc["nbytes"] // dtype.itemsize
+        if not count:       # nothing to read (an empty block of alltoall's, say)
+            return None
         if desc["pid"] == os.getpid():
-            if not count:
-                return None
             # bfloat16 has no interface type string of its own ("<V2"): by its bits.
             bits = dtype if dtype.kind != "V" else np.dtype(f"u{dtype.itemsize}")
             return view(_Address(desc["ptr"], count, bits)).view(dtype)

@@ -22,13 +22,10 @@ from .pinned_pool import POOL, StagingPool
 
 __all__ = ["DeviceArrays", "DeviceSteps"]
 
-from .device import _SIMULATED, _device_pointer
+from .device import _SIMULATED, _device_pointer, _new_event
 # Bound once (see buffer.py): host code never goes through the numba.cuda module.
 _device_array = _cuda.device_array
 _new_stream = _cuda.stream
-# Events only order streams (no timing); the simulator's take no arguments.
-_event = _cuda.event
-_new_event = _event if _SIMULATED else (lambda: _event(timing=False))
 _U16 = np.dtype(np.uint16)
 # The first elements of a filled array come from the host; the rest are
 # doubled on the device (log2 copies instead of a host array of full size).

@@ -14,22 +14,30 @@ TESTS = ROOT / "tests"
 
 _HANG = '''
 import threading
+from datetime import timedelta
 import numpy as np
 import pytest
 import numcoll as nc
 
-@pytest.mark.timeout(5)
-def test_rank_one_never_calls():
-    store = nc.HashStore()
-    pgs = [None, None]
-    def make(r):
-        pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(
-            transport="inproc", group_name="stuck"))
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+def on_both(fn, *args):
+    threads = [threading.Thread(target=fn, args=(r, *args)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+
+def pair(name, timeout_s=None):
+    store, pgs = nc.HashStore(), [None, None]
+    def make(r):
+        options = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(
+            transport="inproc", group_name=name, **options))
+    on_both(make)
+    return pgs
+
+@pytest.mark.timeout(5)
+def test_rank_one_never_calls():
+    pgs = pair("stuck")
     try:
         pgs[0].allreduce(np.ones(4)).wait()  # rank 1 never calls it
     finally:
@@ -38,24 +46,9 @@ def test_rank_one_never_calls():
 
 @pytest.mark.timeout(30)
 def test_rank_one_stops_calling():
-    from datetime import timedelta
-    store = nc.HashStore()
-    pgs = [None, None]
-    def make(r):
-        pgs[r] = nc.ProcessGroup(store, r, 2, nc.ProcessGroup.Options(
-            transport="inproc", group_name="late", timeout=timedelta(seconds=1)))
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    pgs = pair("late", timeout_s=1)
     try:
-        both = [threading.Thread(target=lambda pg: pg.allreduce(np.ones(4)).wait(),
-                                 args=(pg,)) for pg in pgs]
-        for t in both:
-            t.start()
-        for t in both:
-            t.join(30)
+        on_both(lambda r: pgs[r].allreduce(np.ones(4)).wait())
         pgs[0].allreduce(np.ones(4)).wait()  # rank 1 does not call the second one
     finally:
         for pg in pgs:

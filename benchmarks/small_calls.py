@@ -28,8 +28,8 @@ The rows, from the top:
     the fused step with the group's bookkeeping (lock, number, hold), no
     repeat check, no API;
 ``compiled step``
-    ``fused_step.step`` alone (one Numba dispatch; the flight recorder's
-    row, the stamp check, the reduction included);
+    the compiled step alone (one call of its entry point, the flight
+    recorder's row, the stamp check, the reduction included);
 ``bare arena step, N in one call``
     the arena's put and wait (stamps compared) and the reduction, N steps in
     one compiled loop: no Python and no dispatch -- the floor;
@@ -60,7 +60,7 @@ ROWS = ["nc.all_reduce(x), ordinary", "pg.allreduce(x, blocking=True)", "persist
 
 
 @njit(nogil=True, cache=True)
-def _bare_steps(region, plan, x, slots, first_step, seq, n, check):
+def _bare_steps(region, plan, x, first_step, seq, n, check):
     """``n`` arena steps (put, wait, combine) in one compiled loop; with
     ``check`` false the peers' headers are not compared."""
     ctrl = region[:plan[fused_step.CTRL_NBYTES]].view(np.int64)
@@ -84,7 +84,7 @@ def _bare_steps(region, plan, x, slots, first_step, seq, n, check):
                         _cpu_relax()
                     else:
                         _sched_yield()
-        fused_step.combine(x, slots[step & 1], rank, size, plan[fused_step.OP], -1)
+        fused_step._combine(region, plan, x, step)
     return -1
 
 
@@ -131,20 +131,20 @@ def _body(calls: int, runs: int) -> dict:
         seq = pg._next_seq
         pg._next_seq = seq + 1
         step = arena._step
-        got = fused_step.step(fused.region, fused.plan, fused.x, fused.slots, step, seq)
         arena._step = step + 1
+        got = fused._start(fused.address, fused.x, step, seq, fused.spin_ns)
+        if got != -1:
+            got = fused._finish(fused.address, fused.x, step, seq)
         if got != -1:  # a peer slower than the spin and yield phases (a busy machine)
             arena.wait(step, seq, fused.call.stamp, time.monotonic() + 60)
-            fused_step.combine(fused.x, fused.slots[step & 1], fused.rank, fused.size,
-                               fused_step.OPS["SUM"], -1)
+            fused._combine(fused.address, fused.x, step)
 
     def bare(check):
         def loop(n):
             seq = pg._next_seq
             pg._next_seq = seq + 1  # every step of the loop under one number
             step = arena._step
-            got = _bare_steps(fused.region, fused.plan, fused.x, fused.slots, step, seq, n,
-                              check)
+            got = _bare_steps(fused.region, fused.plan, fused.x, step, seq, n, check)
             if got != -1:
                 raise RuntimeError(f"bare steps: {got}")
             arena._step = step + n

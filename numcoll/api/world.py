@@ -43,7 +43,19 @@ class _World:
 
 _log = get_logger()
 _process_world = _World()
-_thread_state = threading.local()
+
+
+class _ThreadState(threading.local):
+    """Per-thread state: ``world``, a thread's own default group (``launch``'s
+    thread mode), else None."""
+
+    # A class-level default: every collective reads ``world``, and a missing
+    # attribute of a thread-local costs a raised and caught AttributeError
+    # (0.4 us, as much as the rest of a small call's Python).
+    world: _World | None = None
+
+
+_thread_state = _ThreadState()
 
 
 def _world() -> _World:

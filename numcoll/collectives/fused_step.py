@@ -151,7 +151,11 @@ def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns)
     return got
 
 
-@njit(nogil=True, cache=True)
+# Without nogil: start() waits the spin phase at most (microseconds), and
+# letting go of the GIL for that long would risk waiting to get it back
+# behind another thread (a switch interval) for nothing. finish() may wait
+# the whole yield phase, and lets go.
+@njit(cache=True)
 def start(plan_address, x, step, seq, spin_ns):
     """Open the lane row, publish this rank's part of ``step`` (its header and,
     per the plan, ``x``'s bytes), then wait for the others for ``spin_ns``

@@ -220,11 +220,20 @@ def all_gather(pg, tensor_list, tensor, group=None, async_op=False):
     return movement.allgather(pg.context, [tensor_list], [tensor])
 
 
-@collective
+def _all_gather_into_tensor_repeat(pg, output_tensor, input_tensor, group=None,
+                                   async_op=False):
+    return (repeats := pg.repeats) is not None and \
+        repeats.allgather(output_tensor, input_tensor)
+
+
+@functools.partial(collective, fast=_all_gather_into_tensor_repeat)
 def all_gather_into_tensor(pg, output_tensor, input_tensor, group=None, async_op=False):
     """Every rank's ``input_tensor``, concatenated in rank order, into ``output_tensor``."""
-    return movement.allgather_into_tensor_coalesced(pg.context, output_tensor, input_tensor,
-                                                    name="allgather_into_tensor")
+    call, run = movement.allgather_into_tensor_coalesced(pg.context, output_tensor,
+                                                         input_tensor, name="allgather_into_tensor")
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_allgather(output_tensor, input_tensor, call)
+    return call, run
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):

@@ -1,6 +1,6 @@
 """One arena step of a small collective, fused into one compiled call.
 
-A small allreduce, barrier or broadcast on the shared arena
+A small allreduce, barrier, broadcast or allgather on the shared arena
 (:mod:`transports.shm.arena`) is one step: publish this rank's bytes, wait for
 every rank's, then combine or copy their slots. :mod:`.arena_step` runs that
 step as two or three compiled calls with Python between them, and the group
@@ -49,7 +49,7 @@ from transports.shm.ring import _monotonic_ns
 
 from ..kernels.cpu_loops import _maximum, _minimum
 
-__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
+__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
            "start", "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
@@ -58,17 +58,21 @@ OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
 NO_REDUCE = -1
 #: A step whose non-root ranks copy the root's slot (a broadcast; root in ``arg``).
 BROADCAST = -2
+#: A step that copies every rank's slot into its chunk of ``x`` (an allgather:
+#: ``x`` is the output's bytes, what a rank publishes comes from ``SOURCE``).
+GATHER = -3
 #: States of a lane row (see the flight recorder's ``Lane``).
 STARTED, COMPLETED, MOVED = 1, 2, 4
 
 #: The plan's words: the control lines' bytes, rank, size, the two sets' first
 #: header, the slot stride, the stamp's two words, the payload bytes, spin and
 #: yield (ns), the op code, the root, the arena's address and bytes, the
-#: plan's own length; then the lane's count and last row (META, META + 1) and
-#: its rows of four words from ROWS.
+#: plan's own length; then the lane's count and last row (META, META + 1), the
+#: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``)
+#: and the lane's rows of four words from ROWS.
 CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, REGION, \
     REGION_NBYTES, WORDS = 0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15
-META, ROWS = 16, 32
+META, SOURCE, ROWS = 16, 18, 32
 
 
 @intrinsic
@@ -118,6 +122,12 @@ def _combine(region, plan, x, step):
     """Reduce (or copy) the step's slots into ``x``, as the plan's op says."""
     n, op, rank, size = x.size, plan[OP], plan[RANK], plan[SIZE]
     if op == NO_REDUCE:
+        return
+    if op == GATHER:  # (x: bytes, one chunk of plan[NBYTES] per rank)
+        chunk = plan[NBYTES]
+        for q in range(size):
+            at = plan[FIRST + (step & 1)] + q * plan[STRIDE] + HEADER_NBYTES
+            x[q * chunk:(q + 1) * chunk] = region[at:at + chunk]
         return
     if op == BROADCAST:
         if rank != plan[ROOT]:
@@ -175,9 +185,11 @@ def start(plan_address, x, step, seq, spin_ns):
     plan[at + 2] = 0
     plan[at + 3] = STARTED
     rank = plan[RANK]
+    payload = x.view(np.uint8) if plan[SOURCE] == 0 else \
+        carray(_pointer(plan[SOURCE], np.uint8), (plan[NBYTES],))
     _put(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, step,
          plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
-         x.view(np.uint8), plan[NBYTES], plan[NBYTES])
+         payload, plan[NBYTES], plan[NBYTES])
     return _wait_and_combine(region, plan, x, step, seq, now + spin_ns, now + spin_ns)
 
 

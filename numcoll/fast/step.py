@@ -71,13 +71,17 @@ class FusedCall:
         What the call's future would hold (the caller's arrays).
     publishes : bool
         Whether this rank publishes ``x`` (not a broadcast's non-root).
+    source : numpy.ndarray or None
+        What this rank publishes instead of ``x`` (an allgather's input,
+        C-contiguous; ``x`` is then the output's bytes).
     """
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "address", "rank", "size", "x", "op",
                  "root", "outs", "spin_ns", "lane", "rows", "meta", "seq", "step", "running",
-                 "pending", "work", "mailbox", "_start", "_finish", "_combine")
+                 "pending", "work", "mailbox", "source", "_start", "_finish", "_combine")
 
-    def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True):
+    def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True,
+                 source=None):
         self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
         arena = self.arena = pg._transport.arena
         # (the plan holds the region's address: this reference keeps it mapped)
@@ -93,10 +97,15 @@ class FusedCall:
         self.rows = plan[fused_step.ROWS:].reshape(nrows, 4)
         self.lane = (recorder.lane(pg._pg_id, pg._global_rank, call, self.rows, self.meta)
                      if recorder is not None else None)
+        nbytes = (x if source is None else source).nbytes if publishes else 0
         plan[:fused_step.WORDS + 1] = (
             ctrl.nbytes, rank, size, first[0], first[1], stride, *_stamp_words(call.stamp),
-            x.nbytes if publishes else 0, spin_ns, min(yield_ns, int(call.timeout_s * 1e9)),
-            op, root, region.ctypes.data, region.nbytes, plan.size)
+            nbytes, spin_ns, min(yield_ns, int(call.timeout_s * 1e9)), op, root,
+            region.ctypes.data, region.nbytes, plan.size)
+        # (the plan holds the source's address: this reference keeps it alive)
+        self.source = source
+        if source is not None:
+            plan[fused_step.SOURCE] = source.ctypes.data
         self.address = plan.ctypes.data
         self._start = fused_step.entry(fused_step.start, x)
         self._finish = fused_step.entry(fused_step.finish, x)

@@ -95,7 +95,7 @@ class FusedRequest(PersistentRequest):
     """A :class:`PersistentRequest` that runs as a fused arena step when it can
     (see the module docstring); made by ``ProcessGroup.*_init``."""
 
-    __slots__ = ("_fused", "_starts", "_last_fused", "_active", "_handle")
+    __slots__ = ("_fused", "_starts", "_last_fused", "_active", "_handle", "_array")
 
     def __init__(self, submit, plan, fused: FusedCall):
         super().__init__(submit, plan)
@@ -108,11 +108,15 @@ class FusedRequest(PersistentRequest):
         # peers were.
         self._active = False
         self._handle = None  # the last Started given out
+        # (array, shape, strides) of the guard's one array, None for a barrier:
+        # its check, inlined in start() (a fused request has no other objects)
+        arrays = plan.guard._arrays
+        self._array = arrays[0] if arrays else None
 
     def start(self):
         """Start the collective; returns its :class:`~numcoll.Work` (see
         :meth:`PersistentRequest.start`)."""
-        if self._last_fused and self._active:
+        if self._active:  # (only fused starts are ever active)
             raise RuntimeError(f"{self.op_name}: start() called while the previous start() is "
                                "still in flight; wait() for it first")
         if not self._last_fused:
@@ -120,7 +124,9 @@ class FusedRequest(PersistentRequest):
             if work is not None and not work.future._completed:
                 raise RuntimeError(f"{self.op_name}: start() called while the previous "
                                    "start() is still in flight; wait() for it first")
-        self._plan.guard.check()
+        held = self._array
+        if held is not None and (held[0].shape != held[1] or held[0].strides != held[2]):
+            self._plan.guard.check()  # raises, saying what changed
         self._starts += 1
         if self._fused.start():
             self._last_fused = self._active = True
@@ -153,9 +159,12 @@ class FusedRequest(PersistentRequest):
             # A wait with a timeout does not run the work itself (it must be able
             # to return first): a worker does.
             fused.pg._queue.put((work, work._run))
-        fused.work.wait(timeout)
-        self._active = False
-        return True
+        work = fused.work
+        try:
+            return work.wait(timeout)
+        finally:
+            if work.future._completed:  # (failed or not: a wait that timed out leaves it)
+                self._active = False
 
     def is_completed(self) -> bool:
         if self._last_fused:

@@ -115,7 +115,9 @@ class FusedRequest(PersistentRequest):
 
     def start(self):
         """Start the collective; returns its :class:`~numcoll.Work` (see
-        :meth:`PersistentRequest.start`)."""
+        :meth:`PersistentRequest.start`). A fused start may complete inside
+        this call; it counts as in flight until waited for (``wait()``, or
+        ``is_completed()`` answering True), as an MPI request does."""
         if self._active:  # (only fused starts are ever active)
             raise RuntimeError(f"{self.op_name}: start() called while the previous start() is "
                                "still in flight; wait() for it first")

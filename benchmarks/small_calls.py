@@ -5,7 +5,8 @@ timed layer by layer, from the module API down to the arena's bare step.
     python benchmarks/small_calls.py -n 4 --runs 3
     NUMCOLL_FR_BUFFER_SIZE=0 python benchmarks/small_calls.py   # without the flight recorder
 
-Every rank runs each variant the same number of times, in lockstep. Each
+Every rank runs each variant the same number of times, in lockstep, bound to
+a CPU of its own where there is one per rank (as ``numcoll-bench`` binds). Each
 call is timed on its own (``perf_counter`` around it, included in every
 row) and a run's figure is the median call on rank 0 -- on a shared
 machine a few calls preempted for milliseconds would otherwise dominate a
@@ -92,8 +93,10 @@ def _body(calls: int, runs: int) -> dict:
     from numcoll.api.world import get_default_group
     from numcoll.collectives import persistent
     from numcoll.collectives.persistent import PersistentRequest
+    from numcoll.bench.forms import bind_to_core
     from numcoll.fast.step import FusedCall
 
+    bind_to_core()  # one CPU per rank where they fit, as numcoll-bench and mpirun bind
     pg = get_default_group()
     x = np.ones(2, np.float32)
     req = nc.all_reduce_init(x)

@@ -59,7 +59,7 @@ _thread_state = _ThreadState()
 
 
 def _world() -> _World:
-    return getattr(_thread_state, "world", None) or _process_world
+    return _thread_state.world or _process_world
 
 
 def _use_thread_world() -> None:

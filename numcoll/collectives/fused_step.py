@@ -49,8 +49,8 @@ from transports.shm.ring import _monotonic_ns
 
 from ..kernels.cpu_loops import _maximum, _minimum
 
-__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
-           "start", "finish", "combine", "entry"]
+__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
+           "SOURCE", "ROWS", "start", "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}

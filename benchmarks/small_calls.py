@@ -5,7 +5,8 @@ timed layer by layer, from the module API down to the arena's bare step.
     python benchmarks/small_calls.py -n 4 --runs 3
     NUMCOLL_FR_BUFFER_SIZE=0 python benchmarks/small_calls.py   # without the flight recorder
 
-Every rank runs each variant the same number of times, in lockstep. Each
+Every rank runs each variant the same number of times, in lockstep, bound to
+a CPU of its own where there is one per rank (as ``numcoll-bench`` binds). Each
 call is timed on its own (``perf_counter`` around it, included in every
 row) and a run's figure is the median call on rank 0 -- on a shared
 machine a few calls preempted for milliseconds would otherwise dominate a
@@ -28,8 +29,8 @@ The rows, from the top:
     the fused step with the group's bookkeeping (lock, number, hold), no
     repeat check, no API;
 ``compiled step``
-    ``fused_step.step`` alone (one Numba dispatch; the flight recorder's
-    row, the stamp check, the reduction included);
+    the compiled step alone (one call of its entry point, the flight
+    recorder's row, the stamp check, the reduction included);
 ``bare arena step, N in one call``
     the arena's put and wait (stamps compared) and the reduction, N steps in
     one compiled loop: no Python and no dispatch -- the floor;
@@ -60,7 +61,7 @@ ROWS = ["nc.all_reduce(x), ordinary", "pg.allreduce(x, blocking=True)", "persist
 
 
 @njit(nogil=True, cache=True)
-def _bare_steps(region, plan, x, slots, first_step, seq, n, check):
+def _bare_steps(region, plan, x, first_step, seq, n, check):
     """``n`` arena steps (put, wait, combine) in one compiled loop; with
     ``check`` false the peers' headers are not compared."""
     ctrl = region[:plan[fused_step.CTRL_NBYTES]].view(np.int64)
@@ -84,7 +85,7 @@ def _bare_steps(region, plan, x, slots, first_step, seq, n, check):
                         _cpu_relax()
                     else:
                         _sched_yield()
-        fused_step.combine(x, slots[step & 1], rank, size, plan[fused_step.OP], -1)
+        fused_step._combine(region, plan, x, step)
     return -1
 
 
@@ -92,8 +93,10 @@ def _body(calls: int, runs: int) -> dict:
     from numcoll.api.world import get_default_group
     from numcoll.collectives import persistent
     from numcoll.collectives.persistent import PersistentRequest
+    from numcoll.bench.forms import bind_to_core
     from numcoll.fast.step import FusedCall
 
+    bind_to_core()  # one CPU per rank where they fit, as numcoll-bench and mpirun bind
     pg = get_default_group()
     x = np.ones(2, np.float32)
     req = nc.all_reduce_init(x)
@@ -131,20 +134,20 @@ def _body(calls: int, runs: int) -> dict:
         seq = pg._next_seq
         pg._next_seq = seq + 1
         step = arena._step
-        got = fused_step.step(fused.region, fused.plan, fused.x, fused.slots, step, seq)
         arena._step = step + 1
+        got = fused._start(fused.address, fused.x, step, seq, fused.spin_ns)
+        if got != -1:
+            got = fused._finish(fused.address, fused.x, step, seq)
         if got != -1:  # a peer slower than the spin and yield phases (a busy machine)
             arena.wait(step, seq, fused.call.stamp, time.monotonic() + 60)
-            fused_step.combine(fused.x, fused.slots[step & 1], fused.rank, fused.size,
-                               fused_step.OPS["SUM"], -1)
+            fused._combine(fused.address, fused.x, step)
 
     def bare(check):
         def loop(n):
             seq = pg._next_seq
             pg._next_seq = seq + 1  # every step of the loop under one number
             step = arena._step
-            got = _bare_steps(fused.region, fused.plan, fused.x, fused.slots, step, seq, n,
-                              check)
+            got = _bare_steps(fused.region, fused.plan, fused.x, step, seq, n, check)
             if got != -1:
                 raise RuntimeError(f"bare steps: {got}")
             arena._step = step + n

@@ -58,13 +58,22 @@ def collective(body, fast=None):
 
     @functools.wraps(body)
     def run_collective(*args, **kwargs):
+        tried = fast is None
+        if not tried and not kwargs and len(args) <= group_at:
+            # The busiest case, as short as it can be: the default group, a
+            # call that waits (the repeat path's Python is most of its cost).
+            pg = (_thread_state.world or _process_world).pg
+            if pg is not None:
+                if fast(pg, *args):
+                    return None
+                tried = True
         group = args[group_at] if len(args) > group_at else kwargs.get("group")
         if async_at is None:
             async_op = False
         else:
             async_op = args[async_at] if len(args) > async_at else kwargs.get("async_op", False)
         if group is None:  # the default group, looked up here: the busiest case
-            pg = (getattr(_thread_state, "world", None) or _process_world).pg
+            pg = (_thread_state.world or _process_world).pg
             if pg is None:
                 pg = get_default_group()  # raises torch's error
         elif isinstance(group, ProcessGroup):
@@ -76,7 +85,7 @@ def collective(body, fast=None):
         else:
             raise TypeError(f"group must be a ProcessGroup (from new_group), None or "
                             f"GroupMember.NON_GROUP_MEMBER, got {type(group).__name__}")
-        if fast is not None and not async_op and fast(pg, *args, **kwargs):
+        if not tried and not async_op and fast(pg, *args, **kwargs):
             return None
         call, run = body(pg, *args, **kwargs)
         work = pg.submit(call, run, not async_op)
@@ -91,7 +100,7 @@ def collective(body, fast=None):
 
 
 def _global_rank() -> int:
-    pg = (getattr(_thread_state, "world", None) or _process_world).pg
+    pg = (_thread_state.world or _process_world).pg
     return -1 if pg is None else pg.rank()
 
 
@@ -211,11 +220,20 @@ def all_gather(pg, tensor_list, tensor, group=None, async_op=False):
     return movement.allgather(pg.context, [tensor_list], [tensor])
 
 
-@collective
+def _all_gather_into_tensor_repeat(pg, output_tensor, input_tensor, group=None,
+                                   async_op=False):
+    return (repeats := pg.repeats) is not None and \
+        repeats.allgather(output_tensor, input_tensor)
+
+
+@functools.partial(collective, fast=_all_gather_into_tensor_repeat)
 def all_gather_into_tensor(pg, output_tensor, input_tensor, group=None, async_op=False):
     """Every rank's ``input_tensor``, concatenated in rank order, into ``output_tensor``."""
-    return movement.allgather_into_tensor_coalesced(pg.context, output_tensor, input_tensor,
-                                                    name="allgather_into_tensor")
+    call, run = movement.allgather_into_tensor_coalesced(pg.context, output_tensor,
+                                                         input_tensor, name="allgather_into_tensor")
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_allgather(output_tensor, input_tensor, call)
+    return call, run
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):

@@ -43,11 +43,23 @@ class _World:
 
 _log = get_logger()
 _process_world = _World()
-_thread_state = threading.local()
+
+
+class _ThreadState(threading.local):
+    """Per-thread state: ``world``, a thread's own default group (``launch``'s
+    thread mode), else None."""
+
+    # A class-level default: every collective reads ``world``, and a missing
+    # attribute of a thread-local costs a raised and caught AttributeError
+    # (0.4 us, as much as the rest of a small call's Python).
+    world: _World | None = None
+
+
+_thread_state = _ThreadState()
 
 
 def _world() -> _World:
-    return getattr(_thread_state, "world", None) or _process_world
+    return _thread_state.world or _process_world
 
 
 def _use_thread_world() -> None:

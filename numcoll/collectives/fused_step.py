@@ -1,13 +1,13 @@
 """One arena step of a small collective, fused into one compiled call.
 
-A small allreduce, barrier or broadcast on the shared arena
+A small allreduce, barrier, broadcast or allgather on the shared arena
 (:mod:`transports.shm.arena`) is one step: publish this rank's bytes, wait for
 every rank's, then combine or copy their slots. :mod:`.arena_step` runs that
 step as two or three compiled calls with Python between them, and the group
 around it adds its bookkeeping. Here the whole step -- publish, wait, reduce
 or copy out, and the flight recorder's entry -- is one compiled function, so
-a repeated call (:mod:`.fast_lane`) costs one Numba dispatch and the few
-attribute reads that prove nothing changed.
+a repeated call (:mod:`numcoll.fast`) costs one call into compiled code and
+the few attribute reads that prove nothing changed.
 
 What goes on the wire is exactly the arena step of the ordinary path (the
 same header: sequence number, the call's stamp, the byte count), so a rank
@@ -18,26 +18,39 @@ Results are those of :class:`.arena_step.ArenaStep` bit for bit: two ranks
 combine ``op(mine, peer's)`` (equal on both for commutative ops), more ranks
 combine the slots in rank order.
 
+Calling convention
+    Everything a call needs but its array is in one int64 *plan* (see the
+    word indices below), the arena's memory included, as an address. The
+    compiled functions take the plan's address, the array, the step and the
+    sequence number, and :func:`entry` hands the caller the compiled
+    overload's entry point for its array's type: calling it skips Numba's
+    dispatcher, which would type every argument again on every call (an
+    array costs it more than the whole step does). The caller owns what the
+    addresses point to (:class:`numcoll.fast.step.FusedCall` keeps the plan
+    and the arena's mapping alive) and never passes an array of another type
+    (its repeat checks and the persistent request's guard see to that).
+
 The flight recorder's entry (:class:`numcoll.diagnostics.flight_recorder.Lane`)
 is a row of four int64: the sequence number, the start and end times (the
 monotonic clock; the lane converts) and the state, written here: no Record
-object per call. A step that does not complete within the spin and yield
-phases returns with the row still "started", and the caller continues in
-Python (the arena's slow wait, the group's failure handling).
+object per call. A step that does not complete within its wait returns with
+the row still "started", and the caller continues (:func:`finish`, or the
+arena's slow wait and the group's failure handling in Python).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, typeof, types
+from numba.extending import intrinsic
 
-from transports.shm.arena import _put, _wait
+from transports.shm.arena import HEADER_NBYTES, _put, _wait
 from transports.shm.ring import _monotonic_ns
 
 from ..kernels.cpu_loops import _maximum, _minimum
 
-__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "STARTED", "COMPLETED", "MOVED", "META", "ROWS",
-           "publish", "finish", "complete", "step", "combine"]
+__all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
+           "SOURCE", "ROWS", "start", "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -45,8 +58,39 @@ OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
 NO_REDUCE = -1
 #: A step whose non-root ranks copy the root's slot (a broadcast; root in ``arg``).
 BROADCAST = -2
+#: A step that copies every rank's slot into its chunk of ``x`` (an allgather:
+#: ``x`` is the output's bytes, what a rank publishes comes from ``SOURCE``).
+GATHER = -3
 #: States of a lane row (see the flight recorder's ``Lane``).
 STARTED, COMPLETED, MOVED = 1, 2, 4
+
+#: The plan's words: the control lines' bytes, rank, size, the two sets' first
+#: header, the slot stride, the stamp's two words, the payload bytes, spin and
+#: yield (ns), the op code, the root, the arena's address and bytes, the
+#: plan's own length; then the lane's count and last row (META, META + 1), the
+#: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``)
+#: and the lane's rows of four words from ROWS.
+CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, REGION, \
+    REGION_NBYTES, WORDS = 0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15
+META, SOURCE, ROWS = 16, 18, 32
+
+
+@intrinsic
+def _pointer(typingctx, address, dtype):
+    """The integer ``address`` as a pointer to ``dtype`` (for ``carray``)."""
+    pointer = types.CPointer(dtype.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(pointer))
+
+    return pointer(address, dtype), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _plan_at(address):
+    """The plan whose address the caller passed (its length is its word WORDS)."""
+    words = carray(_pointer(address, np.int64), (ROWS,))
+    return carray(_pointer(address, np.int64), (words[WORDS],))
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -66,101 +110,111 @@ def _accumulate(x, s, n, op):
             x[i] = _maximum(x[i], s[i])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _slot(region, plan, x, step, q):
+    """Rank ``q``'s payload of ``step``, typed as ``x``."""
+    at = plan[FIRST + (step & 1)] + q * plan[STRIDE] + HEADER_NBYTES
+    return region[at:at + x.size * x.itemsize].view(x.dtype)
+
+
 @njit(nogil=True, cache=True)
-def combine(x, slots, rank, size, op, root):
-    """Reduce (or copy) the step's slots (``slots[q]``: rank q's, typed) into ``x``."""
-    n = x.size
+def _combine(region, plan, x, step):
+    """Reduce (or copy) the step's slots into ``x``, as the plan's op says."""
+    n, op, rank, size = x.size, plan[OP], plan[RANK], plan[SIZE]
     if op == NO_REDUCE:
         return
+    if op == GATHER:  # (x: bytes, one chunk of plan[NBYTES] per rank)
+        chunk = plan[NBYTES]
+        for q in range(size):
+            at = plan[FIRST + (step & 1)] + q * plan[STRIDE] + HEADER_NBYTES
+            x[q * chunk:(q + 1) * chunk] = region[at:at + chunk]
+        return
     if op == BROADCAST:
-        if rank != root:
-            s = slots[root]
+        if rank != plan[ROOT]:
+            s = _slot(region, plan, x, step, plan[ROOT])
             for i in range(n):
                 x[i] = s[i]
         return
     if size == 2:
-        s = slots[1 - rank]
-        _accumulate(x, s, n, op)
+        _accumulate(x, _slot(region, plan, x, step, 1 - rank), n, op)
         return
     if rank != 0:
-        s = slots[0]
+        s = _slot(region, plan, x, step, 0)
         for i in range(n):
             x[i] = s[i]
     for q in range(1, size):
-        s = slots[q]
-        _accumulate(x, s, n, op)
-
-
-#: The fused step's plan: one int64 array (few arguments make a cheap dispatch).
-#: Words: the control lines' bytes, rank, size, the two sets' first header,
-#: the slot stride, the stamp's two words, the payload bytes, spin and yield
-#: (ns), the op code, the root; then the lane's count and last row (META,
-#: META + 1) and its rows of four words from ROWS.
-CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT = \
-    0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12
-META, ROWS = 16, 32
+        _accumulate(x, _slot(region, plan, x, step, q), n, op)
 
 
 @njit(nogil=True, cache=True)
-def _lane_open(plan, seq):
-    nrows = (plan.size - ROWS) // 4
-    i = plan[META] % nrows
-    plan[META] += 1
-    plan[META + 1] = i
-    at = ROWS + 4 * i
-    plan[at] = seq
-    plan[at + 1] = _monotonic_ns()
-    plan[at + 2] = 0
-    plan[at + 3] = STARTED
-    return plan[at + 1]
-
-
-@njit(nogil=True, cache=True)
-def _put_mine(region, plan, x, step, seq):
-    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
-    rank = plan[RANK]
-    header = plan[FIRST + (step & 1)] + rank * plan[STRIDE]
-    _put(region, ctrl, rank, step, header, seq, plan[STAMP], plan[STAMP + 1],
-         x.view(np.uint8), plan[NBYTES], plan[NBYTES])
-
-
-@njit(nogil=True, cache=True)
-def publish(region, plan, x, step, seq):
-    """This rank's part of ``step`` (its header and, per the plan, ``x``'s
-    bytes), its lane row opened (started). Never blocks."""
-    _lane_open(plan, seq)
-    _put_mine(region, plan, x, step, seq)
-
-
-@njit(nogil=True, cache=True)
-def finish(region, plan, x, slots, step, seq, spin_until_ns, yield_until_ns):
-    """Wait for every rank's ``step`` (as ``arena._wait``), then :func:`combine`
-    ``slots[step % 2]`` into ``x`` and close the lane row. Returns ``_wait``'s
-    answer: -1 done; else the step is not finished (the caller's slow wait
-    takes over, then combines)."""
+def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns):
+    """Wait for every rank's ``step`` (as ``arena._wait``), then combine and
+    close the lane row. Returns ``_wait``'s answer (-1: done)."""
     ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
     got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
                 plan[STAMP], plan[STAMP + 1], spin_until_ns, yield_until_ns)
     if got == -1:
-        combine(x, slots[step & 1], plan[RANK], plan[SIZE], plan[OP], plan[ROOT])
+        _combine(region, plan, x, step)
         at = ROWS + 4 * plan[META + 1]
         plan[at + 2] = _monotonic_ns()
         plan[at + 3] = COMPLETED
     return got
 
 
+# Without nogil: start() waits the spin phase at most (microseconds), and
+# letting go of the GIL for that long would risk waiting to get it back
+# behind another thread (a switch interval) for nothing. finish() may wait
+# the whole yield phase, and lets go.
+@njit(cache=True)
+def start(plan_address, x, step, seq, spin_ns):
+    """Open the lane row, publish this rank's part of ``step`` (its header and,
+    per the plan, ``x``'s bytes), then wait for the others for ``spin_ns``
+    at most (0: look once) and, if they are all there, combine. Returns
+    ``_wait``'s answer: -1 done; else :func:`finish` (or the caller's slow
+    wait) takes over."""
+    plan = _plan_at(plan_address)
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+    nrows = (plan.size - ROWS) // 4
+    i = plan[META] % nrows
+    plan[META] += 1
+    plan[META + 1] = i
+    at = ROWS + 4 * i
+    now = _monotonic_ns()
+    plan[at] = seq
+    plan[at + 1] = now
+    plan[at + 2] = 0
+    plan[at + 3] = STARTED
+    rank = plan[RANK]
+    payload = x.view(np.uint8) if plan[SOURCE] == 0 else \
+        carray(_pointer(plan[SOURCE], np.uint8), (plan[NBYTES],))
+    _put(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, step,
+         plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
+         payload, plan[NBYTES], plan[NBYTES])
+    return _wait_and_combine(region, plan, x, step, seq, now + spin_ns, now + spin_ns)
+
+
 @njit(nogil=True, cache=True)
-def complete(region, plan, x, slots, step, seq):
-    """:func:`finish` with the plan's spin and yield phases from now (the
-    second half of a persistent start)."""
+def finish(plan_address, x, step, seq):
+    """The rest of a :func:`start` that returned before every rank was there:
+    wait with the plan's spin and yield phases from now, then combine."""
+    plan = _plan_at(plan_address)
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
     spin_until = _monotonic_ns() + plan[SPIN]
-    return finish(region, plan, x, slots, step, seq, spin_until, spin_until + plan[YIELD])
+    return _wait_and_combine(region, plan, x, step, seq, spin_until, spin_until + plan[YIELD])
 
 
 @njit(nogil=True, cache=True)
-def step(region, plan, x, slots, step, seq):
-    """:func:`publish` then :func:`finish`: a whole blocking call in one."""
-    now = _lane_open(plan, seq)
-    _put_mine(region, plan, x, step, seq)
-    spin_until = now + plan[SPIN]
-    return finish(region, plan, x, slots, step, seq, spin_until, spin_until + plan[YIELD])
+def combine(plan_address, x, step):
+    """Only the combining of ``step`` (after the caller's own wait for it)."""
+    plan = _plan_at(plan_address)
+    _combine(carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],)), plan, x, step)
+
+
+def entry(function, x):
+    """The compiled ``function`` (:func:`start`, :func:`finish` or
+    :func:`combine`) for arrays of ``x``'s type, as its bare entry point:
+    compiled (or loaded from Numba's cache) now, called without the
+    dispatcher's typing of the arguments."""
+    i64 = types.int64
+    rest = {start: (i64, i64, i64), finish: (i64, i64), combine: (i64,)}[function]
+    return function.compile((i64, typeof(x)) + rest)

@@ -27,7 +27,7 @@ from transports.shm.arena import SharedArena
 from ..collectives import fused_step
 from .step import FusedCall, fusable_dtype
 
-__all__ = ["Repeats", "fusable", "fused_call"]
+__all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
 
 #: Calls remembered per group (the oldest is forgotten first).
 KEPT = 8
@@ -36,12 +36,18 @@ KEPT = 8
 class _Seen:
     """One remembered call: what must be unchanged, and its plan."""
 
-    __slots__ = ("x", "op", "shape", "strides", "dtype", "cfg", "timeout_s", "fused")
+    __slots__ = ("x", "op", "shape", "strides", "dtype", "cfg", "timeout_s", "fused", "form")
 
     def __init__(self, x, op, cfg, timeout_s, fused):
         self.x, self.op, self.cfg, self.timeout_s, self.fused = x, op, cfg, timeout_s, fused
         if x is not None:
             self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
+        # an allgather's input (its ``op``): what must be unchanged of it
+        self.form = _form(op) if type(op) is np.ndarray else None
+
+
+def _form(a) -> tuple:
+    return a.shape, a.strides, a.dtype
 
 
 def fused_call(pg, call, x) -> FusedCall | None:
@@ -67,6 +73,21 @@ def fused_call(pg, call, x) -> FusedCall | None:
     else:
         return None
     return FusedCall(pg, call, flat, op, call.root, outs, publishes)
+
+
+def fused_allgather(pg, call, out, inp) -> FusedCall | None:
+    """The :class:`FusedCall` of ``call``, an ``allgather_into_tensor`` of
+    ``inp`` into ``out`` (as the ordinary builder checked and made it), if
+    one arena step does it: both C-contiguous NumPy arrays, ``inp`` within a
+    slot and one round. Any dtype: the step copies bytes. Else None."""
+    if call.name != "allgather_into_tensor" or not fusable(pg, call, None) \
+            or type(out) is not np.ndarray or type(inp) is not np.ndarray \
+            or not (out.flags.c_contiguous and inp.flags.c_contiguous and out.flags.writeable) \
+            or out.dtype != inp.dtype or inp.size == 0 or out.size != inp.size * pg._size \
+            or inp.nbytes > pg._transport.arena.slot_nbytes or not _one_round(pg, inp):
+        return None
+    return FusedCall(pg, call, out.reshape(-1).view(np.uint8), fused_step.GATHER, -1, [out],
+                     source=inp.reshape(-1))
 
 
 def _one_round(pg, x) -> bool:
@@ -124,6 +145,14 @@ class Repeats:
         """:meth:`allreduce` for ``broadcast(x)`` from group rank ``root``."""
         return self._repeat((id(x), "broadcast", root), x, None)
 
+    def allgather(self, out, inp) -> bool:
+        """:meth:`allreduce` for ``all_gather_into_tensor(out, inp)``: both
+        arrays as they were (``inp`` the same object, shape, strides, dtype)."""
+        seen = self._seen.get((id(out), id(inp), "allgather"))
+        if seen is None or seen.op is not inp or seen.form != _form(inp):
+            return False
+        return self._repeat((id(out), id(inp), "allgather"), out, inp)
+
     def barrier(self, timeout) -> bool:
         """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
         seen = self._seen.get((timeout, "barrier"))
@@ -148,17 +177,31 @@ class Repeats:
         with the op object ``op``; None for a broadcast) that the ordinary path
         is about to run, if it can run fused."""
         key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
+        if self._twice(key, x):
+            fused = fused_call(self.pg, call, x)
+            if fused is not None:
+                self._keep(key, x, op, fused)
+
+    def learn_allgather(self, out, inp, call) -> None:
+        """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""
+        key = (id(out), id(inp), "allgather")
+        if self._twice(key, out) and type(inp) is np.ndarray:
+            fused = fused_allgather(self.pg, call, out, inp)
+            if fused is not None:
+                self._keep(key, out, inp, fused)
+
+    def _twice(self, key, x) -> bool:
+        """Whether ``x`` (under ``key``) was seen before, alive; else remember it
+        (by weak reference, only until it is seen again)."""
         once = self._once.get(key)
         if once is None or once() is not x:
             if type(x) is np.ndarray:
                 if len(self._once) >= 4 * KEPT:
                     self._once.clear()
                 self._once[key] = weakref.ref(x)
-            return
+            return False
         del self._once[key]
-        fused = fused_call(self.pg, call, x)
-        if fused is not None:
-            self._keep(key, x, op, fused)
+        return True
 
     def learn_barrier(self, timeout, call) -> None:
         """Remember a barrier (``timeout``: as passed), whose ordinary ``call`` is about to run."""

@@ -3,9 +3,11 @@
 A persistent allreduce, broadcast or barrier that fits one arena step
 (:func:`.repeat.fusable`) is a :class:`FusedRequest`: ``start()`` publishes
 this rank's part (one compiled call: the arena header with the call's
-number and stamp, the payload, the flight recorder's row) and returns a
-:class:`Started` -- a :class:`~numcoll.Work` made without a Future --
-and ``wait()`` waits for the peers and combines their slots (one compiled
+number and stamp, the payload, the flight recorder's row), looks once
+whether every rank's part is there and, if so, combines them at once; it
+returns a :class:`Started` -- a :class:`~numcoll.Work` made without a
+Future. ``wait()`` after a start that finished is a few attribute reads;
+otherwise it waits for the peers and combines their slots (one compiled
 call). When the group has something else in flight, or another call is
 submitted while the start is held, the request falls back to the ordinary
 persistent path (:class:`~numcoll.collectives.persistent.PersistentRequest`)
@@ -58,7 +60,7 @@ class Started(Work):
         return True
 
     def is_completed(self) -> bool:
-        return not self._current() or not self._request._fused.is_open()
+        return not self._current() or self._request.is_completed()
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None
@@ -93,19 +95,30 @@ class FusedRequest(PersistentRequest):
     """A :class:`PersistentRequest` that runs as a fused arena step when it can
     (see the module docstring); made by ``ProcessGroup.*_init``."""
 
-    __slots__ = ("_fused", "_starts", "_last_fused", "_handle")
+    __slots__ = ("_fused", "_starts", "_last_fused", "_active", "_handle", "_array")
 
     def __init__(self, submit, plan, fused: FusedCall):
         super().__init__(submit, plan)
         self._fused = fused
         self._starts = 0
         self._last_fused = False
+        # A fused start may have completed inside start(); it stays the active
+        # one until waited for (wait(), or is_completed() saying so), as an
+        # MPI request does, so start(); start() is refused however fast the
+        # peers were.
+        self._active = False
         self._handle = None  # the last Started given out
+        # (array, shape, strides) of the guard's one array, None for a barrier:
+        # its check, inlined in start() (a fused request has no other objects)
+        arrays = plan.guard._arrays
+        self._array = arrays[0] if arrays else None
 
     def start(self):
         """Start the collective; returns its :class:`~numcoll.Work` (see
-        :meth:`PersistentRequest.start`)."""
-        if self._last_fused and self._fused.is_open():
+        :meth:`PersistentRequest.start`). A fused start may complete inside
+        this call; it counts as in flight until waited for (``wait()``, or
+        ``is_completed()`` answering True), as an MPI request does."""
+        if self._active:  # (only fused starts are ever active)
             raise RuntimeError(f"{self.op_name}: start() called while the previous start() is "
                                "still in flight; wait() for it first")
         if not self._last_fused:
@@ -113,10 +126,12 @@ class FusedRequest(PersistentRequest):
             if work is not None and not work.future._completed:
                 raise RuntimeError(f"{self.op_name}: start() called while the previous "
                                    "start() is still in flight; wait() for it first")
-        self._plan.guard.check()
+        held = self._array
+        if held is not None and (held[0].shape != held[1] or held[0].strides != held[2]):
+            self._plan.guard.check()  # raises, saying what changed
         self._starts += 1
-        if self._fused.publish():
-            self._last_fused = True
+        if self._fused.start():
+            self._last_fused = self._active = True
             self._work = None
             handle = self._handle
             if handle is not None and getrefcount(handle) <= _UNSHARED:
@@ -134,8 +149,12 @@ class FusedRequest(PersistentRequest):
         if not self._last_fused:
             return super().wait(timeout)
         fused = self._fused
-        if fused.work is None and fused.pg._fast_held is fused:
+        if fused.work is None:
+            if fused.pg._fast_held is not fused:  # finished (in start(), the usual case)
+                self._active = False
+                return True
             if timeout is None:
+                self._active = False
                 fused.finish()
                 return True
             work = fused.promote()
@@ -143,11 +162,18 @@ class FusedRequest(PersistentRequest):
             # to return first): a worker does.
             fused.pg._queue.put((work, work._run))
         work = fused.work
-        return True if work is None else work.wait(timeout)
+        try:
+            return work.wait(timeout)
+        finally:
+            if work.future._completed:  # (failed or not: a wait that timed out leaves it)
+                self._active = False
 
     def is_completed(self) -> bool:
         if self._last_fused:
-            return not self._fused.is_open()
+            done = not self._fused.is_open()
+            if done:
+                self._active = False
+            return done
         return super().is_completed()
 
     @property

@@ -2,15 +2,18 @@
 
 :class:`FusedCall` holds everything a repeated small call needs -- the
 arena's memory and layout, the call's stamp as two words, this rank's
-payload, typed views of every rank's slot in both sets, the reduction's
-code, the flight recorder's lane -- so that running it is: a few attribute
-reads under the group's lock (nothing in flight, not poisoned; take the
-sequence number), one compiled call (:mod:`numcoll.collectives.fused_step`),
-and the lock once more to say it is done. No Work, Comm, Future or Record is
-made.
+payload, the reduction's code, the flight recorder's lane, all as one plan
+of int64 words -- so that running it is: a few attribute reads under the
+group's lock (nothing in flight, not poisoned; take the sequence number) and,
+still under it, one call into compiled code
+(:mod:`numcoll.collectives.fused_step`) that publishes, waits for the peers
+through the arena's spin phase and combines. No Work, Comm, Future or Record
+is made.
 
-The group stays in charge of order and failure. While a fused call is
-published and not finished, the group holds it as ``_fast_held``; any other
+The group stays in charge of order and failure. A fused call whose peers
+are not there within the spin phase (or a persistent start, which only looks
+once) is *held*: the group keeps it as ``_fast_held``, and the lock is let go
+while it waits; any other
 call submitted meanwhile (another thread's, or this thread's next
 non-fused call) first *promotes* it (:func:`promote`): it
 becomes an ordinary Work, with a record, an arena ticket and a place in the
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transports.shm.arena import HEADER_NBYTES, _stamp_words
+from transports.shm.arena import _stamp_words
 
 from ..collectives import fused_step
 from ..work import Work
@@ -68,20 +71,24 @@ class FusedCall:
         What the call's future would hold (the caller's arrays).
     publishes : bool
         Whether this rank publishes ``x`` (not a broadcast's non-root).
+    source : numpy.ndarray or None
+        What this rank publishes instead of ``x`` (an allgather's input,
+        C-contiguous; ``x`` is then the output's bytes).
     """
 
-    __slots__ = ("pg", "call", "arena", "region", "plan", "rank", "size", "x", "slots", "op",
-                 "root", "outs", "spin_ns", "yield_ns", "lane", "rows", "meta", "seq", "step",
-                 "running", "pending", "work", "mailbox")
+    __slots__ = ("pg", "call", "arena", "region", "plan", "address", "rank", "size", "x", "op",
+                 "root", "outs", "spin_ns", "lane", "rows", "meta", "seq", "step", "running",
+                 "pending", "work", "mailbox", "source", "_start", "_finish", "_combine")
 
-    def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True):
+    def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True,
+                 source=None):
         self.pg, self.call, self.op, self.root, self.outs = pg, call, op, root, outs
         arena = self.arena = pg._transport.arena
+        # (the plan holds the region's address: this reference keeps it mapped)
         region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
         self.region = region
         self.rank, self.size = rank, size = arena.rank, arena.size
         self.spin_ns = spin_ns
-        self.yield_ns = min(yield_ns, int(call.timeout_s * 1e9))
         self.x = x = _NOTHING if x is None else x
         recorder = pg._recorder
         nrows = recorder.lane_rows() if recorder is not None else 1
@@ -90,28 +97,31 @@ class FusedCall:
         self.rows = plan[fused_step.ROWS:].reshape(nrows, 4)
         self.lane = (recorder.lane(pg._pg_id, pg._global_rank, call, self.rows, self.meta)
                      if recorder is not None else None)
-        plan[:fused_step.ROOT + 1] = (ctrl.nbytes, rank, size, first[0], first[1], stride,
-                                      *_stamp_words(call.stamp), x.nbytes if publishes else 0,
-                                      spin_ns, self.yield_ns, op, root)
-        # Every rank's slot of both sets as (set, rank, element) of x's dtype.
-        at, sets = first[0] + HEADER_NBYTES, first[1] - first[0]
-        span = sets + (size - 1) * stride + x.nbytes
-        typed = region[at:at + span - span % x.itemsize].view(x.dtype)
-        self.slots = np.lib.stride_tricks.as_strided(typed, (2, size, x.size),
-                                                     (sets, stride, x.itemsize), writeable=False)
+        nbytes = (x if source is None else source).nbytes if publishes else 0
+        plan[:fused_step.WORDS + 1] = (
+            ctrl.nbytes, rank, size, first[0], first[1], stride, *_stamp_words(call.stamp),
+            nbytes, spin_ns, min(yield_ns, int(call.timeout_s * 1e9)), op, root,
+            region.ctypes.data, region.nbytes, plan.size)
+        # (the plan holds the source's address: this reference keeps it alive)
+        self.source = source
+        if source is not None:
+            plan[fused_step.SOURCE] = source.ctypes.data
+        self.address = plan.ctypes.data
+        self._start = fused_step.entry(fused_step.start, x)
+        self._finish = fused_step.entry(fused_step.finish, x)
+        self._combine = fused_step.entry(fused_step.combine, x)
         self.seq = self.step = -1
         self.running = self.pending = False
         self.work = None
         self.mailbox = pg._done.mailbox  # held_calls: messages of calls not yet taken
 
     # -- the fast path -------------------------------------------------------------
-    def _claim(self, running: bool) -> bool:
-        """Under the group's lock: whether the fused path may run now (nothing
-        else in flight or held, the group usable, no message of a finished
-        call waiting to be found out); if so take the sequence number and
-        hold this call -- and, for a persistent start (not ``running``),
-        publish it (a promotion must find the step published). Nothing is
-        numbered otherwise."""
+    def run(self) -> bool:
+        """The whole call on this thread (a blocking call). False (nothing
+        done, nothing numbered) when the fused path cannot take it now:
+        something else in flight or held, the group unusable, a message of a
+        call not yet taken waiting to be found out. True once it completed;
+        raises its error as a blocking call does."""
         pg = self.pg
         with pg._lock:
             if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
@@ -119,51 +129,49 @@ class FusedCall:
                 return False
             self.seq = seq = pg._next_seq
             pg._next_seq = seq + 1
+            arena = self.arena
+            self.step = step = arena._step
+            arena._step = step + 1
+            # The spin phase runs under the group's lock (it is short, and the
+            # compiled code lets go of the GIL): in the usual case the call is
+            # done here, so it is never held and nobody can see it half-way.
+            got = self._start(self.address, self.x, step, seq, self.spin_ns)
+            if got == -1 and not self.mailbox.held_calls:
+                return True
             pg._fast_held = self
-            self.running = running
+            self.running = True
             self.work = None
-            if not running:
-                arena = self.arena
-                self.step = step = arena._step
-                fused_step.publish(self.region, self.plan, self.x, step, seq)
-                arena._step = step + 1
-                self.pending = True
+            self.pending = got != -1
+        self.end(self._finish(self.address, self.x, step, seq) if got != -1 else -1)
         return True
 
-    def run(self) -> bool:
-        """The whole call on this thread (a blocking call). False (nothing
-        done, nothing numbered) when the fused path cannot take it now;
-        True once it completed; raises its error as a blocking call does."""
-        # _claim(True) and end()'s usual case, inlined: this is the hot path.
-        pg, arena = self.pg, self.arena
+    def start(self) -> bool:
+        """A persistent start: publish, and finish at once if every rank is
+        already there (then :meth:`finish` has nothing to do); else hold the
+        call until :meth:`finish`. Never blocks. False (nothing done, nothing
+        numbered) when the fused path cannot take it now."""
+        pg = self.pg
         with pg._lock:
             if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
                     or pg._closed or self.mailbox.held_calls:
                 return False
             self.seq = seq = pg._next_seq
             pg._next_seq = seq + 1
-            pg._fast_held = self
-            self.running = True
+            arena = self.arena
+            self.step = step = arena._step
+            arena._step = step + 1
             self.work = None
-        self.step = step = arena._step
-        got = fused_step.step(self.region, self.plan, self.x, self.slots, step, seq)
-        arena._step = step + 1
-        if got == -1 and not self.mailbox.held_calls:
-            with pg._lock:
-                if pg._fast_held is self:
-                    pg._fast_held = None
-                    self.running = False
-                    return True
-        self.end(got)
+            got = self._start(self.address, self.x, step, seq, 0)  # 0: look once, never wait
+            if got == -1 and not self.mailbox.held_calls:
+                return True
+            # held (a promotion must find it published), finished by finish()
+            pg._fast_held = self
+            self.running = False
+            self.pending = got != -1
         return True
 
-    def publish(self) -> bool:
-        """A persistent start's half: publish (never blocks) and hold the call
-        until :meth:`finish`. False when the fused path cannot take it now."""
-        return self._claim(False)
-
     def finish(self) -> None:
-        """The rest of a :meth:`publish`: wait, combine (one compiled call)."""
+        """The rest of a held :meth:`start`: wait, combine (one compiled call)."""
         pg = self.pg
         with pg._lock:
             promoted = self.work is not None
@@ -172,8 +180,8 @@ class FusedCall:
         if promoted:
             self.work.wait()
             return
-        self.end(fused_step.complete(self.region, self.plan, self.x, self.slots, self.step,
-                                     self.seq))
+        self.end(self._finish(self.address, self.x, self.step, self.seq) if self.pending
+                 else -1)
 
     def is_open(self) -> bool:
         """Whether the last run (or start) has not completed yet."""
@@ -191,14 +199,14 @@ class FusedCall:
         return self.work
 
     def end(self, got: int) -> None:
-        """After the compiled step: done (the usual case), or hand the call to
-        the group (promoted) to finish, check and report it."""
+        """After the compiled wait of a held call: done (the usual case), or
+        hand the call to the group (promoted) to finish, check and report it."""
         pg = self.pg
         if got == -1 and not self.mailbox.held_calls:
             with pg._lock:
                 if pg._fast_held is self:
                     pg._fast_held = None
-                    self.running = False
+                    self.running = self.pending = False
                     return
         self.pending = got != -1
         with pg._lock:
@@ -221,8 +229,7 @@ class FusedCall:
         self.moved()
         if self.pending:
             comm.shared_wait(self.step)
-            fused_step.combine(self.x, self.slots[self.step & 1], self.rank, self.size,
-                               self.op, self.root)
+            self._combine(self.address, self.x, self.step)
             self.pending = False
         return self.outs
 

@@ -189,8 +189,13 @@ def _rank_soak(n_async: int, n_sequential: int) -> dict:
     rank, size = dist.get_rank(), dist.get_world_size()
     base = size * (size - 1) // 2
     wrong = 0
-    for i in range(200):  # warm up: kernels compiled, pools and buffers sized
-        x = np.full(8, i + rank, np.int64)
+    # Warm up: kernels compiled, pools and buffers sized -- the repeated call's
+    # compiled step too (one array, again and again), whose first compile in a
+    # fresh checkout (no Numba cache yet) takes tens of MiB that are no leak.
+    x = np.empty(8, np.int64)
+    for i in range(200):
+        dist.all_reduce(np.full(8, i + rank, np.int64))
+        x.fill(i + rank)
         dist.all_reduce(x)
     rss = [_rss_bytes()]
     started = time.monotonic()

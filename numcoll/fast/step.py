@@ -146,7 +146,7 @@ class FusedCall:
             self.running = True
             self.work = None
         self.step = step = arena._step
-        got = fused_step.step(self.region, self.plan, self.x, self.slots, step, seq)
+        got = self.compiled(step, seq)
         arena._step = step + 1
         if got == -1 and not self.mailbox.held_calls:
             with pg._lock:
@@ -210,6 +210,16 @@ class FusedCall:
         if error is not None:
             raise error
 
+    def compiled(self, step: int, seq: int) -> int:
+        """The whole step as one compiled call: -1 done, else as ``arena._wait``."""
+        return fused_step.step(self.region, self.plan, self.x, self.slots, step, seq)
+
+    def combine(self, comm) -> None:
+        """After a slow wait (a promoted call): what :meth:`compiled` does once every
+        rank published."""
+        fused_step.combine(self.x, self.slots[self.step & 1], self.rank, self.size,
+                           self.op, self.root)
+
     # -- the group's side ------------------------------------------------------------
     def moved(self) -> None:
         """This call's lane row now lives as a Record (it was promoted)."""
@@ -221,8 +231,7 @@ class FusedCall:
         self.moved()
         if self.pending:
             comm.shared_wait(self.step)
-            fused_step.combine(self.x, self.slots[self.step & 1], self.rank, self.size,
-                               self.op, self.root)
+            self.combine(comm)
             self.pending = False
         return self.outs
 

@@ -24,6 +24,7 @@ import numpy as np
 from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
+from ..algorithms.shared import _place
 from ..collectives.fused_moves import CHECK, LOCAL, PACK, REDUCE, UNPACK, WORD
 from .step import FusedCall, fusable_dtype
 
@@ -157,31 +158,31 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
         return FusedMove(pg, call, x, y, moves, 0, [out])
     if name == "scatter":
         b = y.size
-        peer = per_round(size)
+        peer = per_round(size - 1)
         if b // itemsize > peer:
             return None
         stride = peer * itemsize
         if rank != root:
-            return FusedMove(pg, call, _NOTHING, y, [(UNPACK, root, rank * stride, 0, b)], 0,
-                             [out])
-        moves = [(PACK, rank, q * b, q * stride, b) for q in others]
+            return FusedMove(pg, call, _NOTHING, y,
+                             [(UNPACK, root, _place(rank, root) * stride, 0, b)], 0, [out])
+        moves = [(PACK, rank, q * b, _place(q, rank) * stride, b) for q in others]
         moves += [] if own else [(LOCAL, rank, root * b, 0, b)]
-        return FusedMove(pg, call, x, y, moves, (size - 1) * stride + b, [out])
+        return FusedMove(pg, call, x, y, moves, (size - 2) * stride + b, [out])
     if name == "alltoall_base":
         b = x.size // size
         head = -(-8 * (size + 1) // 64) * 64  # as alltoall_shared's table
-        peer = per_round(size, head)
+        peer = per_round(size - 1, head)
         if x.size != y.size or b % itemsize or not 0 < b // itemsize <= peer:
             return None
         stride, count = peer * itemsize, b // itemsize
         moves = [(WORD, rank, 1, 0, 8)] + [(WORD, rank, count, 8 * (1 + q), 8)
                                            for q in range(size)]
-        moves += [(PACK, rank, q * b, head + q * stride, b) for q in others]
+        moves += [(PACK, rank, q * b, head + _place(q, rank) * stride, b) for q in others]
         moves += [(LOCAL, rank, rank * b, rank * b, b)]
         moves += [(CHECK, q, 0, 0, 1) for q in others]
         moves += [(CHECK, q, 8 * (1 + rank), 0, count) for q in others]
-        moves += [(UNPACK, q, head + rank * stride, q * b, b) for q in others]
-        return FusedMove(pg, call, x, y, moves, head + size * stride, [out])
+        moves += [(UNPACK, q, head + _place(rank, q) * stride, q * b, b) for q in others]
+        return FusedMove(pg, call, x, y, moves, head + (size - 1) * stride, [out])
     if name == "reduce_scatter_tensor":
         b = y.size
         if call.custom_op or call.op not in fused_step.OPS or not fusable_dtype(inp.dtype) \

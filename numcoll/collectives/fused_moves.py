@@ -22,7 +22,7 @@ row of five int64 each: ``(kind, rank, src, dst, nbytes)``:
   mismatch returns ``-3 - rank`` before anything is unpacked, and the caller
   reports it on the ordinary path;
 - ``REDUCE``: the reduction, in rank order, of every rank's slot from byte
-  ``src`` on (``nbytes`` bytes) into the output from ``dst`` (reduce_scatter:
+  ``src`` on (``nbytes`` bytes) into the output from byte ``dst`` (reduce_scatter:
   this rank's share; combined as ``_combine`` of the ``shared`` algorithm
   does, so results are the same bits).
 
@@ -62,12 +62,11 @@ def _pack(region, plan, moves, x, out, step):
 
 
 @njit(nogil=True, cache=True)
-def unpack(region, plan, moves, out, typed_out, slots, step):
+def unpack(region, plan, moves, out, typed_out, step):
     """The moves after every rank published ``step``: CHECK rows first, then
     UNPACK and REDUCE rows. Returns -1, or ``-3 - q`` if rank ``q``'s slot
-    fails a CHECK (nothing is written then). ``typed_out`` and ``slots``
-    (``[set, rank, element]``) are the output and the slots in the call's
-    dtype, for REDUCE rows."""
+    fails a CHECK (nothing is written then). ``typed_out`` is the output in
+    the call's dtype, for REDUCE rows."""
     base = plan[FIRST + (step & 1)] + HEADER_NBYTES
     stride = plan[STRIDE]
     for i in range(moves.shape[0]):
@@ -80,34 +79,38 @@ def unpack(region, plan, moves, out, typed_out, slots, step):
         if kind == UNPACK:
             _memcpy(out, dst, region, base + q * stride + src, n)
         elif kind == REDUCE:
-            _reduce(typed_out, slots[step & 1], plan, src, dst, n)
+            _reduce(region, typed_out, plan, base + src, dst, n)
     return -1
 
 
 @njit(nogil=True, cache=True)
-def _reduce(out, slots, plan, src, dst, nbytes):
-    """``out[dst:]`` := the rank-order reduction of every rank's slot from
-    ``src`` (bytes; ``out`` already holds this rank's own part), as the
-    ``shared`` algorithm's ``_combine``: two ranks combine the peer's part
-    into their own; with more, rank 0 starts from its own, the others from
-    rank 0's slot, then ranks 1.. are combined in order."""
-    size, rank, op = plan[SIZE], plan[RANK], plan[OP]
-    itemsize = out.itemsize
-    first, n, at = src // itemsize, nbytes // itemsize, dst // itemsize
-    mine = out[at:at + n]
+def _reduce(region, out, plan, at, dst, nbytes):
+    """``out``'s ``nbytes`` from byte ``dst`` := the rank-order reduction of
+    every rank's slot from byte ``at`` of rank 0's (``out`` already holds
+    this rank's own part), as the ``shared`` algorithm's ``_combine``: two
+    ranks combine the peer's part into their own; with more, rank 0 starts
+    from its own, the others from rank 0's slot, then ranks 1.. are combined
+    in order. The slots are read as contiguous arrays of ``out``'s dtype (so
+    the loops vectorise)."""
+    size, rank, op, stride = plan[SIZE], plan[RANK], plan[OP], plan[STRIDE]
+    first = dst // out.itemsize
+    n = nbytes // out.itemsize
+    mine = out[first:first + n]
     if size == 2:
-        _accumulate(mine, slots[1 - rank, first:first + n], n, op)
+        q = at + (1 - rank) * stride
+        _accumulate(mine, region[q:q + nbytes].view(out.dtype), n, op)
         return
     if rank != 0:
-        s = slots[0, first:first + n]
+        s = region[at:at + nbytes].view(out.dtype)
         for i in range(n):
             mine[i] = s[i]
     for q in range(1, size):
-        _accumulate(mine, slots[q, first:first + n], n, op)
+        _accumulate(mine, region[at + q * stride:at + q * stride + nbytes].view(out.dtype),
+                    n, op)
 
 
 @njit(nogil=True, cache=True)
-def step(region, plan, moves, x, out, typed_out, slots, step, seq):
+def step(region, plan, moves, x, out, typed_out, step, seq):
     """A whole blocking call: pack, publish, wait (spin, then yield), unpack,
     close the lane row. Returns ``_wait``'s answer (-1 done; else the step is
     published but not finished, and the caller's slow wait takes over, then
@@ -122,7 +125,7 @@ def step(region, plan, moves, x, out, typed_out, slots, step, seq):
     got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
                 plan[STAMP], plan[STAMP + 1], spin_until, spin_until + plan[YIELD])
     if got == -1:
-        got = unpack(region, plan, moves, out, typed_out, slots, step)
+        got = unpack(region, plan, moves, out, typed_out, step)
         if got == -1:
             at = ROWS + 4 * plan[META + 1]
             plan[at + 2] = _monotonic_ns()

@@ -31,7 +31,6 @@ from .step import FusedCall, fusable_dtype
 __all__ = ["FusedMove", "plan", "span"]
 
 _NOTHING = np.empty(0, np.uint8)
-_NO_SLOTS = np.empty((2, 0, 0), np.uint8)
 
 
 class FusedMove(FusedCall):
@@ -40,7 +39,7 @@ class FusedMove(FusedCall):
     uint8 views), publishing ``nbytes``. ``typed``: the input, flat in its
     dtype, for a reduce_scatter (its slots are read typed); else None."""
 
-    __slots__ = ("moves", "inp", "out", "typed_out", "typed_slots")
+    __slots__ = ("moves", "inp", "out", "typed_out")
 
     def __init__(self, pg, call, inp, out, moves, nbytes: int, outs: list, typed=None,
                  typed_out=None):
@@ -50,25 +49,27 @@ class FusedMove(FusedCall):
         self.moves = np.array(moves, np.int64).reshape(-1, 5)
         self.inp, self.out = inp, out
         self.typed_out = out if typed_out is None else typed_out
-        self.typed_slots = _NO_SLOTS if typed is None else self.slots
 
     def compiled(self, step: int, seq: int) -> int:
         return fused_moves.step(self.region, self.plan, self.moves, self.inp, self.out,
-                                self.typed_out, self.typed_slots, step, seq)
+                                self.typed_out, step, seq)
 
     def combine(self, comm) -> None:
         got = fused_moves.unpack(self.region, self.plan, self.moves, self.out, self.typed_out,
-                                 self.typed_slots, self.step)
+                                 self.step)
         if got != -1:  # an alltoall peer's table disagrees: the ordinary path's error
             q = -3 - got
-            row = next(r for r in self.moves if r[0] == CHECK and r[1] == q)
-            at = (self.plan[fused_step.FIRST + (self.step & 1)] + HEADER_NBYTES
-                  + q * self.plan[fused_step.STRIDE] + row[2])
-            theirs = int(self.region[at:at + 8].view(np.int64)[0])
-            what = "needs" if row[2] == 0 else "sends this rank"
-            comm.size_mismatch(q, f"rank {q} {what} {theirs} "
-                                  f"{'rounds' if row[2] == 0 else 'elements'}, this rank "
-                                  f"expects {int(row[4])}")
+            base = (self.plan[fused_step.FIRST + (self.step & 1)] + HEADER_NBYTES
+                    + q * self.plan[fused_step.STRIDE])
+            for kind, peer, at, _, want in self.moves:
+                if kind != CHECK or peer != q:
+                    continue
+                theirs = int(self.region[base + at:base + at + 8].view(np.int64)[0])
+                if theirs != want:
+                    what = "needs" if at == 0 else "sends this rank"
+                    comm.size_mismatch(q, f"rank {q} {what} {theirs} "
+                                          f"{'rounds' if at == 0 else 'elements'}, this rank "
+                                          f"expects {int(want)}")
 
 
 def plan(pg, call, inp, out) -> FusedMove | None:

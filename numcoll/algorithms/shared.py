@@ -282,14 +282,14 @@ def gather_shared(comm, send_buf, recv_bufs, root: int, segment_count: int | Non
 def scatter_shared(comm, send_bufs, recv_buf, root: int,
                    segment_count: int | None = None) -> None:
     """Scatter through the shared arena: per round the root publishes a piece
-    of every ``send_bufs[q]`` (at most C/P bytes each, rank q's at offset
-    q C/P) and rank q copies its own out (the root's is copied by the caller).
-    Cost per round: one synchronisation; the root copies P-1 pieces in, every
-    other rank one out."""
+    of every ``send_bufs[q]``, q != root (at most C/(P-1) bytes each, at
+    :func:`_place` ``(q, root)``) and rank q copies its own out (the root's is
+    copied by the caller). Cost per round: one synchronisation; the root
+    copies P-1 pieces in, every other rank one out."""
     size, rank, itemsize = comm.size, comm.rank, recv_buf.itemsize
     if size == 1:
         return
-    per_peer = _per_round(comm, itemsize, segment_count, parts=size)
+    per_peer = _per_round(comm, itemsize, segment_count, parts=size - 1)
     stride = per_peer * itemsize
     for start, count in segments(0, recv_buf.count, per_peer):
         nbytes = count * itemsize
@@ -297,20 +297,28 @@ def scatter_shared(comm, send_bufs, recv_buf, root: int,
             slot = comm.next_slot()
             for peer in range(size):
                 if peer != root:
-                    np.copyto(slot[peer * stride:peer * stride + nbytes],
+                    at = _place(peer, root) * stride
+                    np.copyto(slot[at:at + nbytes],
                               _bytes(send_bufs[peer].send_view(start, count)))
-            comm.shared_step(None, (size - 1) * stride + nbytes)
+            comm.shared_step(None, (size - 2) * stride + nbytes)
             continue
         step = comm.shared_step(None)
-        _copy_in(recv_buf, start, count, comm.shared_view(step, root, rank * stride, nbytes))
+        _copy_in(recv_buf, start, count,
+                 comm.shared_view(step, root, _place(rank, root) * stride, nbytes))
+
+
+def _place(q: int, writer: int) -> int:
+    """Where, in pieces, rank ``writer``'s slot holds its piece for rank ``q``
+    (``q != writer``): the P-1 peers in rank order, no hole for the writer."""
+    return q - (q > writer)
 
 
 def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
                     segment_count: int | None = None) -> None:
     """All-to-all through the shared arena: per round every rank publishes a
-    piece of its block for every other rank (at most (C - H)/P bytes each, at
-    a fixed stride) and copies its own piece out of every other rank's slot
-    (this rank's own block is copied by the caller).
+    piece of its block for every other rank (at most (C - H)/(P-1) bytes each,
+    at a fixed stride, at :func:`_place`) and copies its own piece out of every
+    other rank's slot (this rank's own block is copied by the caller).
 
     Ranks send each other different amounts, so each slot starts with a
     header of H bytes: the rounds this rank needs and what it sends to each
@@ -323,7 +331,7 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     if size == 1:
         return
     head = -(-8 * (size + 1) // 64) * 64  # rounds + a count per rank, 64-byte aligned
-    per_peer = _per_round(comm, itemsize, segment_count, parts=size,
+    per_peer = _per_round(comm, itemsize, segment_count, parts=size - 1,
                           reserved_nbytes=head)
     stride = per_peer * itemsize
     others = [q for q in range(size) if q != rank]
@@ -339,9 +347,9 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
             first, n = send_chunks[q]
             k = max(0, min(per_peer, n - offset))
             if k:
-                at = head + q * stride
+                at = head + _place(q, rank) * stride
                 np.copyto(slot[at:at + k * itemsize], _bytes(send_buf.send_view(first + offset, k)))
-        step = comm.shared_step(None, head + size * stride)
+        step = comm.shared_step(None, head + (size - 1) * stride)
         for p in others:
             first, n = recv_chunks[p]
             if j == 0:
@@ -353,7 +361,8 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
             k = max(0, min(per_peer, n - offset))
             if k:
                 _copy_in(recv_buf, first + offset, k,
-                         comm.shared_view(step, p, head + rank * stride, k * itemsize))
+                         comm.shared_view(step, p, head + _place(rank, p) * stride,
+                                          k * itemsize))
         offset += per_peer
         j += 1
 

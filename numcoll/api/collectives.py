@@ -23,6 +23,7 @@ import warnings
 from datetime import timedelta
 
 from ..collectives import exchange, movement, p2p, reductions
+from ..fast import moves
 from ..memory.arrays import as_array
 from ..ops import ReduceOp
 from ..options import (AllreduceCoalescedOptions, BarrierOptions, GatherOptions,
@@ -183,13 +184,22 @@ def reduce_scatter(pg, output, input_list, op=ReduceOp.SUM, group=None, async_op
                                      ReduceScatterOptions(reduce_op=op))
 
 
-@collective
+def _reduce_scatter_tensor_repeat(pg, output, input, op=ReduceOp.SUM, group=None,
+                                  async_op=False):
+    return (repeats := pg.repeats) is not None and \
+        repeats.move("reduce_scatter_tensor", op, (output, input))
+
+
+@functools.partial(collective, fast=_reduce_scatter_tensor_repeat)
 def reduce_scatter_tensor(pg, output, input, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``input`` (world size times ``output``'s elements) over ranks;
     rank r keeps the r-th share in ``output``."""
-    return reductions.reduce_scatter_tensor_coalesced(
+    call, run = reductions.reduce_scatter_tensor_coalesced(
         pg.context, output, input, ReduceScatterOptions(reduce_op=op),
         name="reduce_scatter_tensor")
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_move("reduce_scatter_tensor", op, (output, input), call, input, output)
+    return call, run
 
 
 def reduce_scatter_single(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -279,14 +289,27 @@ def _rooted_list(pg, tensor, lst, root: int, what: str, side: str) -> list:
     return lst
 
 
-@collective
+def _gather_repeat(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
+                   group_dst=None):
+    return (repeats := pg.repeats) is not None and \
+        isinstance(gather_list, (list, tuple, type(None))) and \
+        repeats.move("gather", _peer(pg, dst, group_dst, "dst", default=0),
+                     (tensor, *(gather_list or ())))
+
+
+@functools.partial(collective, fast=_gather_repeat)
 def gather(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
            group_dst=None):
     """Every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (default 0)."""
     root = _peer(pg, dst, group_dst, "dst", default=0)
     gather_list = _rooted_list(pg, tensor, gather_list, root, "gather_list", "destination")
     outputs = [gather_list] if pg.rank() == root else []
-    return movement.gather(pg.context, outputs, [tensor], GatherOptions(root_rank=root))
+    call, run = movement.gather(pg.context, outputs, [tensor], GatherOptions(root_rank=root))
+    if (repeats := pg.repeats) is not None and (not gather_list or
+                                                (whole := moves.span(gather_list)) is not None):
+        repeats.learn_move("gather", root, (tensor, *gather_list), call, tensor,
+                           whole if gather_list else None)
+    return call, run
 
 
 @collective
@@ -319,14 +342,27 @@ def gather_into_tensor(tensor, gather_tensor=None, dst=None, group=None, async_o
     return gather_single(tensor, gather_tensor, dst, group, async_op, group_dst)
 
 
-@collective
+def _scatter_repeat(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
+                    group_src=None):
+    return (repeats := pg.repeats) is not None and \
+        isinstance(scatter_list, (list, tuple, type(None))) and \
+        repeats.move("scatter", _peer(pg, src, group_src, "src", default=0),
+                     (tensor, *(scatter_list or ())))
+
+
+@functools.partial(collective, fast=_scatter_repeat)
 def scatter(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
             group_src=None):
     """``scatter_list[r]`` of global rank ``src`` (default 0) into ``tensor`` on rank r."""
     root = _peer(pg, src, group_src, "src", default=0)
     scatter_list = _rooted_list(pg, tensor, scatter_list, root, "scatter_list", "source")
     inputs = [scatter_list] if pg.rank() == root else []
-    return movement.scatter(pg.context, [tensor], inputs, ScatterOptions(root_rank=root))
+    call, run = movement.scatter(pg.context, [tensor], inputs, ScatterOptions(root_rank=root))
+    if (repeats := pg.repeats) is not None and (not scatter_list or
+                                                (whole := moves.span(scatter_list)) is not None):
+        repeats.learn_move("scatter", root, (tensor, *scatter_list), call,
+                           whole if scatter_list else None, tensor)
+    return call, run
 
 
 @collective
@@ -338,13 +374,23 @@ def all_to_all(pg, output_tensor_list, input_tensor_list, group=None, async_op=F
     return exchange.alltoall(pg.context, output_tensor_list, input_tensor_list)
 
 
-@collective
+def _all_to_all_single_repeat(pg, output, input, output_split_sizes=None,
+                              input_split_sizes=None, group=None, async_op=False):
+    return (repeats := pg.repeats) is not None and output_split_sizes is None and \
+        input_split_sizes is None and repeats.move("alltoall_base", None, (output, input))
+
+
+@functools.partial(collective, fast=_all_to_all_single_repeat)
 def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_sizes=None,
                       group=None, async_op=False):
     """all_to_all on the first dimension of single arrays (equal or given splits)."""
     _same_dtype(output, input)
-    return exchange.alltoall_base(pg.context, output, input, output_split_sizes,
-                                  input_split_sizes)
+    call, run = exchange.alltoall_base(pg.context, output, input, output_split_sizes,
+                                       input_split_sizes)
+    if (repeats := pg.repeats) is not None and output_split_sizes is None and \
+            input_split_sizes is None:
+        repeats.learn_move("alltoall_base", None, (output, input), call, input, output)
+    return call, run
 
 
 # -- barriers ------------------------------------------------------------------------------

@@ -165,15 +165,10 @@ def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns)
 # letting go of the GIL for that long would risk waiting to get it back
 # behind another thread (a switch interval) for nothing. finish() may wait
 # the whole yield phase, and lets go.
-@njit(cache=True)
-def start(plan_address, x, step, seq, spin_ns):
-    """Open the lane row, publish this rank's part of ``step`` (its header and,
-    per the plan, ``x``'s bytes), then wait for the others for ``spin_ns``
-    at most (0: look once) and, if they are all there, combine. Returns
-    ``_wait``'s answer: -1 done; else :func:`finish` (or the caller's slow
-    wait) takes over."""
-    plan = _plan_at(plan_address)
-    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+@njit(nogil=True, cache=True, inline="always")
+def _lane_open(plan, seq):
+    """Open the flight recorder's next lane row for ``seq`` (started now);
+    returns the time it wrote (the monotonic clock, ns)."""
     nrows = (plan.size - ROWS) // 4
     i = plan[META] % nrows
     plan[META] += 1
@@ -184,6 +179,19 @@ def start(plan_address, x, step, seq, spin_ns):
     plan[at + 1] = now
     plan[at + 2] = 0
     plan[at + 3] = STARTED
+    return now
+
+
+@njit(cache=True)
+def start(plan_address, x, step, seq, spin_ns):
+    """Open the lane row, publish this rank's part of ``step`` (its header and,
+    per the plan, ``x``'s bytes), then wait for the others for ``spin_ns``
+    at most (0: look once) and, if they are all there, combine. Returns
+    ``_wait``'s answer: -1 done; else :func:`finish` (or the caller's slow
+    wait) takes over."""
+    plan = _plan_at(plan_address)
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+    now = _lane_open(plan, seq)
     rank = plan[RANK]
     payload = x.view(np.uint8) if plan[SOURCE] == 0 else \
         carray(_pointer(plan[SOURCE], np.uint8), (plan[NBYTES],))

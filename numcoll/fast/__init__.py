@@ -5,7 +5,9 @@
   (promotion) when anything else happens meanwhile;
 - :mod:`.request`: persistent requests whose start and wait are one
   compiled call each;
-- :mod:`.repeat`: blocking calls recognised as repeats of a recent one.
+- :mod:`.repeat`: blocking calls recognised as repeats of a recent one;
+- :mod:`.moves`: the plans of the data-moving ones (allgather, gather,
+  scatter, alltoall, reduce_scatter) as tables of copies.
 """
 
 from .repeat import Repeats, fusable

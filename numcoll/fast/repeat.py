@@ -25,12 +25,18 @@ import numpy as np
 from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
+from . import moves
 from .step import FusedCall, fusable_dtype
 
 __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
 
 #: Calls remembered per group (the oldest is forgotten first).
 KEPT = 8
+
+
+def _described(arrays: tuple) -> tuple:
+    """What must be unchanged about ``arrays`` for a plan made on them to hold."""
+    return tuple((a.shape, a.strides, a.dtype, a.flags.writeable) for a in arrays)
 
 
 class _Seen:
@@ -167,6 +173,41 @@ class Repeats:
                 or not x.flags.writeable or self._stale(seen):
             return False
         return seen.fused.run()
+
+    def move(self, name: str, extra, arrays: tuple) -> bool:
+        """Run the data-moving collective ``name`` (``extra``: its root, or its
+        op) on ``arrays`` (every array the caller passed, in order) fused, if
+        it repeats a call seen before with the very same, unchanged arrays."""
+        seen = self._seen.get((name, extra) + tuple(map(id, arrays)))
+        if seen is None or self._stale(seen) or len(arrays) != len(seen.x):
+            return False
+        for a, b in zip(arrays, seen.x):
+            if a is not b:
+                return False
+        if _described(arrays) != seen.shape:
+            return False
+        return seen.fused.run()
+
+    def learn_move(self, name: str, extra, arrays: tuple, call, inp, out) -> None:
+        """Remember the call ``call`` on ``arrays`` (as :meth:`move` is given
+        them) that the ordinary path is about to run, if it can run fused:
+        its flat input and output are ``inp`` and ``out`` (see
+        :func:`numcoll.fast.moves.plan`)."""
+        if not arrays or any(type(a) is not np.ndarray for a in arrays):
+            return
+        key = (name, extra) + tuple(map(id, arrays))
+        once = self._once.get(key)
+        if once is None or once() is not arrays[0]:
+            if len(self._once) >= 4 * KEPT:
+                self._once.clear()
+            self._once[key] = weakref.ref(arrays[0])
+            return
+        del self._once[key]
+        fused = moves.plan(self.pg, call, inp, out)
+        if fused is not None:
+            self._keep(key, None, None, fused)
+            seen = self._seen[key]
+            seen.x, seen.shape = arrays, _described(arrays)
 
     def _stale(self, seen) -> bool:
         ctx = self.pg.context

@@ -218,6 +218,11 @@ class FusedCall:
         if error is not None:
             raise error
 
+    def combine(self, comm) -> None:
+        """After a slow wait (a promoted call): what the compiled step does once
+        every rank published. ``comm``: the promoted call's, for its errors."""
+        self._combine(self.address, self.x, self.step)
+
     # -- the group's side ------------------------------------------------------------
     def moved(self) -> None:
         """This call's lane row now lives as a Record (it was promoted)."""
@@ -229,7 +234,7 @@ class FusedCall:
         self.moved()
         if self.pending:
             comm.shared_wait(self.step)
-            self._combine(self.address, self.x, self.step)
+            self.combine(comm)
             self.pending = False
         return self.outs
 

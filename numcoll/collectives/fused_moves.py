@@ -1,0 +1,152 @@
+"""One arena step of a small data-moving collective, fused into one compiled call.
+
+:mod:`.fused_step` fuses the one-step allreduce, reduce, broadcast, barrier
+and allgather. This module does the same for the collectives that move blocks
+between ranks in patterns of their own -- gather, scatter, alltoall -- and for
+reduce_scatter, when the ordinary ``shared`` algorithm
+(:mod:`numcoll.algorithms.shared`) would move the whole call in one step.
+
+A call is described once, when it is planned, as a table of *moves*, one
+row of five int64 each: ``(kind, rank, src, dst, nbytes)``:
+
+- ``PACK``: ``nbytes`` of the input from byte ``src`` into this rank's slot
+  at byte ``dst`` (before publishing);
+- ``WORD``: the value ``src`` as an int64 into this rank's slot at ``dst``
+  (alltoall's table of counts);
+- ``LOCAL``: ``nbytes`` of the input from ``src`` into the output at ``dst``
+  (this rank's own block; done before waiting, while the peers catch up);
+- ``UNPACK``: ``nbytes`` of rank ``rank``'s slot from ``src`` into the
+  output at ``dst`` (after every rank published);
+- ``CHECK``: rank ``rank``'s slot must hold the int64 ``nbytes`` at ``src``
+  (alltoall: what the peer sends this rank is what this rank expects); a
+  mismatch returns ``-3 - rank`` before anything is unpacked, and the caller
+  reports it on the ordinary path;
+- ``REDUCE``: the reduction, in rank order, of every rank's slot from byte
+  ``src`` on (``nbytes`` bytes) into the output from byte ``dst`` (reduce_scatter:
+  this rank's share; combined as ``_combine`` of the ``shared`` algorithm
+  does, so results are the same bits).
+
+Every copy is the one the ``shared`` algorithm makes, into the same places
+of the same slots, with the same header: a rank on this path and a rank on
+the ordinary one meet at the same step and read each other's slots alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from transports.shm.arena import HEADER_NBYTES, _put, _wait
+from transports.shm.ring import _memcpy, _monotonic_ns
+
+from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, OP, RANK, ROWS, SIZE,
+                         SPIN, STAMP, STRIDE, YIELD, _accumulate, _lane_open)
+
+__all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "step", "finish", "unpack"]
+
+PACK, WORD, LOCAL, UNPACK, CHECK, REDUCE = 0, 1, 2, 3, 4, 5
+
+
+@njit(nogil=True, cache=True)
+def _pack(region, plan, moves, x, out, step):
+    """The moves before publishing: PACK, WORD and LOCAL rows."""
+    mine = plan[FIRST + (step & 1)] + plan[RANK] * plan[STRIDE] + HEADER_NBYTES
+    for i in range(moves.shape[0]):
+        kind, src, dst, n = moves[i, 0], moves[i, 2], moves[i, 3], moves[i, 4]
+        if kind == PACK:
+            _memcpy(region, mine + dst, x, src, n)
+        elif kind == WORD:
+            region[mine + dst:mine + dst + 8].view(np.int64)[0] = src
+        elif kind == LOCAL:
+            _memcpy(out, dst, x, src, n)
+
+
+@njit(nogil=True, cache=True)
+def unpack(region, plan, moves, out, typed_out, step):
+    """The moves after every rank published ``step``: CHECK rows first, then
+    UNPACK and REDUCE rows. Returns -1, or ``-3 - q`` if rank ``q``'s slot
+    fails a CHECK (nothing is written then). ``typed_out`` is the output in
+    the call's dtype, for REDUCE rows."""
+    base = plan[FIRST + (step & 1)] + HEADER_NBYTES
+    stride = plan[STRIDE]
+    for i in range(moves.shape[0]):
+        if moves[i, 0] == CHECK:
+            q, at = moves[i, 1], base + moves[i, 1] * stride + moves[i, 2]
+            if region[at:at + 8].view(np.int64)[0] != moves[i, 4]:
+                return -3 - q
+    for i in range(moves.shape[0]):
+        kind, q, src, dst, n = moves[i, 0], moves[i, 1], moves[i, 2], moves[i, 3], moves[i, 4]
+        if kind == UNPACK:
+            _memcpy(out, dst, region, base + q * stride + src, n)
+        elif kind == REDUCE:
+            _reduce(region, typed_out, plan, base + src, dst, n)
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def _reduce(region, out, plan, at, dst, nbytes):
+    """``out``'s ``nbytes`` from byte ``dst`` := the rank-order reduction of
+    every rank's slot from byte ``at`` of rank 0's (``out`` already holds
+    this rank's own part), as the ``shared`` algorithm's ``_combine``: two
+    ranks combine the peer's part into their own; with more, rank 0 starts
+    from its own, the others from rank 0's slot, then ranks 1.. are combined
+    in order. The slots are read as contiguous arrays of ``out``'s dtype (so
+    the loops vectorise)."""
+    size, rank, op, stride = plan[SIZE], plan[RANK], plan[OP], plan[STRIDE]
+    first = dst // out.itemsize
+    n = nbytes // out.itemsize
+    mine = out[first:first + n]
+    if size == 2:
+        q = at + (1 - rank) * stride
+        _accumulate(mine, region[q:q + nbytes].view(out.dtype), n, op)
+        return
+    if rank != 0:
+        s = region[at:at + nbytes].view(out.dtype)
+        for i in range(n):
+            mine[i] = s[i]
+    for q in range(1, size):
+        _accumulate(mine, region[at + q * stride:at + q * stride + nbytes].view(out.dtype),
+                    n, op)
+
+
+@njit(nogil=True, cache=True)
+def _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until, yield_until):
+    """Wait for every rank's part of ``step`` until ``yield_until``, then
+    unpack and close the lane row: -1 done; else ``_wait``'s answer or
+    :func:`unpack`'s mismatch."""
+    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
+    got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
+                plan[STAMP], plan[STAMP + 1], spin_until, yield_until)
+    if got == -1:
+        got = unpack(region, plan, moves, out, typed_out, step)
+        if got == -1:
+            at = ROWS + 4 * plan[META + 1]
+            plan[at + 2] = _monotonic_ns()
+            plan[at + 3] = COMPLETED
+    return got
+
+
+@njit(nogil=True, cache=True)
+def step(region, plan, moves, x, out, typed_out, step, seq, spin_ns):
+    """A call's start: pack, publish, wait ``spin_ns`` at most for the others
+    and, if they are all there, unpack and close the lane row. Returns -1
+    done; else the step is published but not finished (:func:`finish`, or the
+    caller's slow wait and then :func:`unpack`, takes over), or
+    :func:`unpack`'s mismatch."""
+    now = _lane_open(plan, seq)
+    _pack(region, plan, moves, x, out, step)
+    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
+    rank = plan[RANK]
+    _put(region, ctrl, rank, step, plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq,
+         plan[STAMP], plan[STAMP + 1], x, 0, plan[NBYTES])
+    return _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, now + spin_ns,
+                            now + spin_ns)
+
+
+@njit(nogil=True, cache=True)
+def finish(region, plan, moves, out, typed_out, step, seq):
+    """The rest of a :func:`step` that returned before every rank was there:
+    wait with the plan's spin and yield phases from now, then unpack."""
+    spin_until = _monotonic_ns() + plan[SPIN]
+    return _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
+                            spin_until + plan[YIELD])

@@ -45,12 +45,12 @@ from numba import carray, njit, typeof, types
 from numba.extending import intrinsic
 
 from transports.shm.arena import HEADER_NBYTES, _put, _wait
-from transports.shm.ring import _monotonic_ns
+from transports.shm.ring import _memcpy, _monotonic_ns
 
 from ..kernels.cpu_loops import _maximum, _minimum
 
 __all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
-           "SOURCE", "ROWS", "start", "finish", "combine", "entry"]
+           "SOURCE", "OWN", "ROWS", "start", "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -68,11 +68,13 @@ STARTED, COMPLETED, MOVED = 1, 2, 4
 #: header, the slot stride, the stamp's two words, the payload bytes, spin and
 #: yield (ns), the op code, the root, the arena's address and bytes, the
 #: plan's own length; then the lane's count and last row (META, META + 1), the
-#: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``)
-#: and the lane's rows of four words from ROWS.
+#: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``),
+#: whether an allgather copies its own chunk from there into ``x`` (OWN; 0: it
+#: is there already, torch's in-place form) and the lane's rows of four words
+#: from ROWS.
 CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, REGION, \
     REGION_NBYTES, WORDS = 0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15
-META, SOURCE, ROWS = 16, 18, 32
+META, SOURCE, OWN, ROWS = 16, 18, 19, 32
 
 
 @intrinsic
@@ -126,8 +128,10 @@ def _combine(region, plan, x, step):
     if op == GATHER:  # (x: bytes, one chunk of plan[NBYTES] per rank)
         chunk = plan[NBYTES]
         for q in range(size):
+            if q == rank:  # copied by start(), before it waited, or in place
+                continue
             at = plan[FIRST + (step & 1)] + q * plan[STRIDE] + HEADER_NBYTES
-            x[q * chunk:(q + 1) * chunk] = region[at:at + chunk]
+            _memcpy(x, q * chunk, region, at, chunk)  # (a slice copy stays a byte loop)
         return
     if op == BROADCAST:
         if rank != plan[ROOT]:
@@ -198,6 +202,8 @@ def start(plan_address, x, step, seq, spin_ns):
     _put(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, step,
          plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
          payload, plan[NBYTES], plan[NBYTES])
+    if plan[OP] == GATHER and plan[OWN]:  # this rank's chunk, while the others catch up
+        _memcpy(x, rank * plan[NBYTES], payload, 0, plan[NBYTES])
     return _wait_and_combine(region, plan, x, step, seq, now + spin_ns, now + spin_ns)
 
 

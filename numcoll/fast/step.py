@@ -106,6 +106,7 @@ class FusedCall:
         self.source = source
         if source is not None:
             plan[fused_step.SOURCE] = source.ctypes.data
+            plan[fused_step.OWN] = source.ctypes.data != x.ctypes.data + rank * source.nbytes
         self.address = plan.ctypes.data
         self._start = fused_step.entry(fused_step.start, x)
         self._finish = fused_step.entry(fused_step.finish, x)

@@ -196,13 +196,8 @@ class Repeats:
         if not arrays or any(type(a) is not np.ndarray for a in arrays):
             return
         key = (name, extra) + tuple(map(id, arrays))
-        once = self._once.get(key)
-        if once is None or once() is not arrays[0]:
-            if len(self._once) >= 4 * KEPT:
-                self._once.clear()
-            self._once[key] = weakref.ref(arrays[0])
+        if not self._twice(key, arrays[0]):
             return
-        del self._once[key]
         fused = moves.plan(self.pg, call, inp, out)
         if fused is not None:
             self._keep(key, None, None, fused)

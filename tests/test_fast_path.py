@@ -296,6 +296,35 @@ def test_a_start_in_flight_and_a_changed_array_are_refused():
         close(pgs)
 
 
+def test_a_start_waits_briefly_for_late_peers_and_wait_finishes_it():
+    """A persistent start waits START_SPIN_NS at most: with the peer 0.3 s
+    late it returns at once, not completed, and wait() finishes the call; the
+    late peer's start, finding the other rank there, completes inside start()."""
+    import time
+    from numcoll.fast.step import START_SPIN_NS
+
+    assert START_SPIN_NS <= 10_000
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.full(2, pg.rank() + 1.0, np.float32)
+            req = pg.allreduce_init(x)
+            if pg.rank() == 1:
+                time.sleep(0.3)
+            t0 = time.perf_counter()
+            req.start()
+            took, done = time.perf_counter() - t0, req.is_completed()
+            req.wait()
+            return took, done, x.tolist()
+
+        (took0, done0, x0), (took1, done1, x1) = on_ranks(pgs, body)
+        assert took0 < 0.1 and not done0  # returned long before its peer came
+        assert done1  # its peer was there: done within start()
+        assert x0 == x1 == [3.0, 3.0]
+    finally:
+        close(pgs)
+
+
 @pytest.fixture
 def fresh_recorder():
     flight_recorder._reset_for_tests(100)

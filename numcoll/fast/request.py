@@ -3,8 +3,9 @@
 A persistent allreduce, broadcast or barrier that fits one arena step
 (:func:`.repeat.fusable`) is a :class:`FusedRequest`: ``start()`` publishes
 this rank's part (one compiled call: the arena header with the call's
-number and stamp, the payload, the flight recorder's row), looks once
-whether every rank's part is there and, if so, combines them at once; it
+number and stamp, the payload, the flight recorder's row), waits a few
+microseconds at most (:data:`~numcoll.fast.step.START_SPIN_NS`) for every
+rank's part and, if they are all there, combines them at once; it
 returns a :class:`Started` -- a :class:`~numcoll.Work` made without a
 Future. ``wait()`` after a start that finished is a few attribute reads;
 otherwise it waits for the peers and combines their slots (one compiled

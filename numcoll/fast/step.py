@@ -41,6 +41,13 @@ __all__ = ["FusedCall", "fusable_dtype", "promote"]
 _DTYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int8, np.int16, np.int32,
                                           np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
 _NOTHING = np.empty(0, np.uint8)
+#: How long a persistent start waits for the peers (ns), at most the arena's
+#: spin phase. Ranks in a loop start within a microsecond or two of each
+#: other: a start that waits that long usually finishes the whole call, and
+#: its wait() has nothing left to do -- one compiled call and one lock per
+#: call instead of two and three. A start whose peers are later returns (it
+#: never waits longer than this) and wait() finishes it.
+START_SPIN_NS = 3000
 
 
 def fusable_dtype(dtype) -> bool:
@@ -77,7 +84,7 @@ class FusedCall:
     """
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "address", "rank", "size", "x", "op",
-                 "root", "outs", "spin_ns", "lane", "rows", "meta", "seq", "step", "running",
+                 "root", "outs", "spin_ns", "start_spin_ns", "lane", "rows", "meta", "seq", "step", "running",
                  "pending", "work", "mailbox", "source", "_start", "_finish", "_combine")
 
     def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True,
@@ -89,6 +96,7 @@ class FusedCall:
         self.region = region
         self.rank, self.size = rank, size = arena.rank, arena.size
         self.spin_ns = spin_ns
+        self.start_spin_ns = min(spin_ns, START_SPIN_NS)
         self.x = x = _NOTHING if x is None else x
         recorder = pg._recorder
         nrows = recorder.lane_rows() if recorder is not None else 1
@@ -148,9 +156,10 @@ class FusedCall:
 
     def start(self) -> bool:
         """A persistent start: publish, and finish at once if every rank is
-        already there (then :meth:`finish` has nothing to do); else hold the
-        call until :meth:`finish`. Never blocks. False (nothing done, nothing
-        numbered) when the fused path cannot take it now."""
+        there within :data:`START_SPIN_NS` (then :meth:`finish` has nothing to
+        do); else hold the call until :meth:`finish`. Never waits longer.
+        False (nothing done, nothing numbered) when the fused path cannot take
+        it now."""
         pg = self.pg
         with pg._lock:
             if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
@@ -162,7 +171,7 @@ class FusedCall:
             self.step = step = arena._step
             arena._step = step + 1
             self.work = None
-            got = self._start(self.address, self.x, step, seq, 0)  # 0: look once, never wait
+            got = self._start(self.address, self.x, step, seq, self.start_spin_ns)
             if got == -1 and not self.mailbox.held_calls:
                 return True
             # held (a promotion must find it published), finished by finish()

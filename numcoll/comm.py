@@ -361,6 +361,14 @@ class Comm:
                          "(NUMCOLL_SINGLE_COPY=0 chooses the arena from the start): %s",
                          self.op_name, self.seq, self.rank, reason)
 
+    def ran_instead(self, algorithm: str) -> None:
+        """This call finished by ``algorithm``, not the algorithm it was
+        chosen with (every rank agreed on a fallback): the flight recorder's
+        entry, and so the bench's algorithm column, says what ran."""
+        record = self._record
+        if record is not None:
+            record.algorithm = algorithm
+
     # -- shared arrays (a capability some transports declare) ------------------------
     def shared_array(self, peer: int, key: int, start: int, nbytes: int):
         """Bytes ``start:start + nbytes`` of ``peer``'s part of the group's

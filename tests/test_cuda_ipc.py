@@ -180,12 +180,15 @@ def test_a_peer_that_cannot_be_reached_sends_every_rank_to_the_staged_ring(monke
         x = to_device(make_input(np.float32, 11, rank, nc.ReduceOp.SUM))
         work = nc.all_reduce(x, async_op=True)
         work.wait()
-        return work.call.algorithm, to_host(x)
+        ran = nc.flight_recorder.dump(rank)["entries"][-1]["algorithm"]
+        return work.call.algorithm, ran, to_host(x)
 
     expect = reduce_reference(nc.ReduceOp.SUM, np.float32,
                               [make_input(np.float32, 11, r, nc.ReduceOp.SUM) for r in range(3)])
-    for algorithm, x in nc.launch(body, 3, mode="thread", timeout=150):
+    for algorithm, ran, x in nc.launch(body, 3, mode="thread", timeout=150):
         assert algorithm == "ipc"
+        # what ran, in the flight recorder (and the device bench's column)
+        assert ran == "ring (staged: ipc unavailable)"
         assert_reduced(x, expect, nc.ReduceOp.SUM, np.float32, "fallback")
 
 

@@ -79,6 +79,7 @@ def allreduce_ipc(comm, buf, segment_count: int | None = None) -> None:
         return
     peers = _open_all(comm, buf, "allreduce")
     if peers is None:
+        _staged(comm, "ring")
         allreduce_ring(comm, buf, segment_count or buf.count)
         return
     chunks = chunk_bounds(buf.count, size)
@@ -102,6 +103,7 @@ def reduce_scatter_ipc(comm, buf, chunks, segment_count: int | None = None) -> N
         return
     peers = _open_all(comm, buf, "reduce_scatter")
     if peers is None:
+        _staged(comm, "ring")
         reduce_scatter_ring(comm, buf, chunks, segment_count or buf.count)
         return
     buf.reduce_peers(peers, *chunks[rank])
@@ -123,6 +125,7 @@ def allgather_ipc(comm, buf, chunks, segment_count: int | None = None) -> None:
         return
     peers = _open_all(comm, buf, "allgather")
     if peers is None:
+        _staged(comm, "ring")
         allgather_ring(comm, buf, chunks, segment_count or buf.count)
         return
     buf.copy_from_peers(peers, [(0, 0) if q == rank else chunks[q] for q in range(size)])
@@ -170,6 +173,7 @@ def broadcast_ipc(comm, buf, root: int, segment_count: int | None = None) -> Non
         described[root] = bytes(comm.wait(comm.irecv(root, _EXCHANGE_STEP)))
     peers, why = buf.peer_views(described, "broadcast")
     if _any(comm, _AGREE_STEP, why is not None):
+        _staged(comm, "binomial")
         broadcast_binomial(comm, buf, root, segment_count)
         return
     if rank != root:
@@ -203,6 +207,7 @@ def reduce_ipc(comm, buf, root: int, segment_count: int | None = None) -> None:
     described = _to_root(comm, buf, root)
     peers, why = buf.peer_views(described, "reduce") if rank == root else ([], None)
     if _any(comm, _AGREE_STEP, why is not None):
+        _staged(comm, "ring")
         reduce_ring(comm, buf, root, segment_count or buf.count)
         return
     if rank == root:
@@ -239,6 +244,7 @@ def gather_ipc(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
                        {q: recv_bufs[q].count for q in range(size) if q != root}
                        if rank == root else {})
     if level == _STAGE:
+        _staged(comm, "direct")
         gather_direct(comm, send_buf, recv_bufs, root, segment_count or send_buf.count)
         return
     if rank == root:
@@ -279,6 +285,7 @@ def scatter_ipc(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
     level = _agree(comm, _AGREE_STEP, level)
     _raise_on_mismatch("scatter", level, rank, root, peers, expect)
     if level == _STAGE:
+        _staged(comm, "direct")
         scatter_direct(comm, send_bufs, recv_buf, root, segment_count or recv_buf.count)
         return
     if rank != root:
@@ -332,6 +339,7 @@ def alltoall_ipc(comm, send_buf, send_chunks, recv_buf, recv_chunks,
                           for q, (n, m) in wrong.items())
                 or f"rank {rank}'s blocks match; another rank's do not (its error says which)"))
     if level == _STAGE:
+        _staged(comm, "pairwise")
         alltoall_pairwise(comm, send_buf, send_chunks, recv_buf, recv_chunks,
                           segment_count or max(1, recv_buf.count))
         return
@@ -369,6 +377,12 @@ def _raise_on_mismatch(op: str, level: int, rank: int, root: int, peers, expect)
              if (0 if peers[q] is None else peers[q].size) != n] if peers else []
     raise NumcollError(f"{op}: the ranks' sizes do not agree with the root's (rank {root}): "
                        + ("; ".join(wrong) or "another rank's error says which"))
+
+
+def _staged(comm, algorithm: str) -> None:
+    """Every rank agreed to stage this call through host memory: the flight
+    recorder (and the bench's algorithm column) says what runs instead."""
+    comm.ran_instead(f"{algorithm} (staged: ipc unavailable)")
 
 
 def _any(comm, first_step: int, mine: bool) -> bool:

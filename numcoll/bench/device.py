@@ -67,12 +67,17 @@ class _Mirror:
             self.d_out = None if self.out is None else to_dev(self.out)
 
 
-def _run(plan: Plan, rank: int, make_mirror, make_step, upload, download, barrier) -> dict:
-    all_times, all_wrong = [], []
+def _run(plan: Plan, rank: int, make_mirror, make_step, upload, download, barrier,
+         ran=None) -> dict:
+    """Time ``plan``'s cases on device buffers; ``ran()``, if given, says after
+    each case's timing which algorithm ran it (``result["algorithms"]``)."""
+    all_times, all_wrong, algorithms = [], [], []
     for case in plan.cases:
         m = make_mirror(case)
         step = make_step(m.d_inp, m.d_out)
         all_times.append(_time_case(step, case, barrier, plan.sync_each_iter))
+        if ran is not None:
+            algorithms.append(ran(case))
         wrong = None
         if plan.check:
             prepare_check(plan, case, rank, m.inp, m.out)
@@ -87,7 +92,10 @@ def _run(plan: Plan, rank: int, make_mirror, make_step, upload, download, barrie
                     download(dev, host)
             wrong = count_wrong(plan, case, rank, m.inp, m.out)
         all_wrong.append(wrong)
-    return {"times": all_times, "wrong": all_wrong}
+    result = {"times": all_times, "wrong": all_wrong}
+    if ran is not None:
+        result["algorithms"] = algorithms
+    return result
 
 
 def _upload(dev, host):
@@ -113,24 +121,30 @@ def _wire_nbytes(plan: Plan, case: Case, cfg) -> int:
 def numcoll_device_rank(plans: list[Plan]) -> list[dict]:
     """Each plan on this rank's default numcoll group, on Numba device arrays
     (inside :func:`numcoll.launch`); the host bench's result dicts, with the
-    algorithm that ran each case (device arrays may take ``ipc``)."""
+    algorithm that ran each case, as the flight recorder saw it run (``ipc``,
+    or what the ranks fell back to when they could not open each other's
+    memory, e.g. ``ring (staged: ipc unavailable)``)."""
     import numcoll as nc
 
     from ..cuda.copies import to_device
     from .runners import numcoll_step
+    from .schedule import last_algorithm
 
     pg = nc.get_default_group()
     rank, ctx = pg.rank(), pg.context
     results = []
     for plan in plans:
+        def ran(case, plan=plan):
+            # (the recorder off: what the group chooses, which may not be what ran)
+            return last_algorithm(rank) or ctx.choose(
+                plan.op, plan.algorithm, _wire_nbytes(plan, case, ctx.cfg), device=True).name
+
         result = _run(plan, rank,
                       lambda case, plan=plan: _Mirror(plan, case, rank, to_device,
                                                       lambda a, s: a[s]),
                       lambda inp, out, plan=plan: numcoll_step(plan, inp, out),
-                      _upload, _download, nc.barrier)
-        algorithms = [ctx.choose(plan.op, plan.algorithm, _wire_nbytes(plan, case, ctx.cfg),
-                                 device=True).name for case in plan.cases]
-        results.append({**result, "algorithms": algorithms, "transport": pg.transport_kind})
+                      _upload, _download, nc.barrier, ran)
+        results.append({**result, "transport": pg.transport_kind})
     return results
 
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from .rows import Row, exchange_file_nbytes, local_step, missing_api, rank_step, usable_cpus
 
-__all__ = ["Schedule", "ScheduleError", "WARMUP_ITERS"]
+__all__ = ["Schedule", "ScheduleError", "WARMUP_ITERS", "last_algorithm"]
 
 #: Untimed iterations of each row before its first round (compiles kernels,
 #: maps the arena's pages, fills pools).
@@ -94,7 +94,7 @@ def _serve(address: str, authkey: bytes) -> None:
                 _, name, spec = order
                 step, sync = steps[name] = rank_step(spec)
                 _timed(step, sync, WARMUP_ITERS)
-                conn.send({"algorithm": _last_algorithm(rank),
+                conn.send({"algorithm": last_algorithm(rank),
                            "transport": nc.get_default_group().transport_kind,
                            "pinned_cpu": pinned})
             elif order[0] == "time":
@@ -140,7 +140,7 @@ def _timed(step: Callable[[], object], sync: bool, iters: int) -> np.ndarray:
     return times
 
 
-def _last_algorithm(rank: int) -> str | None:
+def last_algorithm(rank: int) -> str | None:
     """The algorithm of this rank's last collective other than a barrier, as the
     flight recorder saw it run (None when the recorder is off)."""
     import numcoll as nc

@@ -50,7 +50,8 @@ class Record:
     """One collective's entry. Fields are written by the thread running it."""
 
     __slots__ = ("record_id", "pg_id", "rank", "seq", "call", "state", "time_created_ns",
-                 "time_started_ns", "time_completed_ns", "waiting_for", "waiting_op", "error")
+                 "time_started_ns", "time_completed_ns", "waiting_for", "waiting_op", "error",
+                 "algorithm")
 
     def __init__(self, record_id: int, pg_id: int, rank: int, seq: int, call):
         self.record_id = record_id
@@ -67,6 +68,9 @@ class Record:
         self.waiting_for = None
         self.waiting_op = None
         self.error = None
+        #: What ran, when it is not the call's algorithm (a fallback): see
+        #: :meth:`numcoll.comm.Comm.ran_instead`.
+        self.algorithm = None
 
     def describe_wait(self) -> str | None:
         """``allreduce (collective #3) waiting to recv from rank 1``, while it waits."""
@@ -100,7 +104,7 @@ class Record:
             "time_started_ns": self.time_started_ns,
             "time_completed_ns": self.time_completed_ns,
             "timeout_ms": round(call.timeout_s * 1000),
-            "algorithm": call.algorithm or None,
+            "algorithm": self.algorithm or call.algorithm or None,
             "waiting_for": self.waiting_for,
             "nbytes": call.nbytes,
             "root": call.root if call.root >= 0 else None,

@@ -389,9 +389,13 @@ class Comm:
         the sizes a peer uses from what it published)."""
         raise self._translate(MessageSizeError(detail, peer), peer, "recv")
 
-    def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None]:
+    def _stall_behind(self, peer: int | None) -> tuple[int | None, str | None, list | None]:
         """After a timeout on ``peer``: the stalled rank at the end of the chain
-        of ranks waiting for each other, if it is not ``peer`` itself.
+        of ranks waiting for each other, if it is not ``peer`` itself, and the
+        reason its waiter gave; or, where the chain comes back to a rank on it
+        (this one included), the waits in order, from this rank to the rank
+        met again: then no rank stalled -- each rank of that loop timed out
+        waiting for the next, for a message that was lost or never sent.
 
         Every rank whose wait times out first says whom it waited for (its
         abort note), then follows the others' notes: rank 2 waited for 1, 1
@@ -400,23 +404,25 @@ class Comm:
         is given :data:`_STALL_NOTE_WAIT_S` to appear.
         """
         if self._notes is None or peer is None or not self.follow_stalls:
-            return None, None
+            return None, None, None
         self._notes.publish(peer, f"{self.op_name} (collective #{self.seq}) on rank "
                                   f"{self.rank} timed out waiting for rank {peer}")
-        current, seen, reason = peer, {self.rank}, None
+        chain, reason = [self.rank, peer], None  # each rank waited for the next
         give_up = time.monotonic() + _STALL_NOTE_WAIT_S
         while True:
-            culprit, why = _read_note(self._notes.read(current))
+            culprit, why = _read_note(self._notes.read(chain[-1]))
             if culprit is None:
                 if time.monotonic() >= give_up:
-                    break  # ``current`` never said whom it waited for: it stalled
+                    break  # the last rank never said whom it waited for: it stalled
                 time.sleep(0.02)
                 continue
-            if culprit in seen or culprit == current:
-                break
-            seen.add(current)
-            current, reason = culprit, why
-        return (current, reason) if current != peer else (None, None)
+            if culprit == chain[-1]:
+                break  # it failed because of itself
+            if culprit in chain:  # 1 waited for 3 and 3 for 1: neither stalled
+                return None, why, chain + [culprit]
+            chain.append(culprit)
+            reason = why
+        return (chain[-1], reason, None) if len(chain) > 2 else (None, None, None)
 
     # -- the one place transport errors become numcoll errors ---------------------
     def _translate(self, exc: TransportError, peer: int | None, what: str) -> NumcollError:
@@ -436,7 +442,14 @@ class Comm:
                 f"{AGREE}" + settings_hint(self.call.stamp, exc.remote_stamp), peer=peer)
         if isinstance(exc, TransportTimeout):
             ms = round(self.timeout_s * 1000)
-            culprit, reason = self._stall_behind(peer)
+            culprit, reason, path = self._stall_behind(peer)
+            if path is not None:  # a loop: naming one of its ranks as stalled would mislead
+                loop = sorted(path[path.index(path[-1]):-1])
+                return CollectiveTimeoutError(
+                    f"Timed out waiting {ms}ms for {where}: {waited}; no rank stalled: ranks "
+                    f"{', '.join(map(str, loop[:-1]))} and {loop[-1]} timed out waiting for "
+                    f"each other ({' -> '.join(map(str, path))}), for a message lost or never "
+                    f"sent (calls in a different order?): {reason}", peer=peer)
             if culprit is not None:
                 # The peer timed out too, waiting for someone further along: name
                 # the rank at the end of that chain, as the peer's note does.

@@ -128,7 +128,7 @@ def numcoll_device_rank(plans: list[Plan]) -> list[dict]:
 
     from ..cuda.copies import to_device
     from .runners import numcoll_step
-    from .schedule import last_algorithm
+    from .steps import last_algorithm
 
     pg = nc.get_default_group()
     rank, ctx = pg.rank(), pg.context

@@ -53,8 +53,9 @@ from typing import Callable
 import numpy as np
 
 from .rows import Row, exchange_file_nbytes, local_step, missing_api, rank_step, usable_cpus
+from .steps import last_algorithm
 
-__all__ = ["Schedule", "ScheduleError", "WARMUP_ITERS", "last_algorithm"]
+__all__ = ["Schedule", "ScheduleError", "WARMUP_ITERS"]
 
 #: Untimed iterations of each row before its first round (compiles kernels,
 #: maps the arena's pages, fills pools).
@@ -138,18 +139,6 @@ def _timed(step: Callable[[], object], sync: bool, iters: int) -> np.ndarray:
         step()
         times[i] = clock() - start
     return times
-
-
-def last_algorithm(rank: int) -> str | None:
-    """The algorithm of this rank's last collective other than a barrier, as the
-    flight recorder saw it run (None when the recorder is off)."""
-    import numcoll as nc
-
-    entries = nc.flight_recorder.dump(rank)["entries"]
-    for entry in reversed(entries):
-        if not entry["profiling_name"].endswith("barrier"):
-            return entry["algorithm"]
-    return entries[-1]["algorithm"] if entries else None
 
 
 # -- the driver --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 
 from .sweep import Case, Plan
 
-__all__ = ["rank_buffers", "numcoll_issue", "numcoll_step"]
+__all__ = ["rank_buffers", "numcoll_issue", "numcoll_step", "last_algorithm"]
 
 
 def rank_buffers(plan: Plan, case: Case, rank: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
@@ -129,3 +129,15 @@ def numcoll_step(plan: Plan, inp: np.ndarray, out: np.ndarray | None) -> Callabl
     if plan.op == "barrier":
         return lambda: nc.barrier()
     raise ValueError(f"numcoll_step: unknown op {plan.op!r}")
+
+
+def last_algorithm(rank: int) -> str | None:
+    """The algorithm of this rank's last collective other than a barrier, as the
+    flight recorder saw it run (None when the recorder is off)."""
+    import numcoll as nc
+
+    entries = nc.flight_recorder.dump(rank)["entries"]
+    for entry in reversed(entries):
+        if not entry["profiling_name"].endswith("barrier"):
+            return entry["algorithm"]
+    return entries[-1]["algorithm"] if entries else None

@@ -36,6 +36,7 @@ from ..endpoint import AllEvents, PendingRequest
 from ..mailbox import Mailbox
 from ..refusals import RefusalLog
 from . import rendezvous as rv
+from . import zerocopy
 from .slabs import SharedSlabs
 from .wire import KIND_AT, KIND_BYE, KIND_CREDIT, KIND_SHM, SLOT, BadFrame, Inbound
 
@@ -125,6 +126,7 @@ class IOThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
+        zerocopy.ready()  # pyzmq's, made before any I/O thread of this process makes frames
         self._thread.start()  # publishes the sockets made before to the thread that owns them
 
     # --- worker threads --------------------------------------------------------------------

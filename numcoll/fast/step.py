@@ -84,8 +84,9 @@ class FusedCall:
     """
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "address", "rank", "size", "x", "op",
-                 "root", "outs", "spin_ns", "start_spin_ns", "lane", "rows", "meta", "seq", "step", "running",
-                 "pending", "work", "mailbox", "source", "_start", "_finish", "_combine")
+                 "root", "outs", "spin_ns", "start_spin_ns", "lane", "rows", "meta", "seq",
+                 "step", "running", "pending", "work", "mailbox", "source", "_start", "_finish",
+                 "_combine")
 
     def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True,
                  source=None):

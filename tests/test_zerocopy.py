@@ -73,3 +73,34 @@ def test_ready_is_made_once_per_process():
     import os
     assert zerocopy._ready_in == os.getpid()
     zerocopy.ready()  # a second call does nothing
+
+
+def test_a_send_taken_but_never_released_says_so():
+    """A zero-copy send whose bytes ZeroMQ took but whose release never came
+    times out saying that, at the transport and in the collective's error,
+    rather than as a send that did not leave."""
+    import threading
+
+    import numpy as np
+
+    import numcoll as nc
+    from numcoll.call import Call
+    from numcoll.comm import Comm
+    from transports import TransportTimeout
+    from transports.pending import PendingRequest
+
+    req = PendingRequest("send", 0, 1, 7)
+    req.complete(None, source=1, after=threading.Event())  # taken; never released
+    with pytest.raises(TransportTimeout) as info:
+        req.wait(deadline=__import__("time").monotonic() + 0.05)
+    exc = info.value
+    assert exc.released is False and "did not release its buffer" in str(exc)
+
+    class _Rank:
+        rank, size = 0, 2
+
+    comm = Comm(_Rank(), 1, Call("allreduce", 30.0, np.dtype(np.float32), 4, root=-1))
+    report = str(comm._translate(exc, 1, "send"))
+    assert isinstance(comm._translate(exc, 1, "send"), nc.CollectiveTimeoutError)
+    assert "send to rank 1 was taken by ZeroMQ, which never reported its buffer released" \
+        in report, report

@@ -97,7 +97,7 @@ class PendingRequest:
             raise self._timeout(start)
         after = self._after
         if after is not None and not _wait_event(after, deadline):
-            raise self._timeout(start)
+            raise self._timeout(start, released=False)
         if self._error is not None:
             raise self._error.with_traceback(None)  # raised again on every wait: don't grow the traceback
         return self._result
@@ -113,11 +113,13 @@ class PendingRequest:
         lock.release()  # let other waiters (and later waits) through
         return True
 
-    def _timeout(self, start: float) -> TransportTimeout:
+    def _timeout(self, start: float, released: bool | None = None) -> TransportTimeout:
         waited_s = time.monotonic() - start
+        taken = ": ZeroMQ took the message but did not release its buffer" if released is False \
+            else ""
         return TransportTimeout(
-            f"Timed out waiting {waited_s * 1000:.0f}ms for {self.describe()}",
-            self.peer, self.tag, self.what, waited_s)
+            f"Timed out waiting {waited_s * 1000:.0f}ms for {self.describe()}{taken}",
+            self.peer, self.tag, self.what, waited_s, released)
 
     def describe(self) -> str:
         return describe(self.what, self.rank, self.peer, self.tag)

@@ -483,3 +483,21 @@ def test_a_request_made_after_shutdown_fails_at_its_start():
     req = pgs[0].allreduce_init(np.ones(2, np.float32))
     with pytest.raises(nc.NumcollError, match="shut down"):
         req.start()
+
+
+@pytest.mark.slow
+def test_the_arena_sync_benchmark_runs_both_barriers_to_the_end(capsys):
+    """benchmarks/arena_sync.py (flat step against dissemination): every rank
+    gets through every barrier of both kinds, at 2 and 3 ranks."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "arena_sync.py"
+    spec = importlib.util.spec_from_file_location("arena_sync", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["-n", "2", "-n", "3", "--steps", "200", "--runs", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("2", "flat"), ("2", "dissemination"),
+                                            ("3", "flat"), ("3", "dissemination")], rows

@@ -84,6 +84,8 @@ class FakeComm:
         #: Why single-copy reads are refused (None: they succeed): set it to
         #: test an algorithm's fallback; :meth:`refuse_single_copy` sets it too.
         self.single_copy_refused: str | None = None
+        #: What the algorithm said ran instead of itself (:meth:`ran_instead`), if anything.
+        self.ran: str | None = None
 
     @property
     def arena_slot_nbytes(self) -> int:
@@ -168,6 +170,10 @@ class FakeComm:
     def refuse_single_copy(self, reason: str) -> None:
         """Comm.refuse_single_copy: later reads are refused."""
         self.single_copy_refused = reason
+
+    def ran_instead(self, algorithm: str) -> None:
+        """Comm.ran_instead: kept in :attr:`ran`, for the test to read."""
+        self.ran = algorithm
 
     def size_mismatch(self, peer: int, detail: str):
         raise AssertionError(f"rank {self.rank}: wrong size from rank {peer}: {detail}")

@@ -289,12 +289,30 @@ def _rooted_list(pg, tensor, lst, root: int, what: str, side: str) -> list:
     return lst
 
 
+def _rooted_repeat(pg, name: str, tensor, blocks, peer, group_peer, which: str) -> bool:
+    """The repeat path of gather and scatter (``name``): ``blocks`` is the
+    root's list (None elsewhere), the root is given as ``_peer`` takes it."""
+    return (repeats := pg.repeats) is not None and \
+        isinstance(blocks, (list, tuple, type(None))) and \
+        repeats.move(name, _peer(pg, peer, group_peer, which, default=0),
+                     (tensor, *(blocks or ())))
+
+
+def _learn_rooted(pg, name: str, root: int, tensor, blocks: list, call) -> None:
+    """Let the group plan a repeat of gather or scatter (``name``) when the
+    root's ``blocks`` (or none, off the root) lie back to back in one array."""
+    if (repeats := pg.repeats) is None:
+        return
+    whole = moves.span(blocks) if blocks else None
+    if blocks and whole is None:
+        return
+    inp, out = (tensor, whole) if name == "gather" else (whole, tensor)
+    repeats.learn_move(name, root, (tensor, *blocks), call, inp, out)
+
+
 def _gather_repeat(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
                    group_dst=None):
-    return (repeats := pg.repeats) is not None and \
-        isinstance(gather_list, (list, tuple, type(None))) and \
-        repeats.move("gather", _peer(pg, dst, group_dst, "dst", default=0),
-                     (tensor, *(gather_list or ())))
+    return _rooted_repeat(pg, "gather", tensor, gather_list, dst, group_dst, "dst")
 
 
 @functools.partial(collective, fast=_gather_repeat)
@@ -305,10 +323,7 @@ def gather(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
     gather_list = _rooted_list(pg, tensor, gather_list, root, "gather_list", "destination")
     outputs = [gather_list] if pg.rank() == root else []
     call, run = movement.gather(pg.context, outputs, [tensor], GatherOptions(root_rank=root))
-    if (repeats := pg.repeats) is not None and (not gather_list or
-                                                (whole := moves.span(gather_list)) is not None):
-        repeats.learn_move("gather", root, (tensor, *gather_list), call, tensor,
-                           whole if gather_list else None)
+    _learn_rooted(pg, "gather", root, tensor, gather_list, call)
     return call, run
 
 
@@ -344,10 +359,7 @@ def gather_into_tensor(tensor, gather_tensor=None, dst=None, group=None, async_o
 
 def _scatter_repeat(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
                     group_src=None):
-    return (repeats := pg.repeats) is not None and \
-        isinstance(scatter_list, (list, tuple, type(None))) and \
-        repeats.move("scatter", _peer(pg, src, group_src, "src", default=0),
-                     (tensor, *(scatter_list or ())))
+    return _rooted_repeat(pg, "scatter", tensor, scatter_list, src, group_src, "src")
 
 
 @functools.partial(collective, fast=_scatter_repeat)
@@ -358,10 +370,7 @@ def scatter(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
     scatter_list = _rooted_list(pg, tensor, scatter_list, root, "scatter_list", "source")
     inputs = [scatter_list] if pg.rank() == root else []
     call, run = movement.scatter(pg.context, [tensor], inputs, ScatterOptions(root_rank=root))
-    if (repeats := pg.repeats) is not None and (not scatter_list or
-                                                (whole := moves.span(scatter_list)) is not None):
-        repeats.learn_move("scatter", root, (tensor, *scatter_list), call,
-                           whole if scatter_list else None, tensor)
+    _learn_rooted(pg, "scatter", root, tensor, scatter_list, call)
     return call, run
 
 

@@ -27,11 +27,9 @@ from transports.shm.arena import HEADER_NBYTES, SharedArena
 from ..collectives import fused_moves, fused_step
 from ..algorithms.shared import _place
 from ..collectives.fused_moves import CHECK, LOCAL, PACK, REDUCE, UNPACK, WORD
-from .step import FusedCall, fusable_dtype
+from .step import _NOTHING, FusedCall, fusable_dtype
 
 __all__ = ["FusedMove", "plan", "span"]
-
-_NOTHING = np.empty(0, np.uint8)
 
 
 class FusedMove(FusedCall):
@@ -50,8 +48,11 @@ class FusedMove(FusedCall):
         self.moves = np.array(moves, np.int64).reshape(-1, 5)
         self.inp, self.out = inp, out
         self.typed_out = out if typed_out is None else typed_out
-        # The group's fused path calls these two as it calls fused_step's.
-        self._start, self._finish = self._step, self._rest
+
+    def _entries(self, x) -> tuple:
+        # The group's fused path calls these as it calls fused_step's; combine()
+        # is this class's own.
+        return self._step, self._rest, None
 
     def _step(self, address, x, step: int, seq: int, spin_ns: int) -> int:
         return fused_moves.step(self.region, self.plan, self.moves, self.inp, self.out,

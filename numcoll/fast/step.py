@@ -117,13 +117,17 @@ class FusedCall:
             plan[fused_step.SOURCE] = source.ctypes.data
             plan[fused_step.OWN] = source.ctypes.data != x.ctypes.data + rank * source.nbytes
         self.address = plan.ctypes.data
-        self._start = fused_step.entry(fused_step.start, x)
-        self._finish = fused_step.entry(fused_step.finish, x)
-        self._combine = fused_step.entry(fused_step.combine, x)
+        self._start, self._finish, self._combine = self._entries(x)
         self.seq = self.step = -1
         self.running = self.pending = False
         self.work = None
         self.mailbox = pg._done.mailbox  # held_calls: messages of calls not yet taken
+
+    def _entries(self, x) -> tuple:
+        """The compiled start, finish and combine this call runs (for arrays of
+        ``x``'s type): :mod:`~numcoll.collectives.fused_step`'s entry points."""
+        return (fused_step.entry(fused_step.start, x), fused_step.entry(fused_step.finish, x),
+                fused_step.entry(fused_step.combine, x))
 
     # -- the fast path -------------------------------------------------------------
     def run(self) -> bool:

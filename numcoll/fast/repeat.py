@@ -162,10 +162,7 @@ class Repeats:
     def barrier(self, timeout) -> bool:
         """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
         seen = self._seen.get((timeout, "barrier"))
-        if seen is None:
-            return False
-        ctx = self.pg.context  # (_stale, inlined: the hot path)
-        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
+        if seen is None or self._stale(seen):
             return False
         return seen.fused.run()
 

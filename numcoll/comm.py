@@ -432,7 +432,7 @@ class Comm:
         # What this rank was waiting for, in words.
         waited = (f"rank {peer} did not publish its part of a shared-arena step"
                   if what == "arena" else f"{what} {direction} rank {peer} did not complete")
-        if getattr(exc, "released", None) is False:  # the message left; its completion did not
+        if getattr(exc, "unreleased", False):  # the message left; its completion did not
             waited = (f"send to rank {peer} was taken by ZeroMQ, which never reported its "
                       "buffer released (a zero-copy send: the message may well have arrived)")
         if isinstance(exc, StampMismatch):

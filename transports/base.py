@@ -66,17 +66,17 @@ class TransportError(Exception):
 
 class TransportTimeout(TransportError, TimeoutError):
     """A wait passed its deadline. ``waited_s`` is how long the caller waited,
-    ``what`` is "send" or "recv", ``tag`` the message tag; ``released`` is
-    False for a zero-copy send that ZeroMQ took but never reported done with
-    (its buffer not released), else None."""
+    ``what`` is "send" or "recv", ``tag`` the message tag; ``unreleased`` is
+    True for a zero-copy send that ZeroMQ took but never reported done with
+    (its buffer not released)."""
 
     def __init__(self, message: str, peer: int | None, tag: int, what: str, waited_s: float,
-                 released: bool | None = None):
+                 unreleased: bool = False):
         super().__init__(message, peer)
         self.tag = tag
         self.what = what
         self.waited_s = waited_s
-        self.released = released
+        self.unreleased = unreleased
 
 
 class PeerClosed(TransportError):

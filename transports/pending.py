@@ -97,7 +97,7 @@ class PendingRequest:
             raise self._timeout(start)
         after = self._after
         if after is not None and not _wait_event(after, deadline):
-            raise self._timeout(start, released=False)
+            raise self._timeout(start, unreleased=True)
         if self._error is not None:
             raise self._error.with_traceback(None)  # raised again on every wait: don't grow the traceback
         return self._result
@@ -113,13 +113,12 @@ class PendingRequest:
         lock.release()  # let other waiters (and later waits) through
         return True
 
-    def _timeout(self, start: float, released: bool | None = None) -> TransportTimeout:
+    def _timeout(self, start: float, unreleased: bool = False) -> TransportTimeout:
         waited_s = time.monotonic() - start
-        taken = ": ZeroMQ took the message but did not release its buffer" if released is False \
-            else ""
+        taken = ": ZeroMQ took the message but did not release its buffer" if unreleased else ""
         return TransportTimeout(
             f"Timed out waiting {waited_s * 1000:.0f}ms for {self.describe()}{taken}",
-            self.peer, self.tag, self.what, waited_s, released)
+            self.peer, self.tag, self.what, waited_s, unreleased)
 
     def describe(self) -> str:
         return describe(self.what, self.rank, self.peer, self.tag)

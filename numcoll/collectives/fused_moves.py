@@ -115,8 +115,8 @@ def _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
     unpack and close the lane row: -1 done; else ``_wait``'s answer or
     :func:`unpack`'s mismatch."""
     ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
-    got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
-                plan[STAMP], plan[STAMP + 1], spin_until, yield_until)
+    got = _wait(ctrl, plan[SIZE], step, seq, plan[STAMP], plan[STAMP + 1], spin_until,
+                yield_until)
     if got == -1:
         got = unpack(region, plan, moves, out, typed_out, step)
         if got == -1:

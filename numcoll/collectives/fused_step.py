@@ -155,8 +155,8 @@ def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns)
     """Wait for every rank's ``step`` (as ``arena._wait``), then combine and
     close the lane row. Returns ``_wait``'s answer (-1: done)."""
     ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
-    got = _wait(region, ctrl, plan[SIZE], step, plan[FIRST + (step & 1)], plan[STRIDE], seq,
-                plan[STAMP], plan[STAMP + 1], spin_until_ns, yield_until_ns)
+    got = _wait(ctrl, plan[SIZE], step, seq, plan[STAMP], plan[STAMP + 1], spin_until_ns,
+                yield_until_ns)
     if got == -1:
         _combine(region, plan, x, step)
         at = ROWS + 4 * plan[META + 1]

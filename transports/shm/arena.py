@@ -16,7 +16,9 @@ weakly ordered CPUs).
 Layout (in rank 0's region, after its rings; rank 0 owns the memory, every
 rank writes only its own parts)
     ``size`` control lines of 128 bytes: word 0 of line ``r`` is rank
-    ``r``'s *step count*, the number of steps it has published (monotonic).
+    ``r``'s *step count*, the number of steps it has published (monotonic);
+    words 1-3 and 4-6 are the sequence number and 16-byte stamp of the call
+    whose step rank ``r`` last published in set 0 and in set 1.
     Then two *sets* of ``size`` slots: slot ``(s, r)`` is a 64-byte header
     (the call's sequence number, its 16-byte stamp, the payload size) and
     ``slot_nbytes`` of payload, written only by rank ``r``.
@@ -37,13 +39,20 @@ Why two sets and no closing barrier
     wait that ends one step is also the barrier that frees the set two steps
     back: one synchronisation per step, as DeepSpeed's three-state flags.
 Agreement
-    Each step's header carries the call's sequence number and stamp (see
+    Each step carries the call's sequence number and stamp (see
     :meth:`numcoll.call.Call.stamp`); a rank compares every peer's with its
     own after the wait, so ranks running different calls fail with
     :class:`~transports.base.StampMismatch` instead of reading each other's
-    bytes. The step counts must agree too: every rank runs the same number of
-    steps per call, in the same order (the caller's job: steps are taken in
-    sequence-number order, see ``ProcessGroup._execute``).
+    bytes. The waiters read them from the peers' control lines, which they
+    just loaded the step counts from (the slot's header holds them too, for
+    the error's report): the check costs no second transfer of a line
+    between cores (2 ranks on the 2-core VM: a barrier's compiled step took
+    0.50-0.51 us, 0.52-0.53 reading the slots' headers). A set's own words
+    keep a slow reader's step ``t`` apart from its writer's step ``t + 1``,
+    as the slots are kept apart. The step counts must agree too: every rank
+    runs the same number of steps per call, in the same order (the caller's
+    job: steps are taken in sequence-number order, see
+    ``ProcessGroup._execute``).
 Waiting, and dead peers
     The waiter spins without the GIL (``pause``), then polls with
     ``sched_yield``, as the rings' waiters do (the transport's ``spin_us`` and
@@ -87,6 +96,9 @@ __all__ = ["SharedArena", "arena_nbytes"]
 
 #: One control line per rank (128 bytes: the adjacent-line prefetcher pairs 64-byte lines).
 LINE_WORDS = 16
+#: Where in a control line the call's sequence number and stamp are (three
+#: words for each set of slots, after the step count).
+CALL_WORDS = 1
 #: Slot header: sequence number, stamp (two words), payload bytes; padded to 64 bytes.
 HEADER_NBYTES = 64
 #: A stamp longer than this cannot travel in a header (numcoll's are 16 bytes).
@@ -114,12 +126,18 @@ def _put(region, ctrl, rank, step, header, seq, stamp0, stamp1, payload, copy_nb
     words[3] = nbytes
     if copy_nbytes > 0:
         _memcpy(region, header + HEADER_NBYTES, payload, 0, copy_nbytes)
+    # The call's identity again, in this rank's control line (the set's own
+    # words), where the waiters read it: on the line they load the step count
+    # from, so checking it costs them no second transfer between cores.
+    line = rank * LINE_WORDS + CALL_WORDS + 3 * (step & 1)
+    ctrl[line] = seq
+    ctrl[line + 1] = stamp0
+    ctrl[line + 2] = stamp1
     _store_release(ctrl, rank * LINE_WORDS, step + 1)
 
 
 @njit(nogil=True, cache=True)
-def _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
-          spin_until_ns, yield_until_ns):
+def _wait(ctrl, size, step, seq, stamp0, stamp1, spin_until_ns, yield_until_ns):
     """Poll until every rank has published ``step + 1``, then compare headers.
 
     Returns -1 when done and every header agrees; ``r >= 0`` when rank ``r``
@@ -143,20 +161,20 @@ def _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
             _cpu_relax()
         else:
             _sched_yield()
+    parity = CALL_WORDS + 3 * (step & 1)
     for p in range(size):
-        words = region[first_header + p * stride:first_header + p * stride + 32].view(np.int64)
-        if words[0] != seq or words[1] != stamp0 or words[2] != stamp1:
+        line = p * LINE_WORDS + parity
+        if ctrl[line] != seq or ctrl[line + 1] != stamp0 or ctrl[line + 2] != stamp1:
             return -2 - p
     return -1
 
 
 @njit(nogil=True, cache=True)
-def _step(region, ctrl, rank, size, step, header, first_header, stride, seq, stamp0, stamp1,
-          payload, copy_nbytes, nbytes, spin_until_ns, yield_until_ns):
+def _step(region, ctrl, rank, size, step, header, seq, stamp0, stamp1, payload, copy_nbytes,
+          nbytes, spin_until_ns, yield_until_ns):
     """:func:`_put` then :func:`_wait`, in one call (what :meth:`SharedArena.step` runs)."""
     _put(region, ctrl, rank, step, header, seq, stamp0, stamp1, payload, copy_nbytes, nbytes)
-    return _wait(region, ctrl, size, step, first_header, stride, seq, stamp0, stamp1,
-                 spin_until_ns, yield_until_ns)
+    return _wait(ctrl, size, step, seq, stamp0, stamp1, spin_until_ns, yield_until_ns)
 
 
 class SharedArena:
@@ -265,8 +283,7 @@ class SharedArena:
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
         spin_until, until = self._spin_deadlines(deadline)
-        got = _wait(region, ctrl, self.size, step, self._first_header[step & 1], self._stride,
-                    seq, s0, s1, spin_until, until)
+        got = _wait(ctrl, self.size, step, seq, s0, s1, spin_until, until)
         if got != -1:
             self._wait_slowly(got, step, seq, stamp, deadline, call)
 
@@ -289,7 +306,7 @@ class SharedArena:
         if deadline is not None:
             until = min(until, int(deadline * 1e9))
         got = _step(region, ctrl, self.rank, self.size, step, first + self.rank * self._stride,
-                    first, self._stride, seq, s0, s1, _EMPTY if payload is None else payload,
+                    seq, s0, s1, _EMPTY if payload is None else payload,
                     0 if payload is None else nbytes, nbytes, spin_until, until)
         self._step = step + 1
         if got != -1:
@@ -321,7 +338,6 @@ class SharedArena:
         ``got`` behind (or, ``got < -1``, a header of another call): sleep
         between polls, checking the peer, the rings and the deadline."""
         s0, s1 = _stamp_words(stamp)
-        first = self._first_header[step & 1]
         region, ctrl, headers = self._region, self._ctrl, self._headers
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
@@ -343,8 +359,7 @@ class SharedArena:
                 # (its last call) since the poll that found it behind: look
                 # again before blaming it.
                 now = time.monotonic_ns()
-                if _wait(region, ctrl, self.size, step, first, self._stride, seq, s0, s1,
-                         now, now) == -1:
+                if _wait(ctrl, self.size, step, seq, s0, s1, now, now) == -1:
                     return
             if isinstance(left, PeerClosed):
                 raise PeerClosed(f"shared-memory step on rank {self.rank}: {left}", peer)
@@ -366,7 +381,7 @@ class SharedArena:
             sleep_s = min(sleep_s * 2, SLEEP_MAX_S)
             # Look once (no spin), then sleep again, until the deadline.
             now = time.monotonic_ns()
-            got = _wait(region, ctrl, self.size, step, first, self._stride, seq, s0, s1, now, now)
+            got = _wait(ctrl, self.size, step, seq, s0, s1, now, now)
 
     def view(self, step: int, rank: int, start: int = 0, nbytes: int | None = None) -> np.ndarray:
         """``rank``'s payload of ``step`` (uint8, read-only by convention), bytes

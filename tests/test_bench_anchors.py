@@ -171,6 +171,44 @@ def test_barrier_beside_the_anchors_installed_here(tmp_path):
         assert mpi_line[:2] == ["0", "-"] and mpi_line[5:] == ["-", "-", "-", "-"]
 
 
+@pytest.mark.parametrize("args", [
+    ["--paired"],
+    ["--paired", "--compare", "torch"],
+    ["--paired", "--compare", "mpi4py", "--mode", "thread"],
+    ["--paired", "--compare", "mpi4py", "--transport", "tcp"],
+], ids=["no-anchor", "torch-only", "threads", "transport"])
+def test_paired_needs_mpi_and_numcolls_default_process_ranks(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(args)
+    assert exc.value.code == 2
+    assert "--paired times numcoll in MPI's processes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_paired_times_numcoll_and_mpi_in_the_same_processes(tmp_path):
+    """--paired: numcoll's rows come from MPI's processes (its group made
+    there), checked as ever; MPI's rows beside them; the table says so."""
+    if not mpi.mpi_available():
+        pytest.skip("mpi4py with mpirun is not installed")
+    path = tmp_path / "out.json"
+    out = bench_cli("--op", "allgather", "-n", "2", "--sizes", "8,64K", "--iters", "8",
+                    "--warmup", "1", "--compare", "mpi4py", "--paired", "--json", str(path),
+                    "--quiet", timeout=170)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    assert doc["metadata"]["paired"] is True
+    rows = doc["rows"]
+    assert sorted({(r["size"], r["placement"]) for r in rows}) == \
+        [(8, "in-place"), (8, "out-of-place"), (65536, "in-place"), (65536, "out-of-place")]
+    for row in rows:
+        assert row["wrong"] == 0 and row["algorithm"] == "shared"
+        assert row["time_us"] > 0 and row["mpi_time_us"] > 0
+        assert row["mpi_time_ratio"] == pytest.approx(row["time_us"] / row["mpi_time_us"])
+        assert row["iters"] == 8  # 4 rounds of 2 iterations each, per backend
+    assert "paired: numcoll in the same processes" in out.stdout
+
+
 # -- sweeps ------------------------------------------------------------------------------
 def _plans(*args: str):
     return cli._plans(cli.build_parser().parse_args(list(args)))

@@ -89,6 +89,7 @@ examples:
   python -m numcoll.bench --op barrier -n 4 --compare torch,mpi4py
   python -m numcoll.bench --op allreduce --sweep latency --persistent --compare mpi4py
   python -m numcoll.bench --op allreduce --sizes 1M,16M --shared-arrays --compare mpi4py
+  python -m numcoll.bench --op alltoall --sizes 64K,1M --compare mpi4py --paired
   python -m numcoll.bench --sizes 8,1M,16M --save main     # on main
   python -m numcoll.bench --sizes 8,1M,16M --baseline main # on a branch
 """
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated anchors run on the same sizes in the same "
                         "invocation: torch (torch.distributed, backend gloo), mpi4py (Open "
                         "MPI via mpirun); e.g. --compare torch,mpi4py")
+    p.add_argument("--paired", action="store_true",
+                   help="with --compare mpi4py: numcoll runs inside MPI's processes, each "
+                        "size's iterations in rounds alternating with MPI's, so both are "
+                        "timed on the same machine state (on a shared VM, where two cores "
+                        "are from one launch to the next, two launches can time two "
+                        "different machines)")
     p.add_argument("--save", metavar="NAME", default=None,
                    help="keep this run as NAME (in --storage) for a later --baseline NAME")
     p.add_argument("--baseline", metavar="NAME", default=None,
@@ -236,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--iters must be at least 1, got {args.iters}")
     if args.warmup is not None and args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.paired and ("mpi4py" not in args.compare or args.mode != "process"
+                        or args.transport is not None or args.device != "cpu"):
+        parser.error("--paired times numcoll in MPI's processes: it needs --compare mpi4py "
+                     "and numcoll's default transport, process ranks and the CPU")
     try:
         plans = _plans(args)
     except ValueError as exc:
@@ -271,9 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         print("numcoll-bench: note: without --sync-each-iter the root may run ahead of its "
               "receivers between iterations, which understates small-size latency",
               file=sys.stderr)
-    per_plan, info = run(plans, backend="numcoll", mode=args.mode,
-                         transport=args.transport, timeout_s=args.timeout,
-                         progress=progress)
+    paired = None
+    if args.paired:
+        from .mpi import run_plans_paired
+
+        try:
+            paired = run_plans_paired(plans, timeout_s=args.timeout)
+        except Exception as exc:  # noqa: BLE001 - both backends ran there: nothing to show
+            print(f"numcoll-bench: error: the paired run failed: {exc}", file=sys.stderr)
+            return 1
+        per_plan, info = [run[0] for run in paired], paired[0][1]
+    else:
+        per_plan, info = run(plans, backend="numcoll", mode=args.mode,
+                             transport=args.transport, timeout_s=args.timeout,
+                             progress=progress)
     torch_per_plan, status = None, 0
     if "torch" in args.compare:
         try:
@@ -293,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         from .mpi import run_plan_mpi
 
         try:
-            mpi_runs = [run_plan_mpi(p, timeout_s=args.timeout) for p in plans]
+            mpi_runs = [run[2:] for run in paired] if paired is not None else \
+                [run_plan_mpi(p, timeout_s=args.timeout) for p in plans]
         except Exception as exc:  # noqa: BLE001 - keep the other results, report MPI's failure
             print(f"numcoll-bench: error: the mpi4py run failed: {exc}", file=sys.stderr)
             status = status or 1
@@ -307,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     transport_used=info.get("transport"), compare=",".join(args.compare) or None,
                     torch_version=torch_version(), sweep=args.sweep)
     meta["placements"] = [p.placement for p in plans]
+    meta["paired"] = args.paired
     limits = None
     if args.device == "cuda":
         from .device import device_limits
@@ -333,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_footer(rows, baseline=None if baseline is None else
                             (args.baseline, baseline["rows"])), flush=True)
         if mpi_rows is not None:
-            print(format_mpi_table(rows), flush=True)
+            print(format_mpi_table(rows, paired=args.paired), flush=True)
         if limits is not None:
             from .device import format_limits
 

@@ -129,11 +129,13 @@ def format_footer(rows: list[dict], *, baseline: tuple[str, list[dict]] | None =
     return "\n".join(lines)
 
 
-def format_mpi_table(rows: list[dict]) -> str:
+def format_mpi_table(rows: list[dict], paired: bool = False) -> str:
     """The rows that have ``mpi_*`` columns, against mpi4py: time and busbw, and
     numcoll's ratios ("-": none, as for a barrier's busbw; MPI's results are
-    not checked, so its #wrong is "-")."""
-    lines = ["# vs mpi4py (Open MPI, mpirun)",
+    not checked, so its #wrong is "-"). ``paired``: both were timed in the
+    same processes (``--paired``), which the title says."""
+    lines = ["# vs mpi4py (Open MPI, mpirun" + ("; paired: numcoll in the same processes, "
+                                               "rounds alternated)" if paired else ")"),
              f"{'size(B)':>12} {'place':>5} {'time(us)':>10} {'mpi(us)':>10} {'time x':>8} "
              f"{'busbw':>8} {'mpi':>8} {'busbw x':>8} {'#wrong':>6}"]
     for r in rows:

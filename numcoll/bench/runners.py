@@ -46,6 +46,8 @@ __all__ = ["numcoll_rank", "torch_rank", "rank_buffers", "numcoll_issue", "numco
 
 #: Deadline of a whole sweep (and of each collective in it), in seconds.
 DEFAULT_TIMEOUT_S = 900.0
+#: Rank 0 reports its progress every this many timed iterations (see _time_case).
+TICK_EVERY = 64
 
 
 class TorchUnavailableError(RuntimeError):
@@ -57,11 +59,11 @@ def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], obj
                tick: Callable[[float], None] | None = None) -> np.ndarray:
     """Per-iteration seconds of ``step`` (one complete collective: issue + wait);
     ``tick(fraction done)`` after each iteration, warmup included."""
-    tick = tick or (lambda fraction: None)
     total = case.warmup + case.iters
     for k in range(case.warmup):
         step()
-        tick((k + 1) / total)
+        if tick is not None:
+            tick((k + 1) / total)
     # Ranks enter the timed loop together, so the first iteration does not
     # include another rank's warmup or allocation.
     barrier()
@@ -73,7 +75,14 @@ def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], obj
         start = clock()
         step()
         times[i] = clock() - start
-        tick((case.warmup + i + 1) / total)
+        # Only rank 0 reports progress: each report delays it, and the
+        # others wait for it in their next iteration, which an anchor's
+        # ranks (no reporter) never do. Every TICK_EVERY-th iteration only,
+        # so the median of a small call's iterations cannot see it.
+        if tick is not None and not i % TICK_EVERY:
+            tick((case.warmup + i + 1) / total)
+    if tick is not None:
+        tick(1.0)
     return times
 
 

@@ -74,8 +74,7 @@ def _bare_steps(region, plan, x, first_step, seq, n, check):
              x.nbytes, x.nbytes)
         spin_until = _monotonic_ns() + plan[fused_step.SPIN]
         if check:  # a wait that never gives up (the peers run the same loop)
-            got = _wait(region, ctrl, size, step, first, stride, seq, s0, s1, spin_until,
-                        1 << 62)
+            got = _wait(ctrl, size, step, seq, s0, s1, spin_until, 1 << 62)
             if got != -1:
                 return got
         else:

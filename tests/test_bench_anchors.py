@@ -273,3 +273,19 @@ def test_rank_buffers_of_a_barrier_are_empty():
     plan = bench.make_plan("barrier", [])
     inp, out = bench.rank_buffers(plan, plan.cases[0], 0)
     assert isinstance(inp, np.ndarray) and inp.size == 0 and out is None
+
+
+# -- where the CPUs are --------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_round_trip_between_two_cpus_is_measured_or_none():
+    """A cache line's round trip between the first two CPUs: a few hundred
+    nanoseconds at most on any machine numcoll runs on; None (not a hang)
+    where a thread cannot have its CPU."""
+    from numcoll.bench import placement
+
+    cpus = placement.first_two_cpus()
+    if cpus is None:
+        pytest.skip("fewer than two CPUs")
+    us = placement.round_trip_us(trips=2000)
+    assert us is not None and 0 < us < 50
+    assert placement.round_trip_us((cpus[0], 1 << 20), trips=2000) is None

@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         print("numcoll-bench: note: without --sync-each-iter the root may run ahead of its "
               "receivers between iterations, which understates small-size latency",
               file=sys.stderr)
+    from .placement import first_two_cpus, round_trip_us
+
+    trip_before = round_trip_us()
     paired = None
     if args.paired:
         from .mpi import run_plans_paired
@@ -331,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                     torch_version=torch_version(), sweep=args.sweep)
     meta["placements"] = [p.placement for p in plans]
     meta["paired"] = args.paired
+    trips = [trip_before, round_trip_us()]
+    meta["cpu_round_trip_us"] = {"cpus": first_two_cpus(), "before": trips[0],
+                                 "after": trips[1]}
     limits = None
     if args.device == "cuda":
         from .device import device_limits
@@ -356,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows, title=title), flush=True)
         print(format_footer(rows, baseline=None if baseline is None else
                             (args.baseline, baseline["rows"])), flush=True)
+        if None not in trips:
+            print(f"# CPUs {' and '.join(map(str, first_two_cpus()))}: a cache line's round "
+                  f"trip {trips[0]:.3f} us before the run, {trips[1]:.3f} after (on a VM: "
+                  "where the hypervisor put them; see numcoll.bench.placement)", flush=True)
         if mpi_rows is not None:
             print(format_mpi_table(rows, paired=args.paired), flush=True)
         if limits is not None:

@@ -38,6 +38,7 @@ import statistics
 import pytest
 
 from numcoll.bench import gate as gate_rules
+from numcoll.bench.placement import first_two_cpus, round_trip_us
 from numcoll.bench.rows import environment
 from numcoll.bench.schedule import QUIET_SHARE
 
@@ -135,6 +136,9 @@ class GateRun:
         _say(config, f"numcoll gate: timing {len(rows)} rows in {rounds} interleaved rounds, "
              f"load average {_load()}")
         self.load = {"before": os.getloadavg()}
+        # How far apart the first two CPUs are (numcoll.bench.placement): on a VM
+        # a 2-rank row's figure moves with it, by up to 4.5x.
+        self.round_trip_us = {"before": round_trip_us()}
         with Schedule(rows) as schedule:
             self.figures, verdicts = gate_rules.measure(
                 schedule, rounds, base if self.comparing else None,
@@ -144,6 +148,7 @@ class GateRun:
             self.busy, self.waited_s = schedule.busy, schedule.waited_s
             self.launch = schedule.launch
         self.load["after"] = os.getloadavg()
+        self.round_trip_us["after"] = round_trip_us()
         self.verdicts = {v.name: v for v in verdicts or []}
         self.unjudged = [n for n, r in self.rows.items() if r.gated and self.comparing
                          and n in self.figures and n not in self.verdicts]
@@ -161,6 +166,7 @@ class GateRun:
             "round_s": self.rounds[row.name], "others_busy": self.busy[row.name],
             "launch": self.launch[row.name],
             "gated": row.gated, "anchor": row.anchor, "load_avg": self.load,
+            "cpu_round_trip_us": self.round_trip_us,
             **({"verdict": verdict.as_dict()} if verdict else {})}
         REPLAY.load(self.rounds[row.name])
         benchmark.pedantic(lambda: None, rounds=len(self.rounds[row.name]))
@@ -174,8 +180,12 @@ class GateRun:
         busy = (f"{quiet} of {len(shares)} rounds quiet (other processes used at most "
                 f"{QUIET_SHARE:.0%} of the CPUs; median {statistics.median(known):.0%}), "
                 f"waited {self.waited_s:.0f} s for quiet; " if known else "")
+        trips = self.round_trip_us
+        placed = ("" if None in trips.values() else
+                  f"; a cache line between CPUs {' and '.join(map(str, first_two_cpus()))}: "
+                  f"{trips['before']:.3f} us before, {trips['after']:.3f} after")
         return (f"  {busy}load average {self.load['before'][0]:.1f} before, "
-                f"{self.load['after'][0]:.1f} after")
+                f"{self.load['after'][0]:.1f} after{placed}")
 
     def summary(self) -> list[str]:
         loaded = [n for n, f in self.figures.items() if f["loaded"] and self.rows[n].world_size]

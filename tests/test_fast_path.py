@@ -501,3 +501,26 @@ def test_the_arena_sync_benchmark_runs_both_barriers_to_the_end(capsys):
             if line.strip()[:1].isdigit()]
     assert [(r[0], r[1]) for r in rows] == [("2", "flat"), ("2", "dissemination"),
                                             ("3", "flat"), ("3", "dissemination")], rows
+
+
+@pytest.mark.slow
+def test_the_handoff_benchmark_hands_over_whole_buffers_both_ways(capsys):
+    """benchmarks/handoff.py (plain against non-temporal stores): every handoff
+    arrives whole (it raises otherwise) and each size gets both figures."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "handoff.py"
+    spec = importlib.util.spec_from_file_location("handoff", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if bench.first_two_cpus() is None:
+        pytest.skip("needs two CPUs")
+    assert bench.main(["--sizes", "4K,64K", "--runs", "1"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("round trip")]
+    cells = row.split("|")[1:]
+    assert [c.split()[:2] for c in cells] == [["4", "KiB"], ["64", "KiB"]]
+    for cell in cells:
+        plain, nontemporal = (float(v) for v in cell.split()[2::2])
+        assert plain > 0 and nontemporal > 0

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 
 from numcoll.bench.placement import first_two_cpus, round_trip_us
 from numcoll.bench.sweep import format_nbytes, parse_nbytes
-from transports.shm.ring import _cpu_relax, _load_acquire, _store_release
+from transports.shm.ring import _cpu_relax, _item_pointer, _load_acquire, _store_release
 
 #: Handoffs per figure: enough buffers to pass 64 MiB, at least this many.
 MIN_ITERS = 20
@@ -48,8 +48,8 @@ def _store_nontemporal(typingctx, arr, idx, val):
     sig = types.void(arr, idx, val)
 
     def codegen(context, builder, sig, args):
-        array = context.make_array(sig.args[0])(context, builder, args[0])
-        store = builder.store(args[2], builder.gep(array.data, [args[1]]), align=8)
+        pointer = _item_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        store = builder.store(args[2], pointer, align=8)
         store.set_metadata("nontemporal", builder.module.add_metadata(
             [ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()

@@ -71,7 +71,7 @@ def round_trip_us(cpus: tuple[int, int] | None = None, trips: int = TRIPS) -> fl
         return None
     best = None
     for _ in range(2):
-        word = np.full(16, -1, np.int64)  # (a line of its own on 64- and 128-byte lines)
+        word = np.full(16, -1, np.int64)  # (only word 0 is written: no other word of its line)
         deadline_ns = time.monotonic_ns() + int(DEADLINE_S * 1e9)
         done = [False, False]
         took = [0.0]

@@ -58,7 +58,8 @@ def _time_case(step: Callable[[], object], case: Case, barrier: Callable[[], obj
                sync_each_iter: bool = False,
                tick: Callable[[float], None] | None = None) -> np.ndarray:
     """Per-iteration seconds of ``step`` (one complete collective: issue + wait);
-    ``tick(fraction done)`` after each iteration, warmup included."""
+    ``tick(fraction done)`` after each warmup iteration, every TICK_EVERY-th
+    timed one, and at the end."""
     total = case.warmup + case.iters
     for k in range(case.warmup):
         step()

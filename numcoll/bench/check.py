@@ -22,7 +22,7 @@ import numpy as np
 
 from .sweep import Case, Plan
 
-__all__ = ["fill", "expected", "prepare_check", "count_wrong"]
+__all__ = ["fill", "expected", "prepare_check", "count_wrong", "check_case"]
 
 
 def fill(rank: int, count: int, dtype: np.dtype, offset: int = 0) -> np.ndarray:
@@ -88,3 +88,16 @@ def count_wrong(plan: Plan, case: Case, rank: int, inp: np.ndarray,
     if got.shape != want.shape:
         return int(want.size)
     return int(np.count_nonzero(got != want))
+
+
+def check_case(plan: Plan, case: Case, rank: int, inp: np.ndarray, out: np.ndarray | None,
+               step, barrier) -> int | None:
+    """After timing ``case``: fill this rank's inputs with known values, run
+    ``step`` once more once every rank is here (``barrier``), and count the
+    wrong elements of its result; None when ``plan`` is not checked."""
+    if not plan.check:
+        return None
+    prepare_check(plan, case, rank, inp, out)
+    barrier()  # the check starts once every rank has finished timing
+    step()
+    return count_wrong(plan, case, rank, inp, out)

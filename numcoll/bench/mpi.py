@@ -112,7 +112,7 @@ def paired_rank(plan: Plan, store_path: str) -> dict | None:
 
     import numcoll as nc
 
-    from .check import count_wrong, prepare_check
+    from .check import check_case
     from .forms import algorithm, bind_to_core, mpi_step, numcoll_buffers, numcoll_form_step
     from .runners import _time_case, rank_buffers
 
@@ -144,13 +144,7 @@ def paired_rank(plan: Plan, store_path: str) -> dict | None:
                 m_times.append(_time_case(m_step, part, comm.Barrier, plan.sync_each_iter))
             ours.append(np.concatenate(n_times))
             theirs.append(np.concatenate(m_times))
-            case_wrong = None
-            if plan.check:
-                prepare_check(plan, case, rank, n_inp, n_out)
-                nc.barrier()
-                n_step()
-                case_wrong = count_wrong(plan, case, rank, n_inp, n_out)
-            wrong.append(case_wrong)
+            wrong.append(check_case(plan, case, rank, n_inp, n_out, n_step, nc.barrier))
             algorithms.append(algorithm(plan, case, pg.context))
         transport = pg.transport_kind
     finally:

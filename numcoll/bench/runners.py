@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from .check import count_wrong, prepare_check
+from .check import check_case
 from .forms import algorithm, bind_to_core, numcoll_buffers, numcoll_form_step
 from .progress import ProgressDisplay, Reporter
 from .steps import blocks, numcoll_issue, numcoll_step, rank_buffers  # noqa: F401 - re-exported
@@ -106,13 +106,7 @@ def _run_cases(plan: Plan, rank: int, make_step, barrier: Callable[[], object],
         inp, out = buffers(plan, case, rank)
         step = make_step(inp, out)
         all_times.append(_time_case(step, case, barrier, plan.sync_each_iter, tick))
-        wrong = None
-        if plan.check:
-            prepare_check(plan, case, rank, inp, out)
-            barrier()  # the check starts once every rank has finished timing
-            step()
-            wrong = count_wrong(plan, case, rank, inp, out)
-        all_wrong.append(wrong)
+        all_wrong.append(check_case(plan, case, rank, inp, out, step, barrier))
     return {"times": all_times, "wrong": all_wrong}
 
 

@@ -36,10 +36,13 @@ from numba.extending import intrinsic
 
 from numcoll.bench.placement import first_two_cpus, round_trip_us
 from numcoll.bench.sweep import format_nbytes, parse_nbytes
-from transports.shm.ring import _cpu_relax, _item_pointer, _load_acquire, _store_release
+from transports.shm.ring import (_cpu_relax, _item_pointer, _load_acquire, _monotonic_ns,
+                                 _store_release)
 
 #: Handoffs per figure: enough buffers to pass 64 MiB, at least this many.
 MIN_ITERS = 20
+#: A figure's deadline (seconds): 64 MiB of handoffs take well under one.
+DEADLINE_S = 60.0
 
 
 @intrinsic
@@ -72,11 +75,23 @@ def _sfence(typingctx):
     return sig, codegen
 
 
-@njit(nogil=True, cache=True)
-def _write(flag, slot, src, iters, nontemporal):
+@njit(nogil=True, inline="always")
+def _await(flag, at, value, deadline_ns):
+    """Spin until ``flag[at] == value``; False once ``deadline_ns`` passed."""
+    k = 0
+    while _load_acquire(flag, at) != value:
+        _cpu_relax()
+        k += 1
+        if (k & 1023) == 0 and _monotonic_ns() > deadline_ns:
+            return False
+    return True
+
+
+@njit(nogil=True)
+def _write(flag, slot, src, iters, nontemporal, deadline_ns):
     for i in range(iters):
-        while _load_acquire(flag, 8) != i:  # the reader took the last one
-            _cpu_relax()
+        if not _await(flag, 8, i, deadline_ns):  # the reader took the last one
+            return
         if nontemporal:
             for k in range(src.size):
                 _store_nontemporal(slot, k, src[k])
@@ -87,14 +102,16 @@ def _write(flag, slot, src, iters, nontemporal):
         _store_release(flag, 0, i + 1)
 
 
-@njit(nogil=True, cache=True)
-def _read(flag, slot, dst, iters):
+@njit(nogil=True)
+def _read(flag, slot, dst, iters, deadline_ns):
+    """True once all ``iters`` handoffs were copied out before the deadline."""
     for i in range(iters):
-        while _load_acquire(flag, 0) != i + 1:
-            _cpu_relax()
+        if not _await(flag, 0, i + 1, deadline_ns):
+            return False
         for k in range(slot.size):
             dst[k] = slot[k]
         _store_release(flag, 8, i + 1)
+    return True
 
 
 def handoff_us(nbytes: int, nontemporal: bool, iters: int, cpus: tuple[int, int]) -> float:
@@ -104,24 +121,29 @@ def handoff_us(nbytes: int, nontemporal: bool, iters: int, cpus: tuple[int, int]
     flag, slot = np.zeros(16, np.int64), np.zeros(n, np.int64)
     src, dst = np.arange(n, dtype=np.int64) * 3 + 1, np.zeros(n, np.int64)
     took = []
+    # (a thread that never gets its CPU must not leave the other spinning)
+    deadline_ns = time.monotonic_ns() + int(DEADLINE_S * 1e9)
 
     def write():
         os.sched_setaffinity(0, {cpus[0]})
-        _write(flag, slot, src, iters, nontemporal)
+        _write(flag, slot, src, iters, nontemporal, deadline_ns)
 
     def read():
         os.sched_setaffinity(0, {cpus[1]})
         began = time.perf_counter()
-        _read(flag, slot, dst, iters)
-        took.append(time.perf_counter() - began)
+        if _read(flag, slot, dst, iters, deadline_ns):
+            took.append(time.perf_counter() - began)
 
     threads = [threading.Thread(target=write, daemon=True),
                threading.Thread(target=read, daemon=True)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    if not took or not np.array_equal(dst, src):
+        t.join(DEADLINE_S + 5)
+    if not took:
+        raise RuntimeError(f"handoff of {nbytes} bytes between CPUs {cpus[0]} and {cpus[1]}: "
+                           f"not done within {DEADLINE_S:.0f} s")
+    if not np.array_equal(dst, src):
         raise RuntimeError(f"handoff of {nbytes} bytes: the reader's copy is not the writer's")
     return took[0] / iters * 1e6
 

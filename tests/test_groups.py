@@ -82,6 +82,11 @@ def test_groups_and_rank_translation():
                 warnings.simplefilter("always")
                 assert nc.all_reduce(x, group=backwards) is None
             assert "does not belong to the given group" in str(caught[0].message)
+            assert caught[0].filename == __file__  # the caller's line, not numcoll's
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert nc.monitored_barrier(group=backwards) is None  # (no fast path)
+            assert caught[0].filename == __file__
         local = nc.new_group([0, 2], use_local_synchronization=True) if r in (0, 2) else None
         if local is not None:
             y = np.ones(1)

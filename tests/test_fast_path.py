@@ -524,3 +524,44 @@ def test_the_handoff_benchmark_hands_over_whole_buffers_both_ways(capsys):
     for cell in cells:
         plain, nontemporal = (float(v) for v in cell.split()[2::2])
         assert plain > 0 and nontemporal > 0
+
+
+def test_the_module_functions_take_their_parameters_in_every_form_on_the_default_group():
+    """The default group's busiest case (a call that waits, no group named) runs
+    fused however its arguments are passed -- positional, by keyword, or the
+    defaults spelled out -- while ``async_op=True`` and a named group take
+    their own paths, and wrong arguments are refused with the collective's name."""
+    def body():
+        pg = nc.get_default_group()
+        r = pg.rank()
+        x = np.zeros(2, np.float32)
+        forms = [lambda: nc.all_reduce(x), lambda: nc.all_reduce(x, nc.ReduceOp.SUM),
+                 lambda: nc.all_reduce(tensor=x), lambda: nc.all_reduce(x, op=nc.ReduceOp.SUM),
+                 lambda: nc.all_reduce(x, nc.ReduceOp.SUM, None, False),
+                 lambda: nc.all_reduce(x, group=pg)]
+        for i, form in enumerate(forms * 2):
+            x[...] = r + i
+            assert form() is None
+            assert x.tolist() == [2.0 * i + 1] * 2
+        fused = fused_runs(pg)
+        x[...] = 1
+        work = nc.all_reduce(x, async_op=True)
+        assert isinstance(work, nc.Work) and work.wait() and x.tolist() == [2.0, 2.0]
+        for _ in range(3):
+            nc.barrier()
+        nc.barrier(None, False, None, None)
+        nc.barrier(timeout=timedelta(seconds=20))
+        errors = []
+        for bad in (lambda: nc.all_reduce(), lambda: nc.all_reduce(x, bogus=1),
+                    lambda: nc.barrier(1, 2, 3, 4, 5)):
+            with pytest.raises(TypeError) as info:
+                bad()
+            errors.append(str(info.value))
+        return fused, fused_runs(pg) - fused, errors
+
+    results = nc.launch(body, 2, mode="thread", transport="shm", timeout=60)
+    for fused, after, errors in results:
+        # every form of the call on one array, the first two learnt
+        assert fused == 2 * 6 - 2
+        assert after >= 2  # the barriers repeated (the async call is not fused)
+        assert all(e.startswith(("all_reduce()", "barrier()")) for e in errors), errors

@@ -342,13 +342,23 @@ class Comm:
         ``out`` (uint8, C-contiguous), in one copy (the transport's
         ``single_copy``). Returns None, or why the kernel refused the read (the
         algorithm then finishes the call another way)."""
+        return self._single_copy(self.transport.single_copy.read, peer, address, out, "recv")
+
+    def write_peer(self, peer: int, address: int, data) -> str | None:
+        """:meth:`read_peer`'s other direction: copy ``data`` (uint8,
+        C-contiguous) to ``address`` in ``peer``'s memory, a range ``peer``
+        published for this rank to fill."""
+        return self._single_copy(self.transport.single_copy.write, peer, address, data,
+                                 "send")
+
+    def _single_copy(self, copy, peer: int, address: int, here, kind: str) -> str | None:
         self.started = True
         try:
-            self.transport.single_copy.read(peer, address, out)
+            copy(peer, address, here)
         except SingleCopyRefused as exc:
             return str(exc)
         except TransportError as exc:
-            raise self._translate(exc, peer, "recv") from exc
+            raise self._translate(exc, peer, kind) from exc
         return None
 
     def refuse_single_copy(self, reason: str) -> None:

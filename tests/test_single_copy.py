@@ -223,6 +223,30 @@ def test_a_read_refused_in_a_call_finishes_through_the_arena(monkeypatch, refuse
         close(pgs)
 
 
+def test_a_write_refused_in_a_call_finishes_through_the_arena(monkeypatch):
+    """The rooted collectives also write into a peer (the part the root, or a
+    gather's sender, copies itself): a refused write falls back like a read."""
+    pgs = shm_groups(3)
+    try:
+        refusals = []
+
+        def refuse(pid, local, remote, nbytes):
+            refusals.append(nbytes)
+            return -errno.EPERM
+
+        monkeypatch.setattr(single_copy, "_process_vm_writev", refuse)
+
+        def body(pg):
+            every_collective(pg, algorithm="cma")  # results right (checked inside)
+            return pg._transport.single_copy.failed
+
+        reasons = set(on_ranks(pgs, body))
+        assert len(reasons) == 1 and "process_vm_writev" in reasons.pop()
+        assert refusals
+    finally:
+        close(pgs)
+
+
 def test_yama_scopes(monkeypatch):
     calls = []
 

@@ -167,6 +167,14 @@ class FakeComm:
         ctypes.memmove(out.ctypes.data, address, out.nbytes)
         return None
 
+    def write_peer(self, peer: int, address: int, data: np.ndarray) -> str | None:
+        """Comm.write_peer: as :meth:`read_peer`, the other way."""
+        assert 0 <= peer < self.size and peer != self.rank, f"rank {self.rank} writes {peer}"
+        if self.single_copy_refused is not None:
+            return self.single_copy_refused
+        ctypes.memmove(address, data.ctypes.data, data.nbytes)
+        return None
+
     def refuse_single_copy(self, reason: str) -> None:
         """Comm.refuse_single_copy: later reads are refused."""
         self.single_copy_refused = reason

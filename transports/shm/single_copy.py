@@ -82,9 +82,10 @@ class _IOVec(ctypes.Structure):
 def _libc():
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        lib.process_vm_readv.restype = ctypes.c_ssize_t
-        lib.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                                         ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+        for call in (lib.process_vm_readv, lib.process_vm_writev):
+            call.restype = ctypes.c_ssize_t
+            call.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
+                             ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
         lib.prctl.restype = ctypes.c_int
         lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                               ctypes.c_ulong]
@@ -102,6 +103,15 @@ def _process_vm_readv(pid: int, local: int, remote: int, nbytes: int) -> int:
     for the call.)"""
     lv, rv = _IOVec(local, nbytes), _IOVec(remote, nbytes)
     got = _LIBC.process_vm_readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+    return got if got >= 0 else -ctypes.get_errno()
+
+
+def _process_vm_writev(pid: int, local: int, remote: int, nbytes: int) -> int:
+    """One ``process_vm_writev`` of ``nbytes`` from ``local`` here to ``remote``
+    in ``pid``: the bytes written, or ``-errno``. (The kernel allows it where
+    it allows the read: the same ptrace check.)"""
+    lv, rv = _IOVec(local, nbytes), _IOVec(remote, nbytes)
+    got = _LIBC.process_vm_writev(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
     return got if got >= 0 else -ctypes.get_errno()
 
 
@@ -212,20 +222,26 @@ class SingleCopy:
         when the kernel refuses (the caller falls back), :class:`TransportError`
         for anything else (the peer's buffer is not mapped: a bug, never a
         peer's choice)."""
+        self._copy(_process_vm_readv, "process_vm_readv", "from", peer, address, out)
+
+    def write(self, peer: int, address: int, data: np.ndarray) -> None:
+        """:meth:`read`'s other direction: copy ``data`` (C-contiguous) to
+        ``address`` in ``peer``'s memory (a range the peer published for it)."""
+        self._copy(_process_vm_writev, "process_vm_writev", "to", peer, address, data)
+
+    def _copy(self, syscall, name: str, way: str, peer: int, address: int, here) -> None:
         why = self.refused or self.failed
         if why is not None:
             raise SingleCopyRefused(f"single-copy reads are off on this group: {why}", peer)
-        nbytes = out.nbytes
-        local = out.ctypes.data
+        nbytes = here.nbytes
+        local = here.ctypes.data
         done = 0
-        while done < nbytes:  # the kernel may read less than asked (a partial read)
-            n = _process_vm_readv(self._pids[peer], local + done, address + done,
-                                  nbytes - done)
+        while done < nbytes:  # the kernel may copy less than asked (a partial copy)
+            n = syscall(self._pids[peer], local + done, address + done, nbytes - done)
             if n <= 0:
                 code = -n if n < 0 else errno.EIO
-                message = (f"rank {self.rank}: process_vm_readv of {nbytes - done} bytes from "
-                           f"rank {peer} (pid {self._pids[peer]}) failed with "
-                           f"{_errno_text(code)}")
+                message = (f"rank {self.rank}: {name} of {nbytes - done} bytes {way} rank "
+                           f"{peer} (pid {self._pids[peer]}) failed with {_errno_text(code)}")
                 if code in (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ESRCH):
                     raise SingleCopyRefused(message, peer)
                 raise TransportError(message, peer)

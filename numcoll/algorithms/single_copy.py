@@ -9,27 +9,33 @@ space -- and each reader copies straight from the owner's buffer into its own
 does with CMA. Any plain array qualifies: nothing is allocated in shared
 memory beforehand. The group offers these only where the kernel lets its
 ranks read each other (:mod:`transports.shm.single_copy` says when, and how
-every rank agrees on it at set-up).
+every rank agrees on it at set-up). In the rooted collectives the root also
+*writes* its end of each copy into the peer (:meth:`~numcoll.comm.Comm.write_peer`,
+``process_vm_writev``, which the kernel allows where it allows the read), so
+that the root and the peer copy at once (:func:`_root_share`).
 
 Every algorithm here is three phases over the arena:
 
-1. *where*: every rank publishes the address and length of each buffer a
-   peer will read (one step); from then on those buffers hold their inputs;
-2. the reads: each rank copies what it needs from the peers' buffers into
-   its own, and writes nowhere else;
-3. *done* (one step): every rank publishes whether its reads succeeded.
+1. *where*: every rank publishes the address and length of each range a
+   peer will read, or write (one step); from then on the ranges to read
+   hold their inputs;
+2. the copies: each rank copies what it needs from the peers' ranges into
+   its own buffers, or its part of a copy into the ranges published for it,
+   and writes nowhere else;
+3. *done* (one step): every rank publishes whether its copies succeeded.
 
 Why the reads are safe (the source stays valid and unchanged until every
 reader is done): a rank publishes *done* only after its last read returned,
 and no rank leaves the algorithm -- so no caller can free, reuse or write
 the buffers it published -- before the *done* step has every rank's part.
-During phase 2 no rank writes a byte another rank reads: each algorithm's
-docstring says which bytes it reads and writes, and the published ranges
-(a rank's input, or its own block of an output) are never among the ranges
-it writes. Between phases the arena's release/acquire publication orders
+During phase 2 no byte is written by one rank and read or written by
+another: each algorithm's docstring says which bytes it reads and writes; a
+range published to be read is never written, and a range published to be
+written is written only by the one peer it was published for, and its owner
+neither reads nor writes it before *done*. Between phases the arena's release/acquire publication orders
 the owner's writes of its input before any reader's copy.
 
-If a read is refused by the kernel (``EPERM``: this process's reader was
+If a read (or write) is refused by the kernel (``EPERM``: this process's reader was
 re-named by another group since the group agreed; a seccomp filter), the
 *done* step says so, every rank learns it in the same step and marks its
 reads failed (:meth:`numcoll.comm.Comm.refuse_single_copy`: later reads fail
@@ -37,7 +43,8 @@ at once, without a syscall), and the call is finished through the arena (the ``s
 collective, on the same buffers, whose inputs are still intact): a refused
 read costs time, never a wrong result.
 
-Cost: two synchronisations; every byte is copied once, by its reader.
+Cost: two synchronisations; every byte is copied once (by its reader, or
+in the rooted collectives partly by the root).
 """
 
 from __future__ import annotations

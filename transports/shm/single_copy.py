@@ -7,7 +7,9 @@ with no memory shared beforehand: a collective can read a peer's *plain*
 array (any NumPy array, not only one allocated in shared memory) straight
 into its own output -- one copy where the shared arena needs two (into the
 arena, out of it). Open MPI's shared-memory transport does the same
-(``btl_vader_single_copy_mechanism = cma``).
+(``btl_vader_single_copy_mechanism = cma``). ``process_vm_writev`` copies the
+other way, into a range the peer published for it; the kernel checks it as
+it checks the read (:meth:`SingleCopy.write`).
 
 Who may read whom
     The kernel lets a process read another's memory when it could ptrace

@@ -80,10 +80,12 @@ class Config:
     #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
     #: 4 MiB, noisy at 8 MiB, single-copy 2.2-2.6x faster at 16 MiB.
     single_copy_min_nbytes: int = 16 << 20
-    #: The threshold for broadcast and gather, where one rank copies
-    #: everything: the arena's pipeline keeps both sides copying at once
-    #: (2 ranks: gather of 16 MiB took 840 us on the arena, 1126 us
-    #: single-copy, least times; at 64 MiB single-copy was as fast or faster).
+    #: The threshold for gather, where the root copies most of it: the arena's
+    #: pipeline keeps both sides copying at once (2 ranks: gather of 16 MiB
+    #: took 840 us on the arena, 1126 us single-copy, least times; at 64 MiB
+    #: single-copy was as fast or faster). (Broadcast had it too, until its
+    #: single copy was made from both ends: 2 ranks, 16 MiB 1.13-1.29 ms
+    #: against the arena's 1.52-1.53, 32 MiB 1.85-2.31 against 2.44-3.49.)
     single_copy_rooted_min_nbytes: int = 64 << 20
     #: The same threshold for groups with more ranks than the host has CPUs:
     #: there every synchronisation waits for context switches, and readers

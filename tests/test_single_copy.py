@@ -128,9 +128,10 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     cfg = current()  # NUMCOLL_SINGLE_COPY_MIN_NBYTES=1024 (the fixture)
     assert choose(cfg, "allgather", None, 4096, 2, single_copy_refused=None).name == "cma"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
-    # Broadcast and gather: the rooted threshold.
+    # Gather: the rooted threshold (broadcast copies from both ends: the general one).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
     assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    assert choose(rooted, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
     assert choose(rooted, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
     # More ranks than CPUs: the crowded threshold.
     crowded = current(single_copy_crowded_min_nbytes=1 << 30)

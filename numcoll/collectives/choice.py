@@ -19,8 +19,8 @@ The automatic choice, in order:
   (:mod:`numcoll.algorithms.peers`);
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it, from
-  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for broadcast
-  and gather, ``single_copy_crowded_min_nbytes`` with more ranks than CPUs),
+  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for gather,
+  ``single_copy_crowded_min_nbytes`` with more ranks than CPUs),
   where the ranks may read each other's memory;
   the ``shared`` algorithms otherwise;
 - else by size: recursive doubling, binomial trees for small messages; the
@@ -147,11 +147,11 @@ def check_forced(cfg: Config) -> None:
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for broadcast and gather (one rank copies everything), and the larger
-    again on a group with more ranks than the host has CPUs (the same on every
-    rank of one host, as an shm group's ranks are)."""
+    two for gather (the root copies most of it), and the larger again on a
+    group with more ranks than the host has CPUs (the same on every rank of
+    one host, as an shm group's ranks are)."""
     least = cfg.single_copy_min_nbytes
-    if collective in ("broadcast", "gather"):
+    if collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
     if size > (os.cpu_count() or 1):
         least = max(least, cfg.single_copy_crowded_min_nbytes)

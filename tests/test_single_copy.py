@@ -198,10 +198,15 @@ def test_refused_at_set_up_every_rank_agrees_and_takes_the_arena(monkeypatch):
 
 
 @pytest.mark.parametrize("refuse_first_only", [False, True])
-def test_a_read_refused_in_a_call_finishes_through_the_arena(monkeypatch, refuse_first_only):
+@pytest.mark.parametrize("syscall", ["_process_vm_readv", "_process_vm_writev"])
+def test_a_copy_refused_in_a_call_finishes_through_the_arena(monkeypatch, syscall,
+                                                             refuse_first_only):
+    """A refused read, or write (the rooted collectives' root, or a gather's
+    sender, writes its part of a copy into the peer), fails no call: each
+    falls back to the arena, results right; later calls skip single copy."""
     pgs = shm_groups(3)
     try:
-        real = single_copy._process_vm_readv
+        real = getattr(single_copy, syscall)
         refusals = []
 
         def flaky(pid, local, remote, nbytes):
@@ -210,7 +215,7 @@ def test_a_read_refused_in_a_call_finishes_through_the_arena(monkeypatch, refuse
             refusals.append(nbytes)
             return -errno.EPERM
 
-        monkeypatch.setattr(single_copy, "_process_vm_readv", flaky)
+        monkeypatch.setattr(single_copy, syscall, flaky)
 
         def body(pg):
             every_collective(pg, algorithm="cma")  # each call falls back, results right
@@ -218,31 +223,9 @@ def test_a_read_refused_in_a_call_finishes_through_the_arena(monkeypatch, refuse
             return pg._transport.single_copy.failed
 
         reasons = set(on_ranks(pgs, body))
-        assert len(reasons) == 1 and "EPERM" in reasons.pop()
-        assert refusals
-    finally:
-        close(pgs)
-
-
-def test_a_write_refused_in_a_call_finishes_through_the_arena(monkeypatch):
-    """The rooted collectives also write into a peer (the part the root, or a
-    gather's sender, copies itself): a refused write falls back like a read."""
-    pgs = shm_groups(3)
-    try:
-        refusals = []
-
-        def refuse(pid, local, remote, nbytes):
-            refusals.append(nbytes)
-            return -errno.EPERM
-
-        monkeypatch.setattr(single_copy, "_process_vm_writev", refuse)
-
-        def body(pg):
-            every_collective(pg, algorithm="cma")  # results right (checked inside)
-            return pg._transport.single_copy.failed
-
-        reasons = set(on_ranks(pgs, body))
-        assert len(reasons) == 1 and "process_vm_writev" in reasons.pop()
+        assert len(reasons) == 1
+        reason = reasons.pop()
+        assert "EPERM" in reason and syscall.lstrip("_") in reason
         assert refusals
     finally:
         close(pgs)

@@ -105,8 +105,9 @@ def collective(body, fast=None):
 
 # The function a collective with a fast path is (made by _front, which fills
 # in its name and parameters): explicit parameters, not ``*args, **kwargs``,
-# because packing and unpacking those cost 0.11-0.16 us a call (measured), a
-# tenth of a repeated small call. Compiled with this file's name and these
+# because packing and unpacking those cost 0.11-0.16 us a call alone, 0.2-0.3 us
+# of a repeated small call between two ranks (measured: docs/performance/
+# small-calls.md). Compiled with this file's name and these
 # lines' numbers, so tracebacks and nc.launch's reports show this text.
 _FRONT_LINE = sys._getframe().f_lineno + 2
 _FRONT = """

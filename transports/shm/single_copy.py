@@ -234,7 +234,7 @@ class SingleCopy:
     def _copy(self, syscall, name: str, way: str, peer: int, address: int, here) -> None:
         why = self.refused or self.failed
         if why is not None:
-            raise SingleCopyRefused(f"single-copy reads are off on this group: {why}", peer)
+            raise SingleCopyRefused(f"single-copy copies are off on this group: {why}", peer)
         nbytes = here.nbytes
         local = here.ctypes.data
         done = 0

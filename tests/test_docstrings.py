@@ -5,7 +5,8 @@ Public names are ``numcoll.__all__`` and ``numcoll.torch.__all__``. A function, 
 (and its public methods) or module needs a docstring; a data name (a dtype, a constant, a
 namespace object) needs a ``#:`` comment right above its assignment in the module that
 exports it, which is where Sphinx's autodoc reads it. Every public name also has a place
-on one of the API reference's pages (``docs/api/*.md``)."""
+on one of the API reference's pages (``docs/api/*.md``), and every tunable of
+``numcoll.config.Config`` a row in the configuration guide."""
 
 import importlib
 import inspect
@@ -114,6 +115,17 @@ def test_every_public_name_has_a_place_in_the_api_reference():
         if not ok:
             missing.append(qualified)
     assert not missing, f"not in docs/api/*.md: {missing}"
+
+
+def test_every_tunable_has_a_row_in_the_configuration_guide():
+    import dataclasses
+
+    from numcoll.config import Config
+
+    guide = (ROOT / "docs" / "guide" / "configuration.md").read_text()
+    missing = [f"NUMCOLL_{f.name.upper()}" for f in dataclasses.fields(Config)
+               if f"`NUMCOLL_{f.name.upper()}`" not in guide]
+    assert not missing, f"not in docs/guide/configuration.md: {missing}"
 
 
 def test_package_metadata():

@@ -242,14 +242,14 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
     if size == 1:
         return
     if rank == root:
-        kept = [b.count - _root_share(b.count, size) for b in send_bufs]
-        tables = _where(comm, [b.send_view(0, kept[q]) if q != root else None
+        heads = [b.count - _root_share(b.count, size) for b in send_bufs]
+        tables = _where(comm, [b.send_view(0, heads[q]) if q != root else None
                                for q, b in enumerate(send_bufs)])
         refused = None
         for k in range(1, size):
             q = (rank + k) % size
             b = send_bufs[q]
-            refused = refused or _write(comm, b, kept[q], b.count - kept[q], q, tables[q][0])
+            refused = refused or _write(comm, b, heads[q], b.count - heads[q], q, tables[q][0])
     else:
         pushed = _root_share(recv_buf.count, size)
         kept = recv_buf.count - pushed

@@ -58,9 +58,10 @@ def collective(body, fast=None):
     group_at = names.index("group")
     async_at = names.index("async_op") if "async_op" in names else None
 
-    def submit(pg, args, kwargs, tried):
-        """The call, its group ``pg`` resolved here if None; ``tried``: its
-        fast path was tried already (on ``pg``)."""
+    def submit(pg, args, kwargs):
+        """The call on group ``pg``, whose fast path was tried already; or,
+        ``pg`` None, on the group resolved here, the fast path tried here."""
+        tried = pg is not None
         if async_at is None:
             async_op = False
         else:
@@ -90,7 +91,7 @@ def collective(body, fast=None):
 
     if fast is None:
         def run_collective(*args, **kwargs):
-            return submit(None, args, kwargs, True)
+            return submit(None, args, kwargs)
         # Frames of this function carry the collective's name, not
         # "run_collective": tracebacks read "in all_reduce", and so does
         # nc.launch's report of what a stuck rank is doing.
@@ -116,8 +117,8 @@ def {name}({params}):
         pg = (_thread_state.world or _process_world).pg
         if pg is not None and fast(pg, {args}):
             return None
-        return submit(pg, ({args},), {{}}, pg is not None)
-    return submit(None, ({args},), {{}}, False)
+        return submit(pg, ({args},), {{}})
+    return submit(None, ({args},), {{}})
 """
 
 

@@ -108,6 +108,80 @@ def test_a_fused_rank_meets_an_ordinary_one():
         close(pgs)
 
 
+def test_a_changed_array_takes_the_ordinary_path():
+    """After a fused repeat, each change below -- an array reshaped or retyped
+    in place (the same object), a list element swapped for an equal array,
+    an output made read-only -- takes the ordinary path (the fused count does
+    not move) with the ordinary result or error; the unchanged call after it
+    is fused again."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r, log = pg.rank(), []
+            out, inp = np.zeros(8, np.float32), np.zeros(8, np.float32)
+            block = np.zeros(4, np.float32)
+            whole = np.zeros(8, np.float32)
+            rows = list(whole.reshape(2, 4))
+
+            def exchange(fused, dtype=np.float32):
+                """One all_to_all_single, checked; ``fused``: whether it must
+                have run fused (None: either)."""
+                before = fused_runs(pg)
+                inp.reshape(-1)[...] = np.arange(8) + 10 * r
+                nc.all_to_all_single(out, inp, group=pg)
+                want = np.concatenate([np.arange(4 * r, 4 * r + 4) + 10 * q for q in range(2)])
+                log.append(("alltoall result", out.dtype == dtype and
+                            np.array_equal(out.reshape(-1), want)))
+                ran = fused_runs(pg) - before == 1
+                log.append((f"fused is {ran}", fused is None or ran == fused))
+                return ran
+
+            def gather(fused):
+                """One gather into ``rows`` on rank 0, checked (as ``exchange``)."""
+                before = fused_runs(pg)
+                block[...] = r + 1
+                nc.gather(block, rows if r == 0 else None, dst=0, group=pg)
+                if r == 0:
+                    log.append(("gather result",
+                                np.array_equal(np.concatenate(rows), np.repeat([1., 2.], 4))))
+                ran = fused_runs(pg) - before == 1
+                log.append((f"fused is {ran}", fused is None or ran == fused))
+                return ran
+
+            def fused_again(call):
+                """The unchanged call runs fused again within three calls."""
+                log.append(("fused again", any([call(None) for _ in range(3)])))  # (every rank makes all three)
+
+            for fused in (False, False, True):  # seen, learnt, fused
+                exchange(fused)
+                gather(fused)
+            out.shape = inp.shape = (2, 4)  # the same objects, reshaped in place
+            exchange(False)
+            out.shape = inp.shape = (8,)
+            fused_again(exchange)
+            out.dtype = inp.dtype = np.int32  # retyped in place
+            exchange(False, np.int32)
+            out.dtype = inp.dtype = np.float32
+            fused_again(exchange)
+            if r == 0:
+                rows[1] = rows[1].copy()  # an equal array, another object
+            gather(False if r == 0 else None)  # (rank 1 changed nothing)
+            if r == 0:
+                rows[1] = whole.reshape(2, 4)[1]  # a new view: another object
+            fused_again(gather)
+            out.flags.writeable = False  # read-only: the ordinary path's error
+            with pytest.raises(ValueError, match="read-only|writable|writeable"):
+                nc.all_to_all_single(out, inp, group=pg)
+            out.flags.writeable = True
+            fused_again(exchange)
+            return log
+
+        for log in on_ranks(pgs, body):
+            assert all(ok for _, ok in log), [(i, what) for i, (what, ok) in enumerate(log) if not ok]
+    finally:
+        close(pgs)
+
+
 def test_alltoall_counts_that_disagree_fail_on_the_fused_path():
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
     try:

@@ -260,7 +260,7 @@ def broadcast(pg, tensor, src=None, group=None, async_op=False, group_src=None):
     """Copy global rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
     call, run = movement.broadcast(pg.context, [tensor], None, _peer(pg, src, group_src, "src"))
     if (repeats := pg.repeats) is not None:
-        repeats.learn(tensor, None, call)
+        repeats.learn(tensor, None, call, run)
     return call, run
 
 
@@ -284,7 +284,7 @@ def all_gather_into_tensor(pg, output_tensor, input_tensor, group=None, async_op
     call, run = movement.allgather_into_tensor_coalesced(pg.context, output_tensor,
                                                          input_tensor, name="allgather_into_tensor")
     if (repeats := pg.repeats) is not None:
-        repeats.learn_allgather(output_tensor, input_tensor, call)
+        repeats.learn_allgather(output_tensor, input_tensor, call, run)
     return call, run
 
 
@@ -340,16 +340,16 @@ def _rooted_repeat(pg, name: str, tensor, blocks, peer, group_peer, which: str) 
                      (tensor, *(blocks or ())))
 
 
-def _learn_rooted(pg, name: str, root: int, tensor, blocks: list, call) -> None:
-    """Let the group plan a repeat of gather or scatter (``name``) when the
-    root's ``blocks`` (or none, off the root) lie back to back in one array."""
+def _learn_rooted(pg, name: str, root: int, tensor, blocks: list, call, run) -> None:
+    """Let the group plan a repeat of gather or scatter (``name``): fused when
+    the root's ``blocks`` (or none, off the root) lie back to back in one
+    array, else a replay."""
     if (repeats := pg.repeats) is None:
         return
     whole = moves.span(blocks) if blocks else None
-    if blocks and whole is None:
-        return
     inp, out = (tensor, whole) if name == "gather" else (whole, tensor)
-    repeats.learn_move(name, root, (tensor, *blocks), call, inp, out)
+    repeats.learn_move(name, root, (tensor, *blocks), call, inp, out, run,
+                       fuse=not blocks or whole is not None)
 
 
 def _gather_repeat(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
@@ -365,7 +365,7 @@ def gather(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,
     gather_list = _rooted_list(pg, tensor, gather_list, root, "gather_list", "destination")
     outputs = [gather_list] if pg.rank() == root else []
     call, run = movement.gather(pg.context, outputs, [tensor], GatherOptions(root_rank=root))
-    _learn_rooted(pg, "gather", root, tensor, gather_list, call)
+    _learn_rooted(pg, "gather", root, tensor, gather_list, call, run)
     return call, run
 
 
@@ -412,7 +412,7 @@ def scatter(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
     scatter_list = _rooted_list(pg, tensor, scatter_list, root, "scatter_list", "source")
     inputs = [scatter_list] if pg.rank() == root else []
     call, run = movement.scatter(pg.context, [tensor], inputs, ScatterOptions(root_rank=root))
-    _learn_rooted(pg, "scatter", root, tensor, scatter_list, call)
+    _learn_rooted(pg, "scatter", root, tensor, scatter_list, call, run)
     return call, run
 
 
@@ -440,7 +440,7 @@ def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_si
                                        input_split_sizes)
     if (repeats := pg.repeats) is not None and output_split_sizes is None and \
             input_split_sizes is None:
-        repeats.learn_move("alltoall_base", None, (output, input), call, input, output)
+        repeats.learn_move("alltoall_base", None, (output, input), call, input, output, run)
     return call, run
 
 

@@ -41,7 +41,7 @@ from ..memory.reduction import Reduction
 from .checks import timeout_seconds
 from .choice import NO_SINGLE_COPY, Choice, choose, segment_count
 
-__all__ = ["GroupContext", "cached", "check_options"]
+__all__ = ["GroupContext", "cached", "check_options", "remakes"]
 
 
 class GroupContext:
@@ -185,3 +185,13 @@ def cached(ctx: GroupContext, key: tuple, opts, op_name: str, build: Callable, *
         return ctx.keep(key, build(*args))
     ctx.plans.move_to_end(key)
     return plan
+
+
+def remakes(run: Callable, remake: Callable) -> Callable:
+    """``run`` (a builder's run closure), marked as one that ``remake(*arrays)``
+    makes again for the same arrays without checking them again: a repeat of
+    a large call skips the builder (:mod:`numcoll.fast.replay`). ``remake``
+    holds every check's result and no array; the arrays are those the module
+    function's repeat check is given, in that order."""
+    run.remake = remake
+    return run

@@ -7,6 +7,8 @@ Builders (see :mod:`.context`): ``alltoall(ctx, output_list, input_list, opts)
 
 from __future__ import annotations
 
+import functools
+
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_writable,
                              is_device_array, memory_of)
@@ -14,7 +16,7 @@ from ..memory.overlap import check_overlap
 from ..options import AllToAllOptions
 from . import shared_arrays
 from .checks import originals
-from .context import GroupContext, cached
+from .context import GroupContext, cached, remakes
 from .movement import _unpack_like
 
 __all__ = ["alltoall", "alltoall_base"]
@@ -102,6 +104,18 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
                                                   [output], aliased, opts)):
         return found
     algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
+    plan = (xp, algorithm, seg, send_chunks, recv_chunks, rank, aliased)
+    run = xp.wrap(_alltoall_base_run(plan, out, inp, output))
+    if output_split_sizes is None and input_split_sizes is None and not xp.is_device \
+            and output is out and input is inp:
+        remakes(run, functools.partial(_alltoall_base_remake, plan))
+    return call, run
+
+
+def _alltoall_base_run(plan, out, inp, output):
+    """The run of :func:`alltoall_base` on ``out`` and ``inp`` (``output``: as
+    the caller passed it), as its checks planned it."""
+    xp, algorithm, seg, send_chunks, recv_chunks, rank, aliased = plan
 
     def run(comm, work):
         send, recv = xp.flat(inp, copy_in=True), xp.flat(out, copy_in=False)
@@ -113,7 +127,13 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
         xp.assign(recv[r:r + m], send[s:s + n])
         return [output]
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _alltoall_base_remake(plan, output, input):
+    """The run of an ``all_to_all_single(output, input)`` (equal splits) that
+    was planned as ``plan`` for these very arrays (:mod:`numcoll.fast.replay`)."""
+    return _alltoall_base_run(plan, output, input, output)
 
 
 def _alltoall_plan(ctx, name, opts, inputs, outputs):

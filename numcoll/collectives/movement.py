@@ -6,6 +6,8 @@ Builders (see :mod:`.context`): ``broadcast(ctx, arrays, opts, root) -> (Call, r
 
 from __future__ import annotations
 
+import functools
+
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (as_array_list, check_same_type_and_size, check_writable,
                              is_device_array, memory_of, uniform_arrays)
@@ -14,7 +16,7 @@ from ..options import AllgatherOptions, BroadcastOptions, GatherOptions, Scatter
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
 from . import shared_arrays
-from .context import GroupContext, cached
+from .context import GroupContext, cached, remakes
 
 __all__ = ["broadcast", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
            "gather", "scatter"]
@@ -45,16 +47,34 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
            opts.algorithm, opts.timeout)
     algorithm, seg, call = cached(ctx, key, opts, name, _broadcast_plan, ctx, name, arrays,
                                   root_rank, opts)
+    plan = (xp, algorithm, seg, root_rank, is_root, opts.root_tensor)
+    run = xp.wrap(_broadcast_run(plan, arrays, outs))
+    if len(arrays) == 1 and not xp.is_device:
+        remakes(run, functools.partial(_broadcast_remake, plan))
+    return call, run
+
+
+def _broadcast_run(plan, arrays, outs):
+    """The run of :func:`broadcast` into ``arrays``, as its checks planned it;
+    ``outs``: the future's value."""
+    xp, algorithm, seg, root_rank, is_root, root_tensor = plan
+    src = arrays[root_tensor]
 
     def run(comm, work):
         flat = xp.flat(src, copy_in=is_root)
         algorithm.run(comm, xp.buffer(flat), root_rank, seg)
         for i, a in enumerate(arrays):
-            if i != opts.root_tensor or not xp.contiguous(src):
+            if i != root_tensor or not xp.contiguous(src):
                 xp.write(a, flat)
         return outs
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _broadcast_remake(plan, tensor):
+    """The run of a ``broadcast(tensor)`` planned as ``plan`` for this very
+    array (:mod:`numcoll.fast.replay`)."""
+    return _broadcast_run(plan, [tensor], [tensor])
 
 
 def _broadcast_plan(ctx, name, arrays, root_rank, opts):
@@ -202,6 +222,16 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
         return found
     chunks = [(r * per_rank, per_rank) for r in range(size)]
     algorithm, seg, call = _gathered_plan(ctx, name, opts, inputs, outputs, per_rank)
+    plan = (xp, algorithm, seg, chunks, rank, size, per_rank, direct, own_chunk, aliased)
+    run = xp.wrap(_gathered_run(plan, outputs, inputs, outs))
+    if name == "allgather_into_tensor" and not xp.is_device:
+        remakes(run, functools.partial(_gathered_remake, plan))
+    return call, run
+
+
+def _gathered_run(plan, outputs, inputs, outs):
+    """The run of :func:`allgather_into_tensor_coalesced`, as its checks planned it."""
+    xp, algorithm, seg, chunks, rank, size, per_rank, direct, own_chunk, aliased = plan
 
     def run(comm, work):
         # One pair with a contiguous output: gather straight into it.
@@ -222,7 +252,13 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
                 col += i.size
         return outs
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _gathered_remake(plan, output, input):
+    """The run of an ``all_gather_into_tensor(output, input)`` that was planned
+    as ``plan`` for these very arrays (a repeat: :mod:`numcoll.fast.replay`)."""
+    return _gathered_run(plan, [output], [input], [output])
 
 
 def _gathered_plan(ctx, name, opts, inputs, outputs, per_rank):
@@ -279,9 +315,20 @@ def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | No
     aliased = check_overlap(name, outputs, inputs, in_place=[(src, outputs[root])]
                             if own_slot else ())
     algorithm, seg, call = _rooted_plan(ctx, name, opts, src, root, inputs, outputs)
+    plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
+    run = xp.wrap(_gather_run(plan, src, outputs, value))
+    if not xp.is_device:
+        remakes(run, functools.partial(_gather_remake, plan))
+    return call, run
+
+
+def _gather_run(plan, src, outputs, value):
+    """The run of :func:`gather` sending ``src`` (into ``outputs``, the root's),
+    as its checks planned it; ``value``: the future's."""
+    xp, algorithm, seg, root, is_root, own_slot, aliased = plan
 
     def run(comm, work):
-        send = _snapshot(xp, inputs)[0] if aliased else xp.flat(src, copy_in=True)
+        send = _snapshot(xp, [src])[0] if aliased else xp.flat(src, copy_in=True)
         targets = [xp.flat(o, copy_in=False) for o in outputs]
         algorithm.run(comm, xp.buffer(send), [xp.buffer(t) for t in targets], root, seg)
         if is_root:
@@ -292,7 +339,14 @@ def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | No
                     xp.write(o, t)
         return value
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _gather_remake(plan, tensor, *blocks):
+    """The run of a ``gather(tensor, blocks)`` (``blocks``: the root's list,
+    none elsewhere) planned as ``plan`` for these very arrays
+    (:mod:`numcoll.fast.replay`)."""
+    return _gather_run(plan, tensor, list(blocks), list(blocks))
 
 
 def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | None = None):
@@ -327,6 +381,17 @@ def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | 
     aliased = check_overlap(name, outputs, inputs, in_place=[(inputs[root], out)]
                             if own_slot else ())
     algorithm, seg, call = _rooted_plan(ctx, name, opts, out, root, inputs, outputs)
+    plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
+    run = xp.wrap(_scatter_run(plan, out, inputs, outs))
+    if not xp.is_device:
+        remakes(run, functools.partial(_scatter_remake, plan))
+    return call, run
+
+
+def _scatter_run(plan, out, inputs, outs):
+    """The run of :func:`scatter` into ``out`` (from ``inputs``, the root's),
+    as its checks planned it; ``outs``: the future's value."""
+    xp, algorithm, seg, root, is_root, own_slot, aliased = plan
 
     def run(comm, work):
         target = xp.flat(out, copy_in=False)
@@ -340,7 +405,14 @@ def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | 
             xp.write(out, target)
         return outs
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _scatter_remake(plan, tensor, *blocks):
+    """The run of a ``scatter(tensor, blocks)`` (``blocks``: the root's list,
+    none elsewhere) planned as ``plan`` for these very arrays
+    (:mod:`numcoll.fast.replay`)."""
+    return _scatter_run(plan, tensor, list(blocks), [tensor])
 
 
 def _rooted_plan(ctx, name, opts, share, root, inputs, outputs):

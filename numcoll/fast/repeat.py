@@ -14,6 +14,11 @@ plan: another array object (even an equal one), a reshaped or re-strided
 array, another dtype or op, an array made read-only, a changed timeout or
 configuration. An ndarray's memory cannot move under a view the plan holds
 (``resize`` refuses), so the object's identity pins its memory.
+
+A call that no fused step takes (larger than a slot, several rounds, the
+single-copy algorithms) is kept instead, on the same terms, as a
+:class:`~numcoll.fast.replay.Replay` when its builder can remake its run:
+the ordinary submit without the argument checks, the arrays held weakly.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
 from . import moves
+from .replay import Replay
 from .step import FusedCall, fusable_dtype
 
 __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
@@ -118,13 +124,16 @@ def fusable(pg, call, x) -> bool:
 
 
 class Repeats:
-    """The recent small calls of group ``pg`` that can run fused."""
+    """The recent calls of group ``pg`` that can run fused, or be replayed."""
 
-    __slots__ = ("pg", "_seen", "_once", "_barrier")
+    __slots__ = ("pg", "_seen", "_once", "_barrier", "_replays")
 
     def __init__(self, pg):
         self.pg = pg
         self._seen: dict = {}
+        # Calls no fused step takes, run again without their checks (as
+        # _seen, by key): numcoll.fast.replay.
+        self._replays: dict = {}
         # Arrays seen once, by weak reference: a plan is made for an array seen
         # twice alive, not for each of the fresh arrays that code which
         # allocates one per call passes (they may even reuse an address).
@@ -155,10 +164,11 @@ class Repeats:
     def allgather(self, out, inp) -> bool:
         """:meth:`allreduce` for ``all_gather_into_tensor(out, inp)``: both
         arrays as they were (``inp`` the same object, shape, strides, dtype)."""
-        seen = self._seen.get((id(out), id(inp), "allgather"))
+        key = (id(out), id(inp), "allgather")
+        seen = self._seen.get(key)
         if seen is None or seen.op is not inp or seen.form != _form(inp):
-            return False
-        return self._repeat((id(out), id(inp), "allgather"), out, inp)
+            return self._replayed(key, (out, inp))
+        return self._repeat(key, out, inp, (out, inp))
 
     def barrier(self, timeout) -> bool:
         """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
@@ -172,13 +182,21 @@ class Repeats:
             return False
         return seen.fused.run()
 
-    def _repeat(self, key, x, op) -> bool:
+    def _repeat(self, key, x, op, arrays: tuple | None = None) -> bool:
+        """The fused plan under ``key`` on ``x`` with ``op`` if it holds; else
+        the replay under ``key`` of ``arrays`` (default ``(x,)``, with ``op``)."""
         seen = self._seen.get(key)
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
                 or not x.flags.writeable or self._stale(seen):
-            return False
+            return self._replayed(key, (x,), op) if arrays is None else \
+                self._replayed(key, arrays)
         return seen.fused.run()
+
+    def _replayed(self, key, arrays: tuple, op=None) -> bool:
+        """Run the replay under ``key`` on ``arrays`` if it was made for them."""
+        replay = self._replays.get(key)
+        return replay is not None and replay.run(arrays, op)
 
     def move(self, name: str, extra, arrays: tuple) -> bool:
         """Run the data-moving collective ``name`` (``extra``: its root, or its
@@ -188,52 +206,62 @@ class Repeats:
         # made array by array, without building _described's tuples: a gather's
         # root passes three arrays on two ranks, and nc.gather went from 4.6-6.1
         # to 3.7-4.9 us: docs/performance/small-calls.md)
-        seen = self._seen.get((name, extra, *map(id, arrays)))
+        key = (name, extra, *map(id, arrays))
+        seen = self._seen.get(key)
         if seen is None or self._stale(seen):
-            return False
+            return self._replayed(key, arrays)
         for a, b, (shape, strides, dtype, writeable) in zip(arrays, seen.x, seen.shape):
             if a is not b or a.shape != shape or a.strides != strides or a.dtype != dtype \
                     or a.flags.writeable is not writeable:
-                return False
+                return self._replayed(key, arrays)
         return seen.fused.run()
 
-    def learn_move(self, name: str, extra, arrays: tuple, call, inp, out) -> None:
+    def learn_move(self, name: str, extra, arrays: tuple, call, inp, out, run=None,
+                   fuse: bool = True) -> None:
         """Remember the call ``call`` on ``arrays`` (as :meth:`move` is given
-        them) that the ordinary path is about to run, if it can run fused:
-        its flat input and output are ``inp`` and ``out`` (see
-        :func:`numcoll.fast.moves.plan`)."""
+        them) that the ordinary path is about to run with ``run``: fused, if
+        it can run fused (``fuse``: its flat input and output are ``inp`` and
+        ``out``, see :func:`numcoll.fast.moves.plan`), else as a replay if
+        ``run`` can be remade."""
         if not arrays or any(type(a) is not np.ndarray for a in arrays):
             return
         key = (name, extra, *map(id, arrays))
         if not self._twice(key, arrays[0]):
             return
-        fused = moves.plan(self.pg, call, inp, out)
+        fused = moves.plan(self.pg, call, inp, out) if fuse else None
         if fused is not None:
             self._keep(key, None, None, fused)
             seen = self._seen[key]
             seen.x, seen.shape = arrays, _described(arrays)
+        else:
+            self._keep_replay(key, arrays, None, call, run)
 
     def _stale(self, seen) -> bool:
         ctx = self.pg.context
         return seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s
 
-    def learn(self, x, op, call) -> None:
+    def learn(self, x, op, call, run=None) -> None:
         """Remember the call ``call`` (allreduce, reduce or broadcast of ``x``
         with the op object ``op``; None for a broadcast) that the ordinary path
-        is about to run, if it can run fused."""
+        is about to run with ``run``: fused if it can run fused, else as a
+        replay if ``run`` can be remade."""
         key = (id(x), call.name) + ((call.root,) if call.name != "allreduce" else ())
         if self._twice(key, x):
             fused = fused_call(self.pg, call, x)
             if fused is not None:
                 self._keep(key, x, op, fused)
+            else:
+                self._keep_replay(key, (x,), op, call, run)
 
-    def learn_allgather(self, out, inp, call) -> None:
+    def learn_allgather(self, out, inp, call, run=None) -> None:
         """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""
         key = (id(out), id(inp), "allgather")
         if self._twice(key, out) and type(inp) is np.ndarray:
             fused = fused_allgather(self.pg, call, out, inp)
             if fused is not None:
                 self._keep(key, out, inp, fused)
+            else:
+                self._keep_replay(key, (out, inp), None, call, run)
 
     def _twice(self, key, x) -> bool:
         """Whether ``x`` (under ``key``) was seen before, alive; else remember it
@@ -264,8 +292,20 @@ class Repeats:
         ctx = self.pg.context
         seen[key] = _Seen(x, op, ctx.cfg, ctx.timeout_s, fused)
 
+    def _keep_replay(self, key, arrays: tuple, op, call, run) -> None:
+        """Keep ``call`` as a replay of ``arrays`` if its ``run`` can be remade."""
+        remake = getattr(run, "remake", None)
+        if remake is None:
+            return
+        replays = self._replays
+        replays.pop(key, None)
+        if len(replays) >= KEPT:
+            replays.pop(next(iter(replays)))
+        replays[key] = Replay(self.pg, call, remake, arrays, op)
+
     def clear(self) -> None:
         """Forget every call (the group is shutting down)."""
         self._seen.clear()
+        self._replays.clear()
         self._once.clear()
         self._barrier = None

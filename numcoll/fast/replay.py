@@ -1,0 +1,61 @@
+"""Large blocking calls that repeat: the ordinary path, without the checks.
+
+A call that no fused step takes -- larger than an arena slot, or moved in
+several rounds, or by the single-copy algorithms -- pays the module API's
+argument checks and plan lookups on every call: 15-25 µs with the
+interpreter's working set in cache, 40-60 µs after a 16 MiB copy has
+evicted it. When the same arrays come again, unchanged, those checks would
+find what they found the time before. So a builder that allows it hands,
+with its ``(call, run)``, a *remake* (``run.remake``, set by
+:func:`numcoll.collectives.context.remakes`): a function of the
+arrays alone that makes the same ``run`` for them without checking them
+again (every check's result is in it: the algorithm, the in-place form, the
+overlap found). :class:`Replay` keeps the call and the remake with *weak*
+references to the arrays and what must be unchanged about them, and runs a
+repeat as ``pg.submit(call, remake(*arrays), blocking=True)``: the group's
+ordinary submit, with its sequence number, flight-recorder record, Work,
+mismatch stamp and errors.
+
+A replay never keeps an array alive (the remake holds no array: an array
+dropped by its caller is freed, and its entry can never match again), and
+it is never used for an array it was not made for: the very same objects
+(``is``, through the weak references), each with the shape, strides, dtype
+and writability it had, the same op object, and the group's configuration
+and default timeout unchanged. Anything else takes the full checks.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["Replay"]
+
+
+class Replay:
+    """One large call of group ``pg`` to run again without its checks: its
+    ``call``, the ``remake`` its builder gave, and -- held weakly -- the
+    ``arrays`` it was made for, with ``op`` (an object compared by identity,
+    or None) and the context's settings when it was made."""
+
+    __slots__ = ("pg", "call", "remake", "refs", "layout", "op", "cfg", "timeout_s")
+
+    def __init__(self, pg, call, remake, arrays: tuple, op):
+        self.pg, self.call, self.remake, self.op = pg, call, remake, op
+        self.refs = tuple(weakref.ref(a) for a in arrays)
+        self.layout = tuple((a.shape, a.strides, a.dtype, a.flags.writeable) for a in arrays)
+        ctx = pg.context
+        self.cfg, self.timeout_s = ctx.cfg, ctx.timeout_s
+
+    def run(self, arrays: tuple, op=None) -> bool:
+        """Run the call on ``arrays`` (blocking; raises its error) if they are
+        the arrays it was made for, unchanged, with ``op``; else False."""
+        ctx = self.pg.context
+        if op is not self.op or self.cfg is not ctx.cfg or self.timeout_s != ctx.timeout_s \
+                or len(arrays) != len(self.refs):
+            return False
+        for a, ref, (shape, strides, dtype, writeable) in zip(arrays, self.refs, self.layout):
+            if ref() is not a or a.shape != shape or a.strides != strides or a.dtype != dtype \
+                    or a.flags.writeable is not writeable:
+                return False
+        self.pg.submit(self.call, self.remake(*arrays), True)
+        return True

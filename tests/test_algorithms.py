@@ -66,6 +66,10 @@ def test_reduce(name, size):
 
         results = ranks(name, size, rank_fn)
         np.testing.assert_array_equal(results[root], sum(data(r, count) for r in range(size)))
+        if name == "shared":  # only reads the others' buffers (the builder relies on it)
+            for r in range(size):
+                if r != root:
+                    np.testing.assert_array_equal(results[r], data(r, count))
 
 
 @pytest.mark.parametrize("name", sorted(set(CHOICES["broadcast"]) - DEVICE_PEERS))

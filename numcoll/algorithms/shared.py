@@ -178,17 +178,26 @@ def _put_raw(comm, buf, round_: tuple[int, int], cap: int, rank: int) -> None:
 
 
 def reduce_shared(comm, buf, root: int, segment_count: int | None = None) -> None:
-    """Reduce through the shared arena: per round every rank publishes its part
-    and the root combines all P slots in rank order; the others only publish
-    (their buffers are left as they were).
-    Cost per round of S bytes: one synchronisation; every rank copies S in,
-    the root reduces (P-1) S from shared memory.
+    """Reduce through the shared arena: per round every other rank publishes
+    its part and the root combines the P parts in rank order, its own read
+    from its buffer; the others only publish (their buffers are only read:
+    the builder may hand the caller's array as it is).
+    Cost per round of S bytes: one synchronisation; every rank but the root
+    copies S in, the root reduces (P-1) S from shared memory and copies
+    nothing in (nobody reads its slot: it publishes an empty step, and keeps
+    its own part there for the rank order when P > 2 and it is not rank 0).
     """
-    if comm.size == 1:
+    size, rank = comm.size, comm.rank
+    if size == 1:
         return
-    for start, count, step in _published_rounds(comm, buf, segment_count):
-        if comm.rank == root:
-            _combine(comm, buf, step, start, count)
+    if rank != root:
+        for _ in _published_rounds(comm, buf, segment_count):
+            pass
+        return
+    for start, count in segments(0, buf.count, _per_round(comm, buf.itemsize, segment_count)):
+        scratch = comm.next_slot()  # this step's own slot: published empty, read by no one
+        step = comm.shared_step(None, 0)
+        _combine(comm, buf, step, start, count, 0, scratch if size > 2 and rank else None)
 
 
 def reduce_scatter_shared(comm, buf, chunks, segment_count: int | None = None) -> None:

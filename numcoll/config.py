@@ -78,8 +78,13 @@ class Config:
     #: reads at ~12 GB/s here, cached or not). Measured on 2 ranks, 2 cores,
     #: the same algorithm call after call (docs/performance/single-copy.md):
     #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
-    #: 4 MiB, noisy at 8 MiB, single-copy 2.2-2.6x faster at 16 MiB.
-    single_copy_min_nbytes: int = 16 << 20
+    #: 4 MiB, single-copy 2.2-2.6x faster at 16 MiB. At 8 MiB, the two
+    #: alternated in one launch: single copy 9-17 % faster for allgather,
+    #: alltoall and broadcast, scatter's 3-7 % slower, where the VM's vCPUs
+    #: were near each other, and 3-10x faster where they were far apart (a
+    #: cache line's round trip 0.3 us: the arena then copies at ~2 GB/s;
+    #: docs/performance/open-mpi.md, the far state).
+    single_copy_min_nbytes: int = 8 << 20
     #: The threshold for gather, where the root copies most of it: the arena's
     #: pipeline keeps both sides copying at once (2 ranks: gather of 16 MiB
     #: took 840 us on the arena, 1126 us single-copy, least times; at 64 MiB

@@ -209,3 +209,22 @@ def test_a_replay_meets_another_call_with_the_mismatch_error(built):
             on_ranks(pgs, body)
     finally:
         close(pgs)
+
+
+def test_a_group_keeps_its_last_eight_replays(built):
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r, right = pg.rank(), []
+            pairs = [(np.zeros(2 * COUNT), np.zeros(2 * COUNT)) for _ in range(10)]
+            for k, (out, inp) in enumerate(pairs * 3):  # each pair three times, in turn
+                inp[...] = np.arange(2 * COUNT) + 10 * r + k
+                nc.all_to_all_single(out, inp, group=pg)
+                right.append(np.array_equal(out, np.concatenate(
+                    [np.arange(r * COUNT, (r + 1) * COUNT) + 10 * q + k for q in range(2)])))
+            return all(right), len(pg.repeats._replays)
+
+        for right, kept in on_ranks(pgs, body):
+            assert right and kept == 8
+    finally:
+        close(pgs)

@@ -24,6 +24,7 @@ the ordinary submit without the argument checks, the arrays held weakly.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -132,8 +133,10 @@ class Repeats:
         self.pg = pg
         self._seen: dict = {}
         # Calls no fused step takes, run again without their checks (as
-        # _seen, by key): numcoll.fast.replay.
-        self._replays: dict = {}
+        # _seen, by key): numcoll.fast.replay. (Ordered: the oldest is
+        # dropped with one popitem, which another thread's insert cannot
+        # interrupt as it could an iterator.)
+        self._replays: OrderedDict = OrderedDict()
         # Arrays seen once, by weak reference: a plan is made for an array seen
         # twice alive, not for each of the fresh arrays that code which
         # allocates one per call passes (they may even reuse an address).
@@ -300,7 +303,7 @@ class Repeats:
         replays = self._replays
         replays.pop(key, None)
         if len(replays) >= KEPT:
-            replays.pop(next(iter(replays)))
+            replays.popitem(last=False)
         replays[key] = Replay(self.pg, call, remake, arrays, op)
 
     def clear(self) -> None:

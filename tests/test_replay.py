@@ -1,6 +1,7 @@
 """Large blocking calls that repeat run again without their checks
 (numcoll.fast.replay): all_gather_into_tensor, all_to_all_single, gather,
-scatter and broadcast through the module API, on calls no fused step takes
+scatter, broadcast, all_reduce, reduce and reduce_scatter_tensor through the
+module API, on calls no fused step takes
 (the arena's slot made 4 KiB, so every call here takes several rounds).
 
 A replay must give the ordinary path's results, take the full checks again
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 import numcoll as nc
-from numcoll.collectives import exchange, movement
+from numcoll.collectives import exchange, movement, reductions
+from numcoll.fast.repeat import REPLAYS_KEPT
 
 from test_fast_path import close
 from test_process_group import groups, on_ranks
@@ -28,7 +30,9 @@ COUNT = 3000  # float64 elements: 24 KB a block, several rounds of a 4 KiB slot
 BUILDERS = {"all_gather_into_tensor": (movement, "allgather_into_tensor_coalesced"),
             "all_to_all_single": (exchange, "alltoall_base"),
             "gather": (movement, "gather"), "scatter": (movement, "scatter"),
-            "broadcast": (movement, "broadcast")}
+            "broadcast": (movement, "broadcast"), "all_reduce": (reductions, "allreduce"),
+            "reduce": (reductions, "reduce"),
+            "reduce_scatter_tensor": (reductions, "reduce_scatter_tensor_coalesced")}
 
 
 @pytest.fixture
@@ -81,6 +85,17 @@ def _every_form(pg, log: list) -> None:
             other[...] = ramp.repeat(n) + i
         nc.broadcast(other, src=0, group=pg)
         log.append(np.array_equal(other, ramp.repeat(n) + i))
+        total = sum(np.arange(COUNT * n) * (q + 1) + i for q in range(n))
+        other[...] = np.arange(COUNT * n) * (r + 1) + i
+        nc.all_reduce(other, group=pg)
+        log.append(np.array_equal(other, total))
+        other[...] = np.arange(COUNT * n) * (r + 1) + i
+        nc.reduce(other, dst=n - 1, group=pg)
+        log.append(np.array_equal(other, total if r == n - 1
+                                  else np.arange(COUNT * n) * (r + 1) + i))
+        other[...] = np.arange(COUNT * n) * (r + 1) + i
+        nc.reduce_scatter_tensor(block, other, op=nc.ReduceOp.SUM, group=pg)
+        log.append(np.array_equal(block, total[r * COUNT:(r + 1) * COUNT]))
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -94,7 +109,7 @@ def test_every_form_repeated_replays_and_agrees(built, size):
 
         for log, replays in on_ranks(pgs, body):
             assert all(log), [i for i, ok in enumerate(log) if not ok]
-            assert len(replays) >= 5  # (a gather's or scatter's root keeps more)
+            assert len(replays) in (9, 10)  # (a gather's root has two forms more)
     finally:
         close(pgs)
     # Each form was built twice (seen, learnt) on each rank, then replayed:
@@ -103,7 +118,8 @@ def test_every_form_repeated_replays_and_agrees(built, size):
     for r in range(size):
         assert {name: built[name, r] for name in BUILDERS} == {
             "all_gather_into_tensor": 4, "all_to_all_single": 2, "gather": 4 if r == 0 else 2,
-            "scatter": 2, "broadcast": 2}
+            "scatter": 2, "broadcast": 2, "all_reduce": 2, "reduce": 2,
+            "reduce_scatter_tensor": 2}
 
 
 def test_a_changed_array_is_checked_again(built):
@@ -211,12 +227,13 @@ def test_a_replay_meets_another_call_with_the_mismatch_error(built):
         close(pgs)
 
 
-def test_a_group_keeps_its_last_eight_replays(built):
+def test_a_group_keeps_its_last_replays(built):
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    many = REPLAYS_KEPT + 2
     try:
         def body(pg):
             r, right = pg.rank(), []
-            pairs = [(np.zeros(2 * COUNT), np.zeros(2 * COUNT)) for _ in range(10)]
+            pairs = [(np.zeros(2 * COUNT), np.zeros(2 * COUNT)) for _ in range(many)]
             for k, (out, inp) in enumerate(pairs * 3):  # each pair three times, in turn
                 inp[...] = np.arange(2 * COUNT) + 10 * r + k
                 nc.all_to_all_single(out, inp, group=pg)
@@ -225,6 +242,6 @@ def test_a_group_keeps_its_last_eight_replays(built):
             return all(right), len(pg.repeats._replays)
 
         for right, kept in on_ranks(pgs, body):
-            assert right and kept == 8
+            assert right and kept == REPLAYS_KEPT
     finally:
         close(pgs)

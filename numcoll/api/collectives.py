@@ -187,7 +187,7 @@ def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""
     call, run = reductions.allreduce(pg.context, [tensor], None, op)
     if (repeats := pg.repeats) is not None:
-        repeats.learn(tensor, op, call)
+        repeats.learn(tensor, op, call, run)
     return call, run
 
 
@@ -213,7 +213,7 @@ def reduce(pg, tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False,
     call, run = reductions.reduce(pg.context, [tensor], None, op,
                                   _peer(pg, dst, group_dst, "dst"))
     if (repeats := pg.repeats) is not None:
-        repeats.learn(tensor, op, call)
+        repeats.learn(tensor, op, call, run)
     return call, run
 
 
@@ -240,7 +240,8 @@ def reduce_scatter_tensor(pg, output, input, op=ReduceOp.SUM, group=None, async_
         pg.context, output, input, ReduceScatterOptions(reduce_op=op),
         name="reduce_scatter_tensor")
     if (repeats := pg.repeats) is not None:
-        repeats.learn_move("reduce_scatter_tensor", op, (output, input), call, input, output)
+        repeats.learn_move("reduce_scatter_tensor", op, (output, input), call, input, output,
+                           run)
     return call, run
 
 

@@ -7,7 +7,6 @@ Builders (see :mod:`.context`): ``alltoall(ctx, output_list, input_list, opts)
 
 from __future__ import annotations
 
-import functools
 
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_writable,
@@ -108,7 +107,7 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
     run = xp.wrap(_alltoall_base_run(plan, out, inp, output))
     if output_split_sizes is None and input_split_sizes is None and not xp.is_device \
             and output is out and input is inp:
-        remakes(run, functools.partial(_alltoall_base_remake, plan))
+        remakes(run, _alltoall_base_remake, plan)
     return call, run
 
 

@@ -6,7 +6,6 @@ Builders (see :mod:`.context`): ``broadcast(ctx, arrays, opts, root) -> (Call, r
 
 from __future__ import annotations
 
-import functools
 
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (as_array_list, check_same_type_and_size, check_writable,
@@ -50,7 +49,7 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
     plan = (xp, algorithm, seg, root_rank, is_root, opts.root_tensor)
     run = xp.wrap(_broadcast_run(plan, arrays, outs))
     if len(arrays) == 1 and not xp.is_device:
-        remakes(run, functools.partial(_broadcast_remake, plan))
+        remakes(run, _broadcast_remake, plan)
     return call, run
 
 
@@ -225,7 +224,7 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
     plan = (xp, algorithm, seg, chunks, rank, size, per_rank, direct, own_chunk, aliased)
     run = xp.wrap(_gathered_run(plan, outputs, inputs, outs))
     if name == "allgather_into_tensor" and not xp.is_device:
-        remakes(run, functools.partial(_gathered_remake, plan))
+        remakes(run, _gathered_remake, plan)
     return call, run
 
 
@@ -318,7 +317,7 @@ def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | No
     plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
     run = xp.wrap(_gather_run(plan, src, outputs, value))
     if not xp.is_device:
-        remakes(run, functools.partial(_gather_remake, plan))
+        remakes(run, _gather_remake, plan)
     return call, run
 
 
@@ -384,7 +383,7 @@ def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | 
     plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
     run = xp.wrap(_scatter_run(plan, out, inputs, outs))
     if not xp.is_device:
-        remakes(run, functools.partial(_scatter_remake, plan))
+        remakes(run, _scatter_remake, plan)
     return call, run
 
 

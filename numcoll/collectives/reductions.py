@@ -18,7 +18,7 @@ from ..memory.overlap import check_overlap, same_view, shares_memory
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
-from .context import GroupContext, cached, check_options
+from .context import GroupContext, cached, check_options, remakes
 from . import shared_arrays
 from .arena_step import ArenaStep
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
@@ -68,6 +68,18 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
     else:
         ctx.plans.move_to_end(key)
     red, algorithm, seg, call, one = plan
+    planned = (xp, red, algorithm, seg, one)
+    run = _allreduce_run(planned, arrays, outs)
+    if len(arrays) == 1 and not xp.is_device:
+        remakes(run, _allreduce_remake, planned)
+    return call, run
+
+
+def _allreduce_run(planned, arrays, outs):
+    """The run of :func:`allreduce` on ``arrays``, as its checks planned it;
+    ``outs``: the future's value."""
+    xp, red, algorithm, seg, one = planned
+    first = arrays[0]
     if one is not None and first.flags.c_contiguous:  # one arena step: see .arena_step
         flat = first if first.ndim == 1 else first.reshape(-1)
 
@@ -75,7 +87,7 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
             one.run(comm, flat)
             return outs
 
-        return call, run_one
+        return run_one
     steps = red.host_steps if xp is HOST else xp.steps(red)
 
     def run(comm, work):
@@ -88,7 +100,13 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
                 steps.store(buf.array, a)
         return outs
 
-    return call, xp.wrap(run)
+    return xp.wrap(run)
+
+
+def _allreduce_remake(planned, tensor):
+    """The run of an ``all_reduce(tensor)`` planned as ``planned`` for this very
+    array (:mod:`numcoll.fast.replay`)."""
+    return _allreduce_run(planned, [tensor], [tensor])
 
 
 def _allreduce_plan(ctx, name, first, arrays, xp, reduce_op, opts):
@@ -180,6 +198,18 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
     read_only = (not is_root and algorithm.name == "shared" and not xp.is_device
                  and arr.dtype == red.wire_dtype and red.factor is None
                  and arr.flags.c_contiguous)
+    planned = (xp, red, algorithm, seg, root_rank, is_root, read_only)
+    run = xp.wrap(_reduce_run(planned, arrays, outs))
+    if not xp.is_device:
+        remakes(run, _reduce_remake, planned)
+    return call, run
+
+
+def _reduce_run(planned, arrays, outs):
+    """The run of :func:`reduce` on ``arrays`` (one), as its checks planned it;
+    ``outs``: the future's value."""
+    xp, red, algorithm, seg, root_rank, is_root, read_only = planned
+    arr = arrays[0]
 
     def run(comm, work):
         steps = xp.steps(red)
@@ -194,7 +224,13 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
                 steps.store(buf, arr)
         return outs
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _reduce_remake(planned, tensor):
+    """The run of a ``reduce(tensor)`` planned as ``planned`` for this very
+    array (:mod:`numcoll.fast.replay`)."""
+    return _reduce_run(planned, [tensor], [tensor])
 
 
 def _reduce_plan(ctx, name, arrays, xp, reduce_op, root_rank, opts):
@@ -313,6 +349,19 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
                       and not aliased
                       and not red.widen and red.factor is None
                       and inputs[0].flags.c_contiguous and outputs[0].flags.c_contiguous)
+    planned = (xp, red, algorithm, seg, chunks, rank, size, share, single, in_place_share,
+               own_share)
+    run = xp.wrap(_reduce_scatter_run(planned, outputs, inputs, outs))
+    if single and not xp.is_device:
+        remakes(run, _reduce_scatter_remake, planned)
+    return call, run
+
+
+def _reduce_scatter_run(planned, outputs, inputs, outs):
+    """The run of :func:`reduce_scatter_tensor_coalesced`, as its checks planned
+    it; ``outs``: what the caller passed as outputs."""
+    xp, red, algorithm, seg, chunks, rank, size, share, single, in_place_share, own_share = \
+        planned
 
     def run(comm, work):
         steps = xp.steps(red)
@@ -344,7 +393,13 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
             col += o.size
         return [outs] if single else outs
 
-    return call, xp.wrap(run)
+    return run
+
+
+def _reduce_scatter_remake(planned, output, input):
+    """The run of a ``reduce_scatter_tensor(output, input)`` planned as
+    ``planned`` for these very arrays (:mod:`numcoll.fast.replay`)."""
+    return _reduce_scatter_run(planned, [output], [input], output)
 
 
 def _plain(arrays) -> bool:

@@ -39,6 +39,10 @@ __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
 
 #: Calls remembered per group (the oldest is forgotten first).
 KEPT = 8
+#: Replays remembered per group: more, as a step of a training loop may
+#: repeat a dozen large calls, and a replay holds no array (a table cycled
+#: through by more calls than it keeps would replay none of them).
+REPLAYS_KEPT = 32
 
 
 def _described(arrays: tuple) -> tuple:
@@ -150,10 +154,11 @@ class Repeats:
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
                 or not x.flags.writeable:
-            return False
+            # (no replay kept, the usual case of a small call: no key to build)
+            return bool(self._replays) and self._replayed((id(x), "allreduce"), (x,), op)
         ctx = self.pg.context
         if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
-            return False
+            return self._replayed((id(x), "allreduce"), (x,), op)
         return seen.fused.run()
 
     def reduce(self, x, op, root: int) -> bool:
@@ -272,7 +277,7 @@ class Repeats:
         once = self._once.get(key)
         if once is None or once() is not x:
             if type(x) is np.ndarray:
-                if len(self._once) >= 4 * KEPT:
+                if len(self._once) >= 4 * REPLAYS_KEPT:
                     self._once.clear()
                 self._once[key] = weakref.ref(x)
             return False
@@ -302,7 +307,7 @@ class Repeats:
             return
         replays = self._replays
         replays.pop(key, None)
-        if len(replays) >= KEPT:
+        if len(replays) >= REPLAYS_KEPT:
             replays.popitem(last=False)
         replays[key] = Replay(self.pg, call, remake, arrays, op)
 

@@ -7,14 +7,14 @@ interpreter's working set in cache, 40-60 µs after a 16 MiB copy has
 evicted it. When the same arrays come again, unchanged, those checks would
 find what they found the time before. So a builder that allows it hands,
 with its ``(call, run)``, a *remake* (``run.remake``, set by
-:func:`numcoll.collectives.context.remakes`): a function of the
-arrays alone that makes the same ``run`` for them without checking them
-again (every check's result is in it: the algorithm, the in-place form, the
-overlap found). :class:`Replay` keeps the call and the remake with *weak*
-references to the arrays and what must be unchanged about them, and runs a
-repeat as ``pg.submit(call, remake(*arrays), blocking=True)``: the group's
-ordinary submit, with its sequence number, flight-recorder record, Work,
-mismatch stamp and errors.
+:func:`numcoll.collectives.context.remakes`): a function and what the checks
+found (the algorithm, the in-place form, the overlap), which make the same
+``run`` for the same arrays without checking them again. :class:`Replay`
+keeps the call and the remake with *weak* references to the arrays and what
+must be unchanged about them, and runs a repeat as ``pg.submit(call,
+remake(planned, *arrays), blocking=True)``: the group's ordinary submit,
+with its sequence number, flight-recorder record, Work, mismatch stamp and
+errors.
 
 A replay never keeps an array alive (the remake holds no array: an array
 dropped by its caller is freed, and its entry can never match again), and
@@ -57,5 +57,6 @@ class Replay:
             if ref() is not a or a.shape != shape or a.strides != strides or a.dtype != dtype \
                     or a.flags.writeable is not writeable:
                 return False
-        self.pg.submit(self.call, self.remake(*arrays), True)
+        remake, planned = self.remake
+        self.pg.submit(self.call, remake(planned, *arrays), True)
         return True

@@ -4,8 +4,14 @@ Every collective in this package is a *builder*: ``build(ctx, <the call's
 arguments>) -> (Call, run)``. It checks the arguments, works out (or takes
 from ``ctx.plans``) the algorithm, segment size and reduction plan, builds
 the :class:`~numcoll.call.Call`, and returns it with ``run(comm, work)``, the
-closure the group runs when the call's turn comes. A builder reads nothing
-but its arguments and this context, and never calls the group: the
+closure the group runs when the call's turn comes. A builder whose run can
+be made again for the same arrays without their checks marks it:
+``run.remake = (function, planned)``, ``planned`` holding every check's result
+and no array, ``function(planned, *arrays)`` making the same run (a repeat
+of a large call then skips the builder: :mod:`numcoll.fast.replay`; an
+attribute set in the builder, not a helper here, so that a small call's path
+enters no more files). A builder reads nothing but its arguments and this
+context, and never calls the group: the
 :class:`~numcoll.ProcessGroup` (or the module API) hands ``(call, run)`` to
 ``ProcessGroup.submit``. So a call flows one way: group -> builder, then
 group -> executor -> ``run`` -> algorithm -> comm -> transport.
@@ -41,7 +47,7 @@ from ..memory.reduction import Reduction
 from .checks import timeout_seconds
 from .choice import NO_SINGLE_COPY, Choice, choose, segment_count
 
-__all__ = ["GroupContext", "cached", "check_options", "remakes"]
+__all__ = ["GroupContext", "cached", "check_options"]
 
 
 class GroupContext:
@@ -186,14 +192,3 @@ def cached(ctx: GroupContext, key: tuple, opts, op_name: str, build: Callable, *
     ctx.plans.move_to_end(key)
     return plan
 
-
-def remakes(run: Callable, remake: Callable, planned: tuple) -> Callable:
-    """``run`` (a builder's run closure), marked as one that
-    ``remake(planned, *arrays)`` makes again for the same arrays without
-    checking them again: a repeat of a large call skips the builder
-    (:mod:`numcoll.fast.replay`). ``planned`` holds every check's result and
-    no array; the arrays are those the module function's repeat check is
-    given, in that order. (A pair, not a ``functools.partial``: every
-    ordinary call makes one, and a partial took 0.07 us more.)"""
-    run.remake = (remake, planned)
-    return run

@@ -15,7 +15,7 @@ from ..memory.overlap import check_overlap
 from ..options import AllToAllOptions
 from . import shared_arrays
 from .checks import originals
-from .context import GroupContext, cached, remakes
+from .context import GroupContext, cached
 from .movement import _unpack_like
 
 __all__ = ["alltoall", "alltoall_base"]
@@ -107,7 +107,7 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
     run = xp.wrap(_alltoall_base_run(plan, out, inp, output))
     if output_split_sizes is None and input_split_sizes is None and not xp.is_device \
             and output is out and input is inp:
-        remakes(run, _alltoall_base_remake, plan)
+        run.remake = (_alltoall_base_remake, plan)  # (see .context: a repeat's remake)
     return call, run
 
 

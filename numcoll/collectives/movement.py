@@ -15,7 +15,7 @@ from ..options import AllgatherOptions, BroadcastOptions, GatherOptions, Scatter
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals, root_list)
 from . import shared_arrays
-from .context import GroupContext, cached, remakes
+from .context import GroupContext, cached
 
 __all__ = ["broadcast", "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
            "gather", "scatter"]
@@ -49,7 +49,7 @@ def broadcast(ctx: GroupContext, arrays, opts: BroadcastOptions | None = None, r
     plan = (xp, algorithm, seg, root_rank, is_root, opts.root_tensor)
     run = xp.wrap(_broadcast_run(plan, arrays, outs))
     if len(arrays) == 1 and not xp.is_device:
-        remakes(run, _broadcast_remake, plan)
+        run.remake = (_broadcast_remake, plan)  # (see .context: a repeat's remake)
     return call, run
 
 
@@ -224,7 +224,7 @@ def allgather_into_tensor_coalesced(ctx: GroupContext, outputs, inputs, opts=Non
     plan = (xp, algorithm, seg, chunks, rank, size, per_rank, direct, own_chunk, aliased)
     run = xp.wrap(_gathered_run(plan, outputs, inputs, outs))
     if name == "allgather_into_tensor" and not xp.is_device:
-        remakes(run, _gathered_remake, plan)
+        run.remake = (_gathered_remake, plan)  # (see .context: a repeat's remake)
     return call, run
 
 
@@ -317,7 +317,7 @@ def gather(ctx: GroupContext, output_lists, input_list, opts: GatherOptions | No
     plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
     run = xp.wrap(_gather_run(plan, src, outputs, value))
     if not xp.is_device:
-        remakes(run, _gather_remake, plan)
+        run.remake = (_gather_remake, plan)  # (see .context: a repeat's remake)
     return call, run
 
 
@@ -383,7 +383,7 @@ def scatter(ctx: GroupContext, output_list, input_lists, opts: ScatterOptions | 
     plan = (xp, algorithm, seg, root, is_root, own_slot, aliased)
     run = xp.wrap(_scatter_run(plan, out, inputs, outs))
     if not xp.is_device:
-        remakes(run, _scatter_remake, plan)
+        run.remake = (_scatter_remake, plan)  # (see .context: a repeat's remake)
     return call, run
 
 

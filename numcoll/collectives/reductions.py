@@ -18,7 +18,7 @@ from ..memory.overlap import check_overlap, same_view, shares_memory
 from ..options import AllreduceCoalescedOptions, AllreduceOptions, ReduceOptions, ReduceScatterOptions
 from .checks import (check_pairs, check_root_rank, check_root_tensor, check_same_dtype,
                      originals)
-from .context import GroupContext, cached, check_options, remakes
+from .context import GroupContext, cached, check_options
 from . import shared_arrays
 from .arena_step import ArenaStep
 from .sparse import allreduce_sparse, check_coalesced_layouts, is_sparse_call
@@ -71,7 +71,7 @@ def allreduce(ctx: GroupContext, arrays, opts: AllreduceOptions | None = None, o
     planned = (xp, red, algorithm, seg, one)
     run = _allreduce_run(planned, arrays, outs)
     if len(arrays) == 1 and not xp.is_device:
-        remakes(run, _allreduce_remake, planned)
+        run.remake = (_allreduce_remake, planned)  # (see .context: a repeat's remake)
     return call, run
 
 
@@ -201,7 +201,7 @@ def reduce(ctx: GroupContext, arrays, opts: ReduceOptions | None = None, op=None
     planned = (xp, red, algorithm, seg, root_rank, is_root, read_only)
     run = xp.wrap(_reduce_run(planned, arrays, outs))
     if not xp.is_device:
-        remakes(run, _reduce_remake, planned)
+        run.remake = (_reduce_remake, planned)  # (see .context: a repeat's remake)
     return call, run
 
 
@@ -353,7 +353,7 @@ def reduce_scatter_tensor_coalesced(ctx: GroupContext, outputs, inputs,
                own_share)
     run = xp.wrap(_reduce_scatter_run(planned, outputs, inputs, outs))
     if single and not xp.is_device:
-        remakes(run, _reduce_scatter_remake, planned)
+        run.remake = (_reduce_scatter_remake, planned)  # (see .context: a repeat's remake)
     return call, run
 
 

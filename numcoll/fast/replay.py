@@ -6,8 +6,8 @@ argument checks and plan lookups on every call: 15-25 µs with the
 interpreter's working set in cache, 40-60 µs after a 16 MiB copy has
 evicted it. When the same arrays come again, unchanged, those checks would
 find what they found the time before. So a builder that allows it hands,
-with its ``(call, run)``, a *remake* (``run.remake``, set by
-:func:`numcoll.collectives.context.remakes`): a function and what the checks
+with its ``(call, run)``, a *remake* (``run.remake``, see
+:mod:`numcoll.collectives.context`): a function and what the checks
 found (the algorithm, the in-place form, the overlap), which make the same
 ``run`` for the same arrays without checking them again. :class:`Replay`
 keeps the call and the remake with *weak* references to the arrays and what

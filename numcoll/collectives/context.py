@@ -191,4 +191,3 @@ def cached(ctx: GroupContext, key: tuple, opts, op_name: str, build: Callable, *
         return ctx.keep(key, build(*args))
     ctx.plans.move_to_end(key)
     return plan
-

@@ -7,7 +7,6 @@ Builders (see :mod:`.context`): ``alltoall(ctx, output_list, input_list, opts)
 
 from __future__ import annotations
 
-
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (_describe, as_array, as_array_list, check_writable,
                              is_device_array, memory_of)

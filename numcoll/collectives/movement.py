@@ -6,7 +6,6 @@ Builders (see :mod:`.context`): ``broadcast(ctx, arrays, opts, root) -> (Call, r
 
 from __future__ import annotations
 
-
 from ..call import Call, nbytes_of, shapes
 from ..memory.arrays import (as_array_list, check_same_type_and_size, check_writable,
                              is_device_array, memory_of, uniform_arrays)

@@ -32,7 +32,7 @@ from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
 from . import moves
-from .replay import Replay
+from .replay import Replay, described
 from .step import FusedCall, fusable_dtype
 
 __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
@@ -43,11 +43,6 @@ KEPT = 8
 #: repeat a dozen large calls, and a replay holds no array (a table cycled
 #: through by more calls than it keeps would replay none of them).
 REPLAYS_KEPT = 32
-
-
-def _described(arrays: tuple) -> tuple:
-    """What must be unchanged about ``arrays`` for a plan made on them to hold."""
-    return tuple((a.shape, a.strides, a.dtype, a.flags.writeable) for a in arrays)
 
 
 class _Seen:
@@ -211,7 +206,7 @@ class Repeats:
         op) on ``arrays`` (every array the caller passed, in order) fused, if
         it repeats a call seen before with the very same, unchanged arrays."""
         # (the key holds every array's id, so the lengths agree; the checks are
-        # made array by array, without building _described's tuples: a gather's
+        # made array by array, without building described()'s tuples: a gather's
         # root passes three arrays on two ranks, and nc.gather went from 4.6-6.1
         # to 3.7-4.9 us: docs/performance/small-calls.md)
         key = (name, extra, *map(id, arrays))
@@ -240,7 +235,7 @@ class Repeats:
         if fused is not None:
             self._keep(key, None, None, fused)
             seen = self._seen[key]
-            seen.x, seen.shape = arrays, _described(arrays)
+            seen.x, seen.shape = arrays, described(arrays)
         else:
             self._keep_replay(key, arrays, None, call, run)
 

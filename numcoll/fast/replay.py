@@ -28,7 +28,13 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "described"]
+
+
+def described(arrays: tuple) -> tuple:
+    """What must be unchanged about ``arrays`` for a plan made on them to hold
+    (a fused one, :mod:`numcoll.fast.repeat`, or a replay)."""
+    return tuple((a.shape, a.strides, a.dtype, a.flags.writeable) for a in arrays)
 
 
 class Replay:
@@ -42,7 +48,7 @@ class Replay:
     def __init__(self, pg, call, remake, arrays: tuple, op):
         self.pg, self.call, self.remake, self.op = pg, call, remake, op
         self.refs = tuple(weakref.ref(a) for a in arrays)
-        self.layout = tuple((a.shape, a.strides, a.dtype, a.flags.writeable) for a in arrays)
+        self.layout = described(arrays)
         ctx = pg.context
         self.cfg, self.timeout_s = ctx.cfg, ctx.timeout_s
 

@@ -34,17 +34,26 @@ the ordinary one meet at the same step and read each other's slots alike.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, typeof, types
 
 from transports.shm.arena import HEADER_NBYTES, _put, _wait
 from transports.shm.ring import _memcpy, _monotonic_ns
 
-from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, OP, RANK, ROWS, SIZE,
-                         SPIN, STAMP, STRIDE, YIELD, _accumulate, _lane_open)
+from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, OP, RANK, REGION,
+                         REGION_NBYTES, ROWS, SIZE, SPIN, STAMP, STRIDE, YIELD, _accumulate,
+                         _lane_open, _plan_at, _pointer)
 
-__all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "step", "finish", "unpack"]
+__all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "MOVES", "INP", "OUT", "step",
+           "finish", "unpack", "entry"]
 
 PACK, WORD, LOCAL, UNPACK, CHECK, REDUCE = 0, 1, 2, 3, 4, 5
+
+#: The plan's words (beside :mod:`.fused_step`'s) that say where the move
+#: table (its address and rows) and the input and output bytes (address and
+#: length each) lie, so that a call passes the plan's address and the typed
+#: output only: every array more that Numba unboxes costs a call about 0.05 us
+#: (and its dispatcher, typing them, 0.5 us).
+MOVES, INP, OUT = 20, 22, 24
 
 
 @njit(nogil=True, cache=True)
@@ -126,13 +135,27 @@ def _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
     return got
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _arrays(plan_address):
+    """The plan at ``plan_address`` and the region, move table, input and
+    output bytes whose addresses it holds."""
+    plan = _plan_at(plan_address)
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+    moves = carray(_pointer(plan[MOVES], np.int64), (plan[MOVES + 1], 5))
+    x = carray(_pointer(plan[INP], np.uint8), (plan[INP + 1],))
+    out = carray(_pointer(plan[OUT], np.uint8), (plan[OUT + 1],))
+    return plan, region, moves, x, out
+
+
 @njit(nogil=True, cache=True)
-def step(region, plan, moves, x, out, typed_out, step, seq, spin_ns):
+def step(plan_address, typed_out, step, seq, spin_ns):
     """A call's start: pack, publish, wait ``spin_ns`` at most for the others
     and, if they are all there, unpack and close the lane row. Returns -1
     done; else the step is published but not finished (:func:`finish`, or the
     caller's slow wait and then :func:`unpack`, takes over), or
-    :func:`unpack`'s mismatch."""
+    :func:`unpack`'s mismatch. ``typed_out``: the output in the call's dtype
+    (read by REDUCE rows); everything else is where the plan says."""
+    plan, region, moves, x, out = _arrays(plan_address)
     now = _lane_open(plan, seq)
     _pack(region, plan, moves, x, out, step)
     ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
@@ -144,9 +167,19 @@ def step(region, plan, moves, x, out, typed_out, step, seq, spin_ns):
 
 
 @njit(nogil=True, cache=True)
-def finish(region, plan, moves, out, typed_out, step, seq):
+def finish(plan_address, typed_out, step, seq):
     """The rest of a :func:`step` that returned before every rank was there:
     wait with the plan's spin and yield phases from now, then unpack."""
+    plan, region, moves, x, out = _arrays(plan_address)
     spin_until = _monotonic_ns() + plan[SPIN]
     return _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
                             spin_until + plan[YIELD])
+
+
+def entry(function, typed_out):
+    """The compiled :func:`step` or :func:`finish` for outputs of
+    ``typed_out``'s type, as its bare entry point (called without the
+    dispatcher's typing of the arguments, as :func:`.fused_step.entry`)."""
+    i64 = types.int64
+    rest = (i64, i64, i64) if function is step else (i64, i64)
+    return function.compile((i64, typeof(typed_out)) + rest)

@@ -70,8 +70,9 @@ STARTED, COMPLETED, MOVED = 1, 2, 4
 #: plan's own length; then the lane's count and last row (META, META + 1), the
 #: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``),
 #: whether an allgather copies its own chunk from there into ``x`` (OWN; 0: it
-#: is there already, torch's in-place form) and the lane's rows of four words
-#: from ROWS.
+#: is there already, torch's in-place form), words 20-27 for
+#: :mod:`.fused_moves` (where its move table and arrays lie) and the lane's
+#: rows of four words from ROWS.
 CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, REGION, \
     REGION_NBYTES, WORDS = 0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15
 META, SOURCE, OWN, ROWS = 16, 18, 19, 32

@@ -26,7 +26,7 @@ from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
 from ..algorithms.shared import _place
-from ..collectives.fused_moves import CHECK, LOCAL, PACK, REDUCE, UNPACK, WORD
+from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, FusedCall, fusable_dtype
 
 __all__ = ["FusedMove", "plan", "span"]
@@ -44,23 +44,24 @@ class FusedMove(FusedCall):
                  typed_out=None):
         op = fused_step.OPS[call.op] if typed is not None else fused_step.NO_REDUCE
         super().__init__(pg, call, typed, op, max(call.root, -1), outs, publishes=False)
-        self.plan[fused_step.NBYTES] = nbytes
-        self.moves = np.array(moves, np.int64).reshape(-1, 5)
+        plan = self.plan
+        plan[fused_step.NBYTES] = nbytes
+        # (the plan holds these arrays' addresses: these references keep them alive)
+        self.moves = table = np.array(moves, np.int64).reshape(-1, 5)
         self.inp, self.out = inp, out
-        self.typed_out = out if typed_out is None else typed_out
+        plan[MOVES:MOVES + 2] = table.ctypes.data, len(table)
+        plan[INP:INP + 2] = inp.ctypes.data, inp.nbytes
+        plan[OUT:OUT + 2] = out.ctypes.data, out.nbytes
+        # What the group's fused path passes as "x": the output in the call's
+        # dtype (read by a reduce_scatter's REDUCE rows).
+        self.x = self.typed_out = out if typed_out is None else typed_out
+        self._start = fused_moves.entry(fused_moves.step, self.x)
+        self._finish = fused_moves.entry(fused_moves.finish, self.x)
 
     def _entries(self, x) -> tuple:
-        # The group's fused path calls these as it calls fused_step's; combine()
-        # is this class's own.
-        return self._step, self._rest, None
-
-    def _step(self, address, x, step: int, seq: int, spin_ns: int) -> int:
-        return fused_moves.step(self.region, self.plan, self.moves, self.inp, self.out,
-                                self.typed_out, step, seq, spin_ns)
-
-    def _rest(self, address, x, step: int, seq: int) -> int:
-        return fused_moves.finish(self.region, self.plan, self.moves, self.out,
-                                  self.typed_out, step, seq)
+        # (set in __init__, once the plan says where the arrays lie; combine()
+        # is this class's own)
+        return None, None, None
 
     def combine(self, comm) -> None:
         got = fused_moves.unpack(self.region, self.plan, self.moves, self.out, self.typed_out,

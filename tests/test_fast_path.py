@@ -565,3 +565,41 @@ def test_the_module_functions_take_their_parameters_in_every_form_on_the_default
         assert fused == 2 * 6 - 2
         assert after >= 2  # the barriers repeated (the async call is not fused)
         assert all(e.startswith(("all_reduce()", "barrier()")) for e in errors), errors
+
+
+def test_a_repeated_rooted_call_translates_its_global_root_on_every_call():
+    """The repeat path keeps what it translated of a global ``src``/``dst``
+    (the group's ranks are fixed): on a sub-group the root is still the
+    group rank of that global rank on every repeat, a root outside the group
+    is refused every time, and ``group_src`` names a group rank as before."""
+    def body():
+        r = nc.get_rank()
+        g = nc.new_group([1, 3])
+        if r not in (1, 3):
+            return None
+        x = np.zeros(3, np.int32)
+        whole = np.zeros((2, 3), np.int32)
+        blocks = list(whole) if r == 3 else None
+        for i in range(4):
+            x[...] = 10 * r + i
+            nc.broadcast(x, src=3, group=g)
+            assert x.tolist() == [30 + i] * 3
+            x[...] = 10 * r + i
+            nc.broadcast(x, group=g, group_src=0)  # group rank 0: global rank 1
+            assert x.tolist() == [10 + i] * 3
+            x[...] = 10 * r + i
+            nc.gather(x, blocks, dst=3, group=g)
+            if r == 3:
+                assert whole.tolist() == [[10 + i] * 3, [30 + i] * 3]
+        refused = []
+        for _ in range(2):
+            with pytest.raises(ValueError) as info:
+                nc.broadcast(x, src=2, group=g)
+            refused.append(str(info.value))
+        return fused_runs(g), refused
+
+    results = nc.launch(body, 4, mode="thread", transport="shm", timeout=60)
+    assert results[0] is None and results[2] is None
+    for fused, refused in (results[1], results[3]):
+        assert fused == 3 * (4 - 2)  # every call from its third on
+        assert refused == ["src rank 2 is not part of the group [1, 3]"] * 2

@@ -126,7 +126,7 @@ def fusable(pg, call, x) -> bool:
 class Repeats:
     """The recent calls of group ``pg`` that can run fused, or be replayed."""
 
-    __slots__ = ("pg", "_seen", "_once", "_barrier", "_replays")
+    __slots__ = ("pg", "_seen", "_once", "_barrier", "_replays", "roots")
 
     def __init__(self, pg):
         self.pg = pg
@@ -141,6 +141,9 @@ class Repeats:
         # allocates one per call passes (they may even reuse an address).
         self._once: dict = {}
         self._barrier = None  # the default barrier's entry of _seen, once it has one
+        # Global ranks (as a module function's src/dst) translated to this
+        # group's ranks, by the API's repeat paths (the group's ranks are fixed)
+        self.roots: dict = {}
 
     def allreduce(self, x, op) -> bool:
         """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False

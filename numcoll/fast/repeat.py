@@ -172,9 +172,17 @@ class Repeats:
         arrays as they were (``inp`` the same object, shape, strides, dtype)."""
         key = (id(out), id(inp), "allgather")
         seen = self._seen.get(key)
-        if seen is None or seen.op is not inp or seen.form != _form(inp):
+        # (both arrays checked here, once, without building their forms as
+        # tuples: 0.98 -> 0.81 us of a repeated allgather's Python)
+        if seen is None or seen.x is not out or seen.op is not inp \
+                or out.shape != seen.shape or out.strides != seen.strides \
+                or out.dtype != seen.dtype or not out.flags.writeable:
             return self._replayed(key, (out, inp))
-        return self._repeat(key, out, inp, (out, inp))
+        shape, strides, dtype = seen.form
+        if inp.shape != shape or inp.strides != strides or inp.dtype != dtype \
+                or self._stale(seen):
+            return self._replayed(key, (out, inp))
+        return seen.fused.run()
 
     def barrier(self, timeout) -> bool:
         """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""

@@ -129,12 +129,11 @@ def _body(calls: int, runs: int) -> dict:
         fused.run()
 
     def compiled():
-        # the group's numbering and the arena's count, kept by hand
-        seq = pg._next_seq
-        pg._next_seq = seq + 1
-        step = arena._step
-        arena._step = step + 1
-        got = fused._start(fused.address, fused.x, step, seq, fused.spin_ns)
+        # (it claims the group's number and the arena's step itself; no lock)
+        got = fused._start(fused.address, fused.x, fused.spin_ns)
+        if got == fused_step.NOT_TAKEN:
+            raise RuntimeError("the fused step was not taken")
+        step, seq = fused.step, fused.seq
         if got != -1:
             got = fused._finish(fused.address, fused.x, step, seq)
         if got != -1:  # a peer slower than the spin and yield phases (a busy machine)
@@ -143,13 +142,13 @@ def _body(calls: int, runs: int) -> dict:
 
     def bare(check):
         def loop(n):
-            seq = pg._next_seq
-            pg._next_seq = seq + 1  # every step of the loop under one number
-            step = arena._step
+            seq = pg._word[fused_step.GROUP_SEQ]
+            pg._word[fused_step.GROUP_SEQ] = seq + 1  # every step of the loop under one number
+            step = arena.next_step
             got = _bare_steps(fused.region, fused.plan, fused.x, step, seq, n, check)
             if got != -1:
                 raise RuntimeError(f"bare steps: {got}")
-            arena._step = step + n
+            arena.step_word()[0] = step + n
         return loop
 
     loops = {"nc.all_reduce(x), ordinary": ordinary, "pg.allreduce(x, blocking=True)": method,

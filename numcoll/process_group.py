@@ -21,6 +21,8 @@ import time
 from datetime import timedelta
 from typing import Callable
 
+import numpy as np
+
 import transports
 from transports.endpoint import forget
 
@@ -31,11 +33,12 @@ from .collectives import exchange, movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
+from .collectives.fused_step import GROUP_BLOCKED, GROUP_SEQ
 from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
 from .diagnostics.mismatch import Finished
 from .errors import CollectiveMismatchError, GroupPoisonedError, NumcollError
-from .fast import Repeats, make_request, promote
+from .fast import Repeats, make_request, promote, update_blocked
 from .options import GroupOptions
 from .recovery import SHRINK_HINT, Recoverable
 from .bootstrap.store import PrefixStore, Store
@@ -108,7 +111,11 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
-        self._next_seq = 1  # collectives are numbered from 1, as torch numbers them
+        # The next number (from 1, as torch's) and whether a fused call may run
+        # now, in words its compiled step claims from (numcoll.fast.step)
+        self._fast_words = np.zeros(2, np.int64)
+        self._word = memoryview(self._fast_words)
+        self._word[GROUP_SEQ] = 1
         self._order = 0  # every submitted call's place in this rank's order
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight: dict[int, Work] = {}  # by order
@@ -146,6 +153,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         """Set the default deadline of later collectives."""
         self.context.set_timeout(timeout_seconds(timeout, "set_timeout"))
         self.options.timeout = timeout
+        if self.repeats is not None:  # (their plans hold the old deadline)
+            self.repeats.clear()
 
     _set_default_timeout = set_timeout  # torch's private name, used by ported tests
 
@@ -154,7 +163,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         rank; the last one's ``collective #N``), as torch's
         ``_get_sequence_number_for_group``."""
         with self._lock:
-            return self._next_seq - 1
+            return self._word[GROUP_SEQ] - 1
 
     def _choose_transport(self) -> str:
         here = f"{transports.host_key()}:{os.getpid()}"
@@ -302,8 +311,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
                 promote(self)
             seq = -1
             if call.collective:
-                seq = self._next_seq
-                self._next_seq = seq + 1
+                seq = self._word[GROUP_SEQ]
+                self._word[GROUP_SEQ] = seq + 1
             work = Work(call.name, seq, call=call)
             here = blocking and not self._inflight
             held = publish is not None and not self._inflight
@@ -315,6 +324,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             # Registered either way: a barrier or shutdown() on another thread
             # waits for it like any other work.
             self._inflight[order] = work
+            self._word[GROUP_BLOCKED] = 1  # (something in flight)
             if call.algorithm in ARENA:
                 self._arena_order.ticket(work, queued=not here)
             if not here:
@@ -395,6 +405,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             self._recorder.ended(record, error)
         with self._lock:
             self._inflight.pop(work.order, None)
+            if not self._inflight:  # (update_blocked: no call is held while one is in flight)
+                self._word[GROUP_BLOCKED] = self._poisoned is not None or self._closed
         future = work.future
         if error is None:
             future.set_result(result)
@@ -404,7 +416,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
 
     def _lowest_in_flight(self) -> int:  # of a collective (``_inflight`` is in order)
         with self._lock:
-            return next((w.seq for w in self._inflight.values() if w.seq > 0), self._next_seq)
+            return next((w.seq for w in self._inflight.values() if w.seq > 0),
+                        self._word[GROUP_SEQ])
 
     def _fail(self, work: Work, exc: BaseException) -> BaseException:
         """Record a failed work; the first failure poisons and aborts the group.
@@ -422,6 +435,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             if first:
                 what = f"collective #{work.seq}" if work.seq >= 0 else "point-to-point op"
                 self._poisoned = f"{work.op_name} ({what}) failed on rank {self._rank}: {exc}"
+                update_blocked(self)
         if first:
             # The culprit is the rank that caused it (a dead or stalled peer, or
             # the one whose failure reached us through its neighbour), so that
@@ -453,6 +467,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             if self._closed or self._poisoned is not None:
                 return
             self._poisoned = f"rank {self._rank} aborted the group: {reason}"
+            update_blocked(self)
         self._abort(self._poisoned, self._rank)
 
     def shutdown(self) -> None:
@@ -479,6 +494,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         self._leave()
         with self._lock:
             self._closed = True
+            update_blocked(self)
         # Closing the transport fails every pending wait at once, so workers
         # stuck on a peer return promptly.
         self._transport.close()

@@ -5,6 +5,7 @@ writability, deadline) falls back to the ordinary path with its checks; a
 mismatch, a dead or missing peer, and calls interleaved with a held start are
 handled as on the ordinary path; the flight recorder sees every call."""
 
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -603,3 +604,45 @@ def test_a_repeated_rooted_call_translates_its_global_root_on_every_call():
     for fused, refused in (results[1], results[3]):
         assert fused == 3 * (4 - 2)  # every call from its third on
         assert refused == ["src rank 2 is not part of the group [1, 3]"] * 2
+
+
+def test_the_groups_words_say_when_a_fused_call_may_run():
+    """The word the compiled step checks (``GROUP_BLOCKED``) is set while a
+    call is in flight or held and once the group is poisoned or closed, and
+    clear otherwise; the number it claims from is the group's
+    (``sequence_number``), fused and ordinary calls alike."""
+    from numcoll.collectives.fused_step import GROUP_BLOCKED
+
+    pgs = groups(2, transport="shm", threads=2, timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            blocked = []
+            x = np.zeros(2, np.float32)
+            for _ in range(4):
+                nc.all_reduce(x, group=pg)  # fused from the third on
+            blocked.append(pg._word[GROUP_BLOCKED])
+            if pg.rank() == 1:
+                time.sleep(0.2)  # rank 0's call stays in flight meanwhile
+            work = pg.allreduce(np.ones(3))
+            if pg.rank() == 0:
+                blocked.append(pg._word[GROUP_BLOCKED])
+            work.wait()
+            nc.all_reduce(x, group=pg)
+            blocked.append(pg._word[GROUP_BLOCKED])
+            req = pg.allreduce_init(x)
+            req.start()  # fused; held if the peer is not there within 3 us
+            held = pg._fast_held is not None
+            blocked.append(pg._word[GROUP_BLOCKED] == held)
+            req.wait()
+            blocked.append(pg._word[GROUP_BLOCKED])
+            return blocked, pg.sequence_number(), fused_runs(pg)
+
+        zero, one = on_ranks(pgs, body)
+        assert zero[0] == [0, 1, 0, True, 0] and one[0] == [0, 0, True, 0]
+        for blocked, seq, fused in (zero, one):
+            assert seq == 4 + 1 + 1 + 1 and fused >= 3
+        pgs[0].abort("test")
+        pgs[1].shutdown()
+        assert pgs[0]._word[GROUP_BLOCKED] == 1 and pgs[1]._word[GROUP_BLOCKED] == 1
+    finally:
+        close(pgs)

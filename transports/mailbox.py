@@ -22,6 +22,8 @@ import threading
 from collections import deque
 from typing import Callable
 
+import numpy as np
+
 from .base import (
     ANY_SOURCE,
     CALL_SHIFT,
@@ -74,6 +76,9 @@ class Mailbox:
         #: :meth:`oldest_held` has nothing to find (a plain attribute, so that a
         #: caller's check costs nothing then).
         self.held_calls = 0
+        #: ``held_calls`` again, in a word that compiled code reads (the fused
+        #: steps of numcoll.fast, which do not run while it is not 0).
+        self.held_word = np.zeros(1, np.int64)
         #: No held message is of a call numbered below this (a lower bound, exact
         #: after :meth:`oldest_held`): a caller compares it with its own call's
         #: number to skip :meth:`oldest_held` when nothing held can be older.
@@ -251,6 +256,7 @@ class Mailbox:
             self._calls_posted.clear()
             self._calls_held.clear()
             self.held_calls, self._held_order, self.oldest_call = 0, [], NONE_HELD
+            self.held_word[0] = 0
         for req in victims:
             req.fail(TransportClosed(f"{req.describe()}: {reason}", req.peer))
 
@@ -332,6 +338,7 @@ class Mailbox:
             stamps = self._calls_held.setdefault((src, tag >> CALL_SHIFT), {})
             stamps[stamp] = stamps.get(stamp, 0) + 1
             self.held_calls += 1
+            self.held_word[0] = self.held_calls
             heapq.heappush(self._held_order, tag >> CALL_SHIFT)
             self.oldest_call = min(self.oldest_call, tag >> CALL_SHIFT)
         return True
@@ -375,6 +382,7 @@ class Mailbox:
                 if not stamps:
                     del self._calls_held[key]
             self.held_calls -= 1
+            self.held_word[0] = self.held_calls
             if not self.held_calls:
                 self._held_order.clear()
                 self.oldest_call = NONE_HELD

@@ -461,18 +461,36 @@ def all_to_all_single(pg, output, input, output_split_sizes=None, input_split_si
 
 # -- barriers ------------------------------------------------------------------------------
 def _barrier_repeat(pg, group=None, async_op=False, device_ids=None, timeout=None):
-    return (repeats := pg.repeats) is not None and \
-        (timeout is None or type(timeout) is timedelta) and repeats.barrier(timeout)
+    if (repeats := pg.repeats) is None:
+        return False
+    if timeout is None:  # nc.barrier(): the group's fused barrier, no key to look up
+        fused = repeats.default_barrier
+        return fused is not None and fused.run()
+    return type(timeout) is timedelta and repeats.barrier(timeout)
 
 
 @functools.partial(collective, fast=_barrier_repeat)
-def barrier(pg, group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
-    """Wait until every rank of the group (and every earlier collective) got here."""
+def _any_barrier(pg, group=None, async_op=False, device_ids=None,
+                 timeout: timedelta | None = None):
+    """:func:`barrier`, every form."""
     _check_timeout(timeout, "barrier")
     call, run = p2p.barrier(pg.context, BarrierOptions(timeout=timeout))
     if (repeats := pg.repeats) is not None:
         repeats.learn_barrier(timeout, call)
     return call, run
+
+
+def barrier(group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
+    """Wait until every rank of the group (and every earlier collective) got here."""
+    if group is None and not async_op and timeout is None:
+        # nc.barrier() again: the default group's fused barrier at once, one
+        # call layer fewer than the other collectives' (of a 0.85 us call, each
+        # layer costs 0.05-0.1 us)
+        pg = (_thread_state.world or _process_world).pg
+        if pg is not None and (repeats := pg.repeats) is not None \
+                and (fused := repeats.default_barrier) is not None and fused.run():
+            return None
+    return _any_barrier(group, async_op, device_ids, timeout)
 
 
 @collective

@@ -39,9 +39,10 @@ from numba import carray, njit, typeof, types
 from transports.shm.arena import HEADER_NBYTES, _put, _wait
 from transports.shm.ring import _memcpy, _monotonic_ns
 
-from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, OP, RANK, REGION,
-                         REGION_NBYTES, ROWS, SIZE, SPIN, STAMP, STRIDE, YIELD, _accumulate,
-                         _lane_open, _plan_at, _pointer)
+from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, NOT_TAKEN, NOW_SEQ,
+                         NOW_STEP, OP, RANK, REGION, REGION_NBYTES, ROWS, SIZE, SPIN, STAMP,
+                         STRIDE, YIELD, _accumulate, _claim, _ended, _lane_open, _plan_at,
+                         _pointer)
 
 __all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "MOVES", "INP", "OUT", "step",
            "finish", "unpack", "entry"]
@@ -148,22 +149,28 @@ def _arrays(plan_address):
 
 
 @njit(nogil=True, cache=True)
-def step(plan_address, typed_out, step, seq, spin_ns):
-    """A call's start: pack, publish, wait ``spin_ns`` at most for the others
-    and, if they are all there, unpack and close the lane row. Returns -1
-    done; else the step is published but not finished (:func:`finish`, or the
-    caller's slow wait and then :func:`unpack`, takes over), or
-    :func:`unpack`'s mismatch. ``typed_out``: the output in the call's dtype
-    (read by REDUCE rows); everything else is where the plan says."""
+def step(plan_address, typed_out, spin_ns):
+    """A call's start: claim the group's next number and step (NOT_TAKEN if
+    it may not: :func:`.fused_step._claim`), pack, publish, wait ``spin_ns``
+    at most for the others and, if they are all there, unpack and close the
+    lane row. Returns -1 done (or DONE_HELD: done, a message of a call not
+    yet taken held); else the step is published but not finished
+    (:func:`finish`, or the caller's slow wait and then :func:`unpack`, takes
+    over), or :func:`unpack`'s mismatch. ``typed_out``: the output in the
+    call's dtype (read by REDUCE rows); everything else is where the plan
+    says."""
     plan, region, moves, x, out = _arrays(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    step, seq = plan[NOW_STEP], plan[NOW_SEQ]
     now = _lane_open(plan, seq)
     _pack(region, plan, moves, x, out, step)
     ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
     rank = plan[RANK]
     _put(region, ctrl, rank, step, plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq,
          plan[STAMP], plan[STAMP + 1], x, 0, plan[NBYTES])
-    return _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, now + spin_ns,
-                            now + spin_ns)
+    return _ended(plan, _wait_and_unpack(region, plan, moves, out, typed_out, step, seq,
+                                         now + spin_ns, now + spin_ns))
 
 
 @njit(nogil=True, cache=True)
@@ -181,5 +188,5 @@ def entry(function, typed_out):
     ``typed_out``'s type, as its bare entry point (called without the
     dispatcher's typing of the arguments, as :func:`.fused_step.entry`)."""
     i64 = types.int64
-    rest = (i64, i64, i64) if function is step else (i64, i64)
+    rest = (i64,) if function is step else (i64, i64)
     return function.compile((i64, typeof(typed_out)) + rest)

@@ -50,7 +50,8 @@ from transports.shm.ring import _memcpy, _monotonic_ns
 from ..kernels.cpu_loops import _maximum, _minimum
 
 __all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
-           "SOURCE", "OWN", "ROWS", "start", "finish", "combine", "entry"]
+           "SOURCE", "OWN", "GROUP", "HELD", "STEPS", "NOW_SEQ", "NOW_STEP", "ROWS", "GROUP_SEQ",
+           "GROUP_BLOCKED", "NOT_TAKEN", "DONE_HELD", "start", "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -70,12 +71,26 @@ STARTED, COMPLETED, MOVED = 1, 2, 4
 #: plan's own length; then the lane's count and last row (META, META + 1), the
 #: address of what this rank publishes if that is not ``x`` (SOURCE; 0: ``x``),
 #: whether an allgather copies its own chunk from there into ``x`` (OWN; 0: it
-#: is there already, torch's in-place form), words 20-27 for
-#: :mod:`.fused_moves` (where its move table and arrays lie) and the lane's
-#: rows of four words from ROWS.
+#: is there already, torch's in-place form), words 20-25 for
+#: :mod:`.fused_moves` (where its move table and arrays lie), the addresses
+#: of the group's words (GROUP, see below), of its mailbox's count of held
+#: messages (HELD) and of the arena's step count (STEPS), the sequence number
+#: and step the last call claimed (NOW_SEQ, NOW_STEP), and the lane's rows of
+#: four words from ROWS.
 CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, REGION, \
     REGION_NBYTES, WORDS = 0, 1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15
-META, SOURCE, OWN, ROWS = 16, 18, 19, 32
+META, SOURCE, OWN, GROUP, HELD, STEPS, NOW_SEQ, NOW_STEP, ROWS = \
+    16, 18, 19, 26, 27, 28, 29, 30, 32
+
+#: The group's words (``ProcessGroup._fast_words``), kept by the group under
+#: its lock: its next sequence number, and whether a fused call may not run
+#: now (something in flight or held, the group poisoned or closed).
+GROUP_SEQ, GROUP_BLOCKED = 0, 1
+#: What a start returns besides ``_wait``'s answers (-1 done, a rank, -2 - a
+#: rank) and a move's check (-3 - a rank): the group's words say no fused call
+#: may run now (nothing was claimed or published); or the call completed but a
+#: message of a call not yet taken is held (the group must look at it).
+NOT_TAKEN, DONE_HELD = -(1 << 40), -(1 << 40) - 1
 
 
 @intrinsic
@@ -166,10 +181,6 @@ def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns)
     return got
 
 
-# Without nogil: start() waits the spin phase at most (microseconds), and
-# letting go of the GIL for that long would risk waiting to get it back
-# behind another thread (a switch interval) for nothing. finish() may wait
-# the whole yield phase, and lets go.
 @njit(nogil=True, cache=True, inline="always")
 def _lane_open(plan, seq):
     """Open the flight recorder's next lane row for ``seq`` (started now);
@@ -187,14 +198,55 @@ def _lane_open(plan, seq):
     return now
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _held(plan):
+    """How many messages of calls not yet taken the group's mailbox holds."""
+    return carray(_pointer(plan[HELD], np.int64), (1,))[0]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _claim(plan):
+    """Take the group's next sequence number and the arena's next step for
+    this call (into NOW_SEQ and NOW_STEP), unless the group's words say no
+    fused call may run now or its mailbox holds a message of a call not yet
+    taken. The caller holds the group's lock, under which the group keeps
+    those words true (:func:`numcoll.fast.step.update_blocked`)."""
+    group = carray(_pointer(plan[GROUP], np.int64), (2,))
+    if group[GROUP_BLOCKED] != 0 or _held(plan) != 0:
+        return False
+    steps = carray(_pointer(plan[STEPS], np.int64), (1,))
+    seq, step = group[GROUP_SEQ], steps[0]
+    group[GROUP_SEQ] = seq + 1
+    steps[0] = step + 1
+    plan[NOW_SEQ] = seq
+    plan[NOW_STEP] = step
+    return True
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _ended(plan, got):
+    """A start's answer once it waited: DONE_HELD for a completed call while
+    a message of a call not yet taken is held (the group checks it), else
+    ``got``."""
+    return DONE_HELD if got == -1 and _held(plan) != 0 else got
+
+
+# Without nogil: start() waits the spin phase at most (microseconds), and
+# letting go of the GIL for that long would risk waiting to get it back
+# behind another thread (a switch interval) for nothing. finish() may wait
+# the whole yield phase, and lets go.
 @njit(cache=True)
-def start(plan_address, x, step, seq, spin_ns):
-    """Open the lane row, publish this rank's part of ``step`` (its header and,
-    per the plan, ``x``'s bytes), then wait for the others for ``spin_ns``
-    at most (0: look once) and, if they are all there, combine. Returns
-    ``_wait``'s answer: -1 done; else :func:`finish` (or the caller's slow
-    wait) takes over."""
+def start(plan_address, x, spin_ns):
+    """Claim the group's next number and step (:func:`_claim`; NOT_TAKEN if
+    it may not), open the lane row, publish this rank's part of the step (its
+    header and, per the plan, ``x``'s bytes), then wait for the others for
+    ``spin_ns`` at most (0: look once) and, if they are all there, combine.
+    Returns ``_wait``'s answer: -1 done; DONE_HELD (done, see :func:`_ended`);
+    else :func:`finish` (or the caller's slow wait) takes over."""
     plan = _plan_at(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    step, seq = plan[NOW_STEP], plan[NOW_SEQ]
     region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
     now = _lane_open(plan, seq)
     rank = plan[RANK]
@@ -205,7 +257,31 @@ def start(plan_address, x, step, seq, spin_ns):
          payload, plan[NBYTES], plan[NBYTES])
     if plan[OP] == GATHER and plan[OWN]:  # this rank's chunk, while the others catch up
         _memcpy(x, rank * plan[NBYTES], payload, 0, plan[NBYTES])
-    return _wait_and_combine(region, plan, x, step, seq, now + spin_ns, now + spin_ns)
+    return _ended(plan, _wait_and_combine(region, plan, x, step, seq, now + spin_ns,
+                                          now + spin_ns))
+
+
+@njit(cache=True)
+def barrier(plan_address, x, spin_ns):
+    """:func:`start` of a barrier (nothing published, nothing combined: the
+    plan's op NO_REDUCE, ``x`` empty): the same claim, lane row, header and
+    wait, without the payload's and the combining's branches."""
+    plan = _plan_at(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    step, seq = plan[NOW_STEP], plan[NOW_SEQ]
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+    ctrl = region[:plan[CTRL_NBYTES]].view(np.int64)
+    now = _lane_open(plan, seq)
+    rank, s0, s1 = plan[RANK], plan[STAMP], plan[STAMP + 1]
+    _put(region, ctrl, rank, step, plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq, s0, s1,
+         x, 0, 0)
+    got = _wait(ctrl, plan[SIZE], step, seq, s0, s1, now + spin_ns, now + spin_ns)
+    if got == -1:
+        at = ROWS + 4 * plan[META + 1]
+        plan[at + 2] = _monotonic_ns()
+        plan[at + 3] = COMPLETED
+    return _ended(plan, got)
 
 
 @njit(nogil=True, cache=True)
@@ -226,10 +302,10 @@ def combine(plan_address, x, step):
 
 
 def entry(function, x):
-    """The compiled ``function`` (:func:`start`, :func:`finish` or
-    :func:`combine`) for arrays of ``x``'s type, as its bare entry point:
+    """The compiled ``function`` (:func:`start`, :func:`barrier`, :func:`finish`
+    or :func:`combine`) for arrays of ``x``'s type, as its bare entry point:
     compiled (or loaded from Numba's cache) now, called without the
     dispatcher's typing of the arguments."""
     i64 = types.int64
-    rest = {start: (i64, i64, i64), finish: (i64, i64), combine: (i64,)}[function]
+    rest = {start: (i64,), barrier: (i64,), finish: (i64, i64), combine: (i64,)}[function]
     return function.compile((i64, typeof(x)) + rest)

@@ -11,9 +11,11 @@ the :class:`~numcoll.fast.step.FusedCall` it planned the first time.
 
 Anything else takes the ordinary path with its full checks, never a stale
 plan: another array object (even an equal one), a reshaped or re-strided
-array, another dtype or op, an array made read-only, a changed timeout or
-configuration. An ndarray's memory cannot move under a view the plan holds
-(``resize`` refuses), so the object's identity pins its memory.
+array, another dtype or op, an array made read-only. A new default timeout
+empties the tables (:meth:`Repeats.clear`, from ``ProcessGroup.set_timeout``:
+every plan holds its deadline), and a group's configuration is fixed once it
+is up, so no call checks either. An ndarray's memory cannot move under a view
+the plan holds (``resize`` refuses), so the object's identity pins its memory.
 
 A call that no fused step takes (larger than a slot, several rounds, the
 single-copy algorithms) is kept instead, on the same terms, as a
@@ -48,10 +50,10 @@ REPLAYS_KEPT = 32
 class _Seen:
     """One remembered call: what must be unchanged, and its plan."""
 
-    __slots__ = ("x", "op", "shape", "strides", "dtype", "cfg", "timeout_s", "fused", "form")
+    __slots__ = ("x", "op", "shape", "strides", "dtype", "fused", "form")
 
-    def __init__(self, x, op, cfg, timeout_s, fused):
-        self.x, self.op, self.cfg, self.timeout_s, self.fused = x, op, cfg, timeout_s, fused
+    def __init__(self, x, op, fused):
+        self.x, self.op, self.fused = x, op, fused
         if x is not None:
             self.shape, self.strides, self.dtype = x.shape, x.strides, x.dtype
         # an allgather's input (its ``op``): what must be unchanged of it
@@ -126,7 +128,7 @@ def fusable(pg, call, x) -> bool:
 class Repeats:
     """The recent calls of group ``pg`` that can run fused, or be replayed."""
 
-    __slots__ = ("pg", "_seen", "_once", "_barrier", "_replays", "roots")
+    __slots__ = ("pg", "_seen", "_once", "default_barrier", "_replays", "roots")
 
     def __init__(self, pg):
         self.pg = pg
@@ -140,7 +142,9 @@ class Repeats:
         # twice alive, not for each of the fresh arrays that code which
         # allocates one per call passes (they may even reuse an address).
         self._once: dict = {}
-        self._barrier = None  # the default barrier's entry of _seen, once it has one
+        #: The default barrier's fused call (``nc.barrier()``), once it has one:
+        #: the API runs it with no key to build or look up.
+        self.default_barrier = None
         # Global ranks (as a module function's src/dst) translated to this
         # group's ranks, by the API's repeat paths (the group's ranks are fixed)
         self.roots: dict = {}
@@ -154,9 +158,6 @@ class Repeats:
                 or not x.flags.writeable:
             # (no replay kept, the usual case of a small call: no key to build)
             return bool(self._replays) and self._replayed((id(x), "allreduce"), (x,), op)
-        ctx = self.pg.context
-        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
-            return self._replayed((id(x), "allreduce"), (x,), op)
         return seen.fused.run()
 
     def reduce(self, x, op, root: int) -> bool:
@@ -179,22 +180,15 @@ class Repeats:
                 or out.dtype != seen.dtype or not out.flags.writeable:
             return self._replayed(key, (out, inp))
         shape, strides, dtype = seen.form
-        if inp.shape != shape or inp.strides != strides or inp.dtype != dtype \
-                or self._stale(seen):
+        if inp.shape != shape or inp.strides != strides or inp.dtype != dtype:
             return self._replayed(key, (out, inp))
         return seen.fused.run()
 
     def barrier(self, timeout) -> bool:
-        """Run a barrier (with ``timeout``, None: the group's) fused if one ran before."""
-        # (the default barrier without a key to build and look up, and the
-        # staleness test inlined: a barrier is little else, measured 0.1 us)
-        seen = self._barrier if timeout is None else self._seen.get((timeout, "barrier"))
-        if seen is None:
-            return False
-        ctx = self.pg.context
-        if seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s:
-            return False
-        return seen.fused.run()
+        """Run a barrier with ``timeout`` (a timedelta; the default barrier is
+        :attr:`default_barrier`) fused if one ran before."""
+        seen = self._seen.get((timeout, "barrier"))
+        return seen is not None and seen.fused.run()
 
     def _repeat(self, key, x, op, arrays: tuple | None = None) -> bool:
         """The fused plan under ``key`` on ``x`` with ``op`` if it holds; else
@@ -202,7 +196,7 @@ class Repeats:
         seen = self._seen.get(key)
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
-                or not x.flags.writeable or self._stale(seen):
+                or not x.flags.writeable:
             return self._replayed(key, (x,), op) if arrays is None else \
                 self._replayed(key, arrays)
         return seen.fused.run()
@@ -222,7 +216,7 @@ class Repeats:
         # to 3.7-4.9 us: docs/performance/small-calls.md)
         key = (name, extra, *map(id, arrays))
         seen = self._seen.get(key)
-        if seen is None or self._stale(seen):
+        if seen is None:
             return self._replayed(key, arrays)
         for a, b, (shape, strides, dtype, writeable) in zip(arrays, seen.x, seen.shape):
             if a is not b or a.shape != shape or a.strides != strides or a.dtype != dtype \
@@ -249,10 +243,6 @@ class Repeats:
             seen.x, seen.shape = arrays, described(arrays)
         else:
             self._keep_replay(key, arrays, None, call, run)
-
-    def _stale(self, seen) -> bool:
-        ctx = self.pg.context
-        return seen.cfg is not ctx.cfg or seen.timeout_s != ctx.timeout_s
 
     def learn(self, x, op, call, run=None) -> None:
         """Remember the call ``call`` (allreduce, reduce or broadcast of ``x``
@@ -296,15 +286,14 @@ class Repeats:
         if fused is not None:
             self._keep((timeout, "barrier"), None, None, fused)
             if timeout is None:
-                self._barrier = self._seen[(None, "barrier")]
+                self.default_barrier = fused
 
     def _keep(self, key, x, op, fused) -> None:
         seen = self._seen
         seen.pop(key, None)
-        if len(seen) >= KEPT and seen.pop(next(iter(seen))) is self._barrier:
-            self._barrier = None
-        ctx = self.pg.context
-        seen[key] = _Seen(x, op, ctx.cfg, ctx.timeout_s, fused)
+        if len(seen) >= KEPT and seen.pop(next(iter(seen))).fused is self.default_barrier:
+            self.default_barrier = None
+        seen[key] = _Seen(x, op, fused)
 
     def _keep_replay(self, key, arrays: tuple, op, call, run) -> None:
         """Keep ``call`` as a replay of ``arrays`` if its ``run`` can be remade."""
@@ -318,8 +307,9 @@ class Repeats:
         replays[key] = Replay(self.pg, call, remake, arrays, op)
 
     def clear(self) -> None:
-        """Forget every call (the group is shutting down)."""
+        """Forget every call (the group is shutting down, or its default
+        timeout changed: every plan holds the deadline it was made with)."""
         self._seen.clear()
         self._replays.clear()
         self._once.clear()
-        self._barrier = None
+        self.default_barrier = None

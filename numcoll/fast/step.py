@@ -3,10 +3,11 @@
 :class:`FusedCall` holds everything a repeated small call needs -- the
 arena's memory and layout, the call's stamp as two words, this rank's
 payload, the reduction's code, the flight recorder's lane, all as one plan
-of int64 words -- so that running it is: a few attribute reads under the
-group's lock (nothing in flight, not poisoned; take the sequence number) and,
-still under it, one call into compiled code
-(:mod:`numcoll.collectives.fused_step`) that publishes, waits for the peers
+of int64 words -- so that running it is, under the group's lock, one call
+into compiled code (:mod:`numcoll.collectives.fused_step`) that checks the
+group's words (nothing in flight or held, not poisoned or closed: the group
+keeps them true under its lock, :func:`update_blocked`), takes the sequence
+number and the arena's step from them, publishes, waits for the peers
 through the arena's spin phase and combines. No Work, Comm, Future or Record
 is made.
 
@@ -34,7 +35,7 @@ from transports.shm.arena import _stamp_words
 from ..collectives import fused_step
 from ..work import Work
 
-__all__ = ["FusedCall", "fusable_dtype", "promote"]
+__all__ = ["FusedCall", "fusable_dtype", "promote", "update_blocked"]
 
 #: dtypes the fused step reduces (others -- 16-bit floats, bool, complex -- keep
 #: the ordinary path, whose kernels know them).
@@ -84,8 +85,8 @@ class FusedCall:
     """
 
     __slots__ = ("pg", "call", "arena", "region", "plan", "address", "rank", "size", "x", "op",
-                 "root", "outs", "spin_ns", "start_spin_ns", "lane", "rows", "meta", "seq",
-                 "step", "running", "pending", "work", "mailbox", "source", "_start", "_finish",
+                 "root", "outs", "spin_ns", "start_spin_ns", "lane", "rows", "meta", "words",
+                 "running", "pending", "work", "mailbox", "source", "_start", "_finish",
                  "_combine")
 
     def __init__(self, pg, call, x, op: int, root: int, outs: list, publishes: bool = True,
@@ -116,17 +117,35 @@ class FusedCall:
         if source is not None:
             plan[fused_step.SOURCE] = source.ctypes.data
             plan[fused_step.OWN] = source.ctypes.data != x.ctypes.data + rank * source.nbytes
+        self.mailbox = mailbox = pg._done.mailbox  # held_calls: messages of calls not yet taken
+        # What the compiled step claims from and checks: the group's words, the
+        # mailbox's count of held messages, the arena's step count (each kept
+        # alive by the group, the mailbox and the arena this call holds).
+        plan[fused_step.GROUP] = pg._fast_words.ctypes.data
+        plan[fused_step.HELD] = mailbox.held_word.ctypes.data
+        plan[fused_step.STEPS] = arena.step_word().ctypes.data
+        plan[fused_step.NOW_SEQ] = plan[fused_step.NOW_STEP] = -1
+        self.words = memoryview(plan)
         self.address = plan.ctypes.data
         self._start, self._finish, self._combine = self._entries(x)
-        self.seq = self.step = -1
         self.running = self.pending = False
         self.work = None
-        self.mailbox = pg._done.mailbox  # held_calls: messages of calls not yet taken
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last run (or start)."""
+        return self.words[fused_step.NOW_SEQ]
+
+    @property
+    def step(self) -> int:
+        """The arena step of the last run (or start)."""
+        return self.words[fused_step.NOW_STEP]
 
     def _entries(self, x) -> tuple:
         """The compiled start, finish and combine this call runs (for arrays of
         ``x``'s type): :mod:`~numcoll.collectives.fused_step`'s entry points."""
-        return (fused_step.entry(fused_step.start, x), fused_step.entry(fused_step.finish, x),
+        start = fused_step.barrier if self.call.name == "barrier" else fused_step.start
+        return (fused_step.entry(start, x), fused_step.entry(fused_step.finish, x),
                 fused_step.entry(fused_step.combine, x))
 
     # -- the fast path -------------------------------------------------------------
@@ -142,28 +161,34 @@ class FusedCall:
         lock = pg._lock
         lock.acquire()
         try:
-            if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
-                    or pg._closed or self.mailbox.held_calls:
-                return False
-            self.seq = seq = pg._next_seq
-            pg._next_seq = seq + 1
-            arena = self.arena
-            self.step = step = arena._step
-            arena._step = step + 1
-            # The spin phase runs under the group's lock (it is short, and the
-            # compiled code lets go of the GIL): in the usual case the call is
-            # done here, so it is never held and nobody can see it half-way.
-            got = self._start(self.address, self.x, step, seq, self.spin_ns)
-            if got == -1 and not self.mailbox.held_calls:
+            # The compiled step checks the group's words (nothing in flight or
+            # held, not poisoned or closed, no message of a call not yet taken),
+            # claims the number and the step, and runs the step's spin phase,
+            # all under the group's lock (the spin is short): in the usual case
+            # the call is done here, so it is never held and nobody can see it
+            # half-way.
+            got = self._start(self.address, self.x, self.spin_ns)
+            if got == -1:
                 return True
-            pg._fast_held = self
+            if got == fused_step.NOT_TAKEN:
+                return False
+            self._hold(got)
             self.running = True
-            self.work = None
-            self.pending = got != -1
         finally:
             lock.release()
-        self.end(self._finish(self.address, self.x, step, seq) if got != -1 else -1)
+        self.end(self._finish(self.address, self.x, self.step, self.seq) if self.pending
+                 else -1)
         return True
+
+    def _hold(self, got: int) -> None:
+        """Make the group hold this call, whose compiled start answered
+        ``got`` (not done, or done while a message of a call not yet taken is
+        held), so that any other call promotes it first. Under the lock."""
+        pg = self.pg
+        pg._fast_held = self
+        pg._word[fused_step.GROUP_BLOCKED] = 1
+        self.work = None
+        self.pending = got != fused_step.DONE_HELD
 
     def start(self) -> bool:
         """A persistent start: publish, and finish at once if every rank is
@@ -171,26 +196,18 @@ class FusedCall:
         do); else hold the call until :meth:`finish`. Never waits longer.
         False (nothing done, nothing numbered) when the fused path cannot take
         it now."""
-        pg = self.pg
-        lock = pg._lock
+        lock = self.pg._lock
         lock.acquire()  # (not ``with``: see run())
         try:
-            if pg._inflight or pg._fast_held is not None or pg._poisoned is not None \
-                    or pg._closed or self.mailbox.held_calls:
+            got = self._start(self.address, self.x, self.start_spin_ns)
+            if got == fused_step.NOT_TAKEN:
                 return False
-            self.seq = seq = pg._next_seq
-            pg._next_seq = seq + 1
-            arena = self.arena
-            self.step = step = arena._step
-            arena._step = step + 1
             self.work = None
-            got = self._start(self.address, self.x, step, seq, self.start_spin_ns)
-            if got == -1 and not self.mailbox.held_calls:
+            if got == -1:
                 return True
             # held (a promotion must find it published), finished by finish()
-            pg._fast_held = self
+            self._hold(got)
             self.running = False
-            self.pending = got != -1
         finally:
             lock.release()
         return True
@@ -231,6 +248,7 @@ class FusedCall:
             with pg._lock:
                 if pg._fast_held is self:
                     pg._fast_held = None
+                    update_blocked(pg)
                     self.running = self.pending = False
                     return
         self.pending = got != -1
@@ -280,7 +298,17 @@ def promote(pg) -> None:
     work.order = order = pg._order
     pg._order = order + 1
     pg._inflight[order] = work
+    update_blocked(pg)
     pg._arena_order.ticket(work, queued=not fused.running)
     if not fused.running:
         work._queued(pg._execute, fused.rest)
     fused.work = work
+
+
+def update_blocked(pg) -> None:
+    """Say, in the group's word that a fused call's compiled step checks
+    (``GROUP_BLOCKED``), whether one may run now: nothing in flight or held,
+    the group neither poisoned nor closed. Under the group's lock, after
+    every change to any of these."""
+    pg._word[fused_step.GROUP_BLOCKED] = bool(pg._inflight or pg._fast_held is not None
+                                              or pg._poisoned is not None or pg._closed)

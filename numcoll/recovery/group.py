@@ -20,6 +20,7 @@ from datetime import timedelta
 
 from ..bootstrap.store import PrefixStore
 from ..errors import GroupPoisonedError, GroupRevokedError, NumcollError
+from ..fast.step import update_blocked
 from .agreement import agree_in_store
 from .liveness import Liveness
 
@@ -119,6 +120,7 @@ class Recoverable:
             self._poison_class = GroupRevokedError
             earlier, self._poisoned = self._poisoned, (
                 why if self._poisoned is None else f"{self._poisoned}, then {why}")
+            update_blocked(self)
         _bounded(lambda: self._store.set(REVOKED, why.encode()), _STORE_LOOK_S)
         if earlier is None:  # else a failure closed the transport already
             self._abort(why, self._rank)

@@ -219,14 +219,24 @@ class SharedArena:
         self._headers = [[self._region[h + r * self._stride:
                                        h + r * self._stride + HEADER_NBYTES].view(np.int64)
                           for r in range(size)] for h in self._first_header]
-        #: Steps this rank has published (equal on every rank between calls).
-        self._step = 0
+        #: Steps this rank has published (equal on every rank between calls):
+        #: a word that the fused steps (numcoll.fast) advance from compiled
+        #: code too (:meth:`step_word`), read and written here through a
+        #: memoryview (a Python int either way, in 25 ns).
+        self._steps = np.zeros(1, np.int64)
+        self._step = memoryview(self._steps)
 
     # -- one step ------------------------------------------------------------------
     @property
     def next_step(self) -> int:
         """The step this rank publishes next (see :meth:`mine`)."""
-        return self._step
+        return self._step[0]
+
+    def step_word(self) -> np.ndarray:
+        """The one-word array holding :attr:`next_step`, for compiled code that
+        publishes steps itself and advances it there (the caller keeps the
+        array alive while it uses its address)."""
+        return self._steps
 
     def layout(self) -> tuple:
         """``(region, ctrl, first_headers, stride, spin_ns, yield_ns)``: what a
@@ -240,7 +250,7 @@ class SharedArena:
 
     def advance(self, step: int) -> None:
         """A compiled step published ``step`` (see :meth:`layout`)."""
-        self._step = step + 1
+        self._step[0] = step + 1
 
     def mine(self, step: int) -> np.ndarray:
         """This rank's payload of ``step`` (uint8, writable): fill it, then
@@ -253,7 +263,7 @@ class SharedArena:
         ``payload`` (uint8, copied into the slot), or with ``payload=None`` the
         first ``nbytes`` (default 0) already written into :meth:`mine`. At
         most ``slot_nbytes``. Returns the step, for :meth:`wait` and :meth:`view`."""
-        step = self._step
+        step = self._step[0]
         if self._region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
         nbytes = self._nbytes_of(payload, nbytes)
@@ -262,7 +272,7 @@ class SharedArena:
         _put(self._region, self._ctrl, self.rank, step, header, seq, s0, s1,
              _EMPTY if payload is None else payload, 0 if payload is None else nbytes,
              nbytes)
-        self._step = step + 1
+        self._step[0] = step + 1
         return step
 
     def nbytes(self, step: int, rank: int) -> int:
@@ -291,7 +301,7 @@ class SharedArena:
              call: int | None = None, nbytes: int | None = None) -> int:
         """:meth:`put` then :meth:`wait`, in one compiled call while every rank
         publishes within the spin (the common case). Returns the step."""
-        step = self._step
+        step = self._step[0]
         region, ctrl = self._region, self._ctrl
         if region is None:
             raise TransportClosed(f"rank {self.rank}'s transport was closed", None)
@@ -308,7 +318,7 @@ class SharedArena:
         got = _step(region, ctrl, self.rank, self.size, step, first + self.rank * self._stride,
                     seq, s0, s1, _EMPTY if payload is None else payload,
                     0 if payload is None else nbytes, nbytes, spin_until, until)
-        self._step = step + 1
+        self._step[0] = step + 1
         if got != -1:
             self._wait_slowly(got, step, seq, stamp, deadline, call)
         return step

@@ -131,10 +131,12 @@ def _body(calls: int, runs: int) -> dict:
     def compiled():
         # (it claims the group's number and the arena's step itself; no lock)
         got = fused._start(fused.address, fused.x, fused.spin_ns)
+        if got == -1:
+            return
         if got == fused_step.NOT_TAKEN:
             raise RuntimeError("the fused step was not taken")
         step, seq = fused.step, fused.seq
-        if got != -1:
+        if got != fused_step.DONE_HELD:
             got = fused._finish(fused.address, fused.x, step, seq)
         if got != -1:  # a peer slower than the spin and yield phases (a busy machine)
             arena.wait(step, seq, fused.call.stamp, time.monotonic() + 60)

@@ -527,6 +527,36 @@ def test_the_handoff_benchmark_hands_over_whole_buffers_both_ways(capsys):
         assert plain > 0 and nontemporal > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_small_calls_beside_mpi_benchmark_times_all_four_calls():
+    """benchmarks/small_calls_mpi.py under mpirun: a row per call, each rank's
+    median and the slower rank's, and no store file left behind."""
+    import pathlib
+    import subprocess
+    import sys
+    import tempfile
+
+    from numcoll.bench import mpi
+
+    if not mpi.mpi_available():
+        pytest.skip("mpi4py with mpirun is not installed")
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "small_calls_mpi.py"
+    stores = set(pathlib.Path(tempfile.gettempdir()).glob("numcoll-store-*"))
+    out = subprocess.run(["mpirun", "--allow-run-as-root", "-n", "2", "--bind-to", "none",
+                          sys.executable, str(path), "--calls", "200", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line[:26].strip(): line[26:].split() for line in out.stdout.splitlines()
+            if line.startswith(("Open MPI", "numcoll"))}
+    assert sorted(rows) == ["Open MPI allreduce 8 B", "Open MPI barrier",
+                            "numcoll allreduce 8 B", "numcoll barrier"], out.stdout
+    for cells in rows.values():
+        slower, *ranks = (float(c) for c in cells)
+        assert len(ranks) == 2 and 0 < min(ranks) and max(ranks) <= slower * 1.5
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("numcoll-store-*")) == stores
+
+
 def test_the_module_functions_take_their_parameters_in_every_form_on_the_default_group():
     """The default group's busiest case (a call that waits, no group named) runs
     fused however its arguments are passed -- positional, by keyword, or the

@@ -92,8 +92,7 @@ def plan(pg, call, inp, out) -> FusedMove | None:
         return None
     if type(pg._transport.arena) is not SharedArena:  # (not a hier transport's host arena)
         return None
-    first = inp if inp is not None else out
-    itemsize, size, rank = first.itemsize, pg._size, pg._rank
+    itemsize = (inp if inp is not None else out).itemsize
     slot, seg = pg._transport.arena.slot_nbytes, pg.context.segment(itemsize)
 
     def per_round(parts: int, reserved: int = 0) -> int:  # as shared._per_round

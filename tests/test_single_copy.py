@@ -140,6 +140,14 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         == "shared"
     assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
         == "cma"
+    # ... but for alltoall and scatter, whose single copy wins there too.
+    for name in ("alltoall", "scatter"):
+        assert choose(crowded, name, None, 1 << 20, many, single_copy_refused=None).name \
+            == "cma"
+        assert choose(crowded, name, None, 512, many, single_copy_refused=None).name \
+            == "shared"
+    assert choose(crowded, "broadcast", None, 1 << 20, many, single_copy_refused=None).name \
+        == "shared"
     # Reductions never read single-copy; a group whose ranks cannot read each
     # other takes the arena, and forcing cma there says why.
     assert choose(cfg, "allreduce", None, 1 << 20, 2, single_copy_refused=None).name \

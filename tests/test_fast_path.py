@@ -533,6 +533,7 @@ def test_the_small_calls_beside_mpi_benchmark_times_all_four_calls():
     """benchmarks/small_calls_mpi.py under mpirun: a row per call, each rank's
     median and the slower rank's, and no store file left behind."""
     import pathlib
+    import re
     import subprocess
     import sys
     import tempfile
@@ -547,7 +548,8 @@ def test_the_small_calls_beside_mpi_benchmark_times_all_four_calls():
                           sys.executable, str(path), "--calls", "200", "--rounds", "2"],
                          capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {line[:26].strip(): line[26:].split() for line in out.stdout.splitlines()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)  # (mpirun colours some lines' starts)
+    rows = {line[:26].strip(): line[26:].split() for line in text.splitlines()
             if line.startswith(("Open MPI", "numcoll"))}
     assert sorted(rows) == ["Open MPI allreduce 8 B", "Open MPI barrier",
                             "numcoll allreduce 8 B", "numcoll barrier"], out.stdout

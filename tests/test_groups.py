@@ -87,6 +87,11 @@ def test_groups_and_rank_translation():
                 warnings.simplefilter("always")
                 assert nc.monitored_barrier(group=backwards) is None  # (no fast path)
             assert caught[0].filename == __file__
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert nc.barrier(group=backwards) is None
+            assert str(caught[0].message).startswith("Running barrier on global rank")
+            assert caught[0].filename == __file__
         local = nc.new_group([0, 2], use_local_synchronization=True) if r in (0, 2) else None
         if local is not None:
             y = np.ones(1)

@@ -470,27 +470,13 @@ def _barrier_repeat(pg, group=None, async_op=False, device_ids=None, timeout=Non
 
 
 @functools.partial(collective, fast=_barrier_repeat)
-def _any_barrier(pg, group=None, async_op=False, device_ids=None,
-                 timeout: timedelta | None = None):
-    """:func:`barrier`, every form."""
+def barrier(pg, group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
+    """Wait until every rank of the group (and every earlier collective) got here."""
     _check_timeout(timeout, "barrier")
     call, run = p2p.barrier(pg.context, BarrierOptions(timeout=timeout))
     if (repeats := pg.repeats) is not None:
         repeats.learn_barrier(timeout, call)
     return call, run
-
-
-def barrier(group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
-    """Wait until every rank of the group (and every earlier collective) got here."""
-    if group is None and not async_op and timeout is None:
-        # nc.barrier() again: the default group's fused barrier at once, one
-        # call layer fewer than the other collectives' (of a 0.85 us call, each
-        # layer costs 0.05-0.1 us)
-        pg = (_thread_state.world or _process_world).pg
-        if pg is not None and (repeats := pg.repeats) is not None \
-                and (fused := repeats.default_barrier) is not None and fused.run():
-            return None
-    return _any_barrier(group, async_op, device_ids, timeout)
 
 
 @collective

@@ -39,10 +39,9 @@ from numba import carray, njit, typeof, types
 from transports.shm.arena import HEADER_NBYTES, _put, _wait
 from transports.shm.ring import _memcpy, _monotonic_ns
 
-from .fused_step import (COMPLETED, CTRL_NBYTES, FIRST, META, NBYTES, NOT_TAKEN, NOW_SEQ,
-                         NOW_STEP, OP, RANK, REGION, REGION_NBYTES, ROWS, SIZE, SPIN, STAMP,
-                         STRIDE, YIELD, _accumulate, _claim, _ended, _lane_open, _plan_at,
-                         _pointer)
+from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STEP, OP, RANK,
+                         REGION, REGION_NBYTES, SIZE, SPIN, STAMP, STRIDE, YIELD, _accumulate,
+                         _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
 
 __all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "MOVES", "INP", "OUT", "step",
            "finish", "unpack", "entry"]
@@ -130,9 +129,7 @@ def _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
     if got == -1:
         got = unpack(region, plan, moves, out, typed_out, step)
         if got == -1:
-            at = ROWS + 4 * plan[META + 1]
-            plan[at + 2] = _monotonic_ns()
-            plan[at + 3] = COMPLETED
+            _lane_close(plan)
     return got
 
 

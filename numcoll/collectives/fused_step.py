@@ -175,9 +175,7 @@ def _wait_and_combine(region, plan, x, step, seq, spin_until_ns, yield_until_ns)
                 yield_until_ns)
     if got == -1:
         _combine(region, plan, x, step)
-        at = ROWS + 4 * plan[META + 1]
-        plan[at + 2] = _monotonic_ns()
-        plan[at + 3] = COMPLETED
+        _lane_close(plan)
     return got
 
 
@@ -196,6 +194,14 @@ def _lane_open(plan, seq):
     plan[at + 2] = 0
     plan[at + 3] = STARTED
     return now
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _lane_close(plan):
+    """Close the lane row :func:`_lane_open` opened last: completed, now."""
+    at = ROWS + 4 * plan[META + 1]
+    plan[at + 2] = _monotonic_ns()
+    plan[at + 3] = COMPLETED
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -278,9 +284,7 @@ def barrier(plan_address, x, spin_ns):
          x, 0, 0)
     got = _wait(ctrl, plan[SIZE], step, seq, s0, s1, now + spin_ns, now + spin_ns)
     if got == -1:
-        at = ROWS + 4 * plan[META + 1]
-        plan[at + 2] = _monotonic_ns()
-        plan[at + 3] = COMPLETED
+        _lane_close(plan)
     return _ended(plan, got)
 
 

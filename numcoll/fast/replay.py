@@ -20,8 +20,10 @@ A replay never keeps an array alive (the remake holds no array: an array
 dropped by its caller is freed, and its entry can never match again), and
 it is never used for an array it was not made for: the very same objects
 (``is``, through the weak references), each with the shape, strides, dtype
-and writability it had, the same op object, and the group's configuration
-and default timeout unchanged. Anything else takes the full checks.
+and writability it had, and the same op object. A new default timeout
+forgets every replay (:meth:`numcoll.fast.repeat.Repeats.clear`), and a
+group's configuration is fixed once it is up. Anything else takes the full
+checks.
 """
 
 from __future__ import annotations
@@ -41,23 +43,19 @@ class Replay:
     """One large call of group ``pg`` to run again without its checks: its
     ``call``, the ``remake`` its builder gave, and -- held weakly -- the
     ``arrays`` it was made for, with ``op`` (an object compared by identity,
-    or None) and the context's settings when it was made."""
+    or None)."""
 
-    __slots__ = ("pg", "call", "remake", "refs", "layout", "op", "cfg", "timeout_s")
+    __slots__ = ("pg", "call", "remake", "refs", "layout", "op")
 
     def __init__(self, pg, call, remake, arrays: tuple, op):
         self.pg, self.call, self.remake, self.op = pg, call, remake, op
         self.refs = tuple(weakref.ref(a) for a in arrays)
         self.layout = described(arrays)
-        ctx = pg.context
-        self.cfg, self.timeout_s = ctx.cfg, ctx.timeout_s
 
     def run(self, arrays: tuple, op=None) -> bool:
         """Run the call on ``arrays`` (blocking; raises its error) if they are
         the arrays it was made for, unchanged, with ``op``; else False."""
-        ctx = self.pg.context
-        if op is not self.op or self.cfg is not ctx.cfg or self.timeout_s != ctx.timeout_s \
-                or len(arrays) != len(self.refs):
+        if op is not self.op or len(arrays) != len(self.refs):
             return False
         for a, ref, (shape, strides, dtype, writeable) in zip(arrays, self.refs, self.layout):
             if ref() is not a or a.shape != shape or a.strides != strides or a.dtype != dtype \

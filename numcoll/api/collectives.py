@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-def collective(body, fast=None):
+def collective(body, fast=None, fast_call=None):
     """Give ``body(pg, <torch's parameters>) -> (call, run)`` torch's shape.
 
     The function made has ``body``'s parameters without ``pg``; it reads
@@ -50,6 +50,9 @@ def collective(body, fast=None):
     ``body`` with it, and submits what ``body`` returns. ``fast(pg, <the
     same arguments>)``, if given, is tried first for a call that waits: True
     when it ran the call (a repeat, run as one fused step: :mod:`numcoll.fast`).
+    ``fast_call``, if given, is the expression (over ``pg``, ``fast`` and the
+    parameters) the busiest case -- the default group, waiting -- evaluates
+    instead of calling ``fast``: a fast path without a frame of its own.
     """
     name = body.__name__
     signature = inspect.signature(body)
@@ -98,7 +101,7 @@ def collective(body, fast=None):
         run_collective.__code__ = run_collective.__code__.replace(co_name=name,
                                                                   co_qualname=name)
     else:
-        run_collective = _front(name, params, fast, submit)
+        run_collective = _front(name, params, fast, submit, fast_call)
     functools.update_wrapper(run_collective, body)
     run_collective.__signature__ = signature.replace(parameters=params)
     return run_collective
@@ -115,17 +118,17 @@ _FRONT = """
 def {name}({params}):
     if group is None and not async_op:  # the busiest case: the default group, waiting
         pg = (_thread_state.world or _process_world).pg
-        if pg is not None and fast(pg, {args}):
+        if pg is not None and ({fast_call}):
             return None
         return submit(pg, ({args},), {{}})
     return submit(None, ({args},), {{}})
 """
 
 
-def _front(name: str, params: list, fast, submit):
+def _front(name: str, params: list, fast, submit, fast_call=None):
     """The function ``name`` with torch's parameters ``params`` (each positional
     or keyword, ``group`` and ``async_op`` among them) that tries ``fast``
-    before ``submit`` (see :func:`collective`)."""
+    (or evaluates ``fast_call``) before ``submit`` (see :func:`collective`)."""
     space = {"_thread_state": _thread_state, "_process_world": _process_world, "fast": fast,
              "submit": submit}
     listed = []
@@ -136,8 +139,9 @@ def _front(name: str, params: list, fast, submit):
         else:
             space[f"_default_{p.name}"] = p.default
             listed.append(f"{p.name}=_default_{p.name}")
-    source = _FRONT.format(name=name, params=", ".join(listed),
-                           args=", ".join(p.name for p in params))
+    args = ", ".join(p.name for p in params)
+    source = _FRONT.format(name=name, params=", ".join(listed), args=args,
+                           fast_call=(fast_call or "fast(pg, {args})").format(args=args))
     exec(compile("\n" * (_FRONT_LINE - 2) + source, __file__, "exec"), space)
     return space[name]
 
@@ -469,7 +473,13 @@ def _barrier_repeat(pg, group=None, async_op=False, device_ids=None, timeout=Non
     return type(timeout) is timedelta and repeats.barrier(timeout)
 
 
-@functools.partial(collective, fast=_barrier_repeat)
+# nc.barrier()'s own fast path, inlined in its front: the default group's
+# fused barrier with no key to look up and no frame between (0.06 us of 0.7).
+_DEFAULT_BARRIER = ("(r := pg.repeats) is not None and (f := r.default_barrier) is not None "
+                    "and f.run() if timeout is None else fast(pg, {args})")
+
+
+@functools.partial(collective, fast=_barrier_repeat, fast_call=_DEFAULT_BARRIER)
 def barrier(pg, group=None, async_op=False, device_ids=None, timeout: timedelta | None = None):
     """Wait until every rank of the group (and every earlier collective) got here."""
     _check_timeout(timeout, "barrier")

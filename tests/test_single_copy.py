@@ -141,11 +141,21 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
         == "cma"
     # ... but for alltoall and scatter, whose single copy wins there too.
+    least = crowded.single_copy_min_nbytes
     for name in ("alltoall", "scatter"):
         assert choose(crowded, name, None, 1 << 20, many, single_copy_refused=None).name \
             == "cma"
-        assert choose(crowded, name, None, 512, many, single_copy_refused=None).name \
-            == "shared"
+        assert choose(crowded, name, None, least // (2 * many), many,
+                      single_copy_refused=None).name == "shared"
+    # (a crowded scatter counts the root's whole list: a share of an eighth of
+    # the threshold is enough on 8 ranks, not on 4)
+    crowds = (max(many, 8), min(max(many, 4), 7))
+    assert choose(crowded, "scatter", None, least // 8, crowds[0], single_copy_refused=None) \
+        .name == "cma"
+    assert choose(crowded, "scatter", None, least // 8, crowds[1], single_copy_refused=None) \
+        .name == "shared"
+    assert choose(crowded, "alltoall", None, least // 2, many, single_copy_refused=None).name \
+        == "shared"
     assert choose(crowded, "broadcast", None, 1 << 20, many, single_copy_refused=None).name \
         == "shared"
     # Reductions never read single-copy; a group whose ranks cannot read each

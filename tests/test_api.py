@@ -187,6 +187,24 @@ def test_module_api_in_threads():
     assert nc.launch(body, 3, mode="thread", timeout=60) == [0, 1, 2]
 
 
+def test_threads_with_worlds_of_their_own_are_counted_while_they_run():
+    """The fronts skip the thread-local lookup while no thread has a world of
+    its own: every rank thread of a thread launch is counted while it runs,
+    and nothing once they ended, so the main thread sees no group after."""
+    from numcoll.api.world import _thread_worlds
+
+    def body():
+        return _thread_worlds[0], nc.get_rank()
+
+    got = nc.launch(body, 3, mode="thread", timeout=60)
+    assert [rank for _, rank in got] == [0, 1, 2]
+    assert all(count >= 1 for count, _ in got)
+    assert _thread_worlds[0] == 0
+    assert not nc.is_initialized()
+    with pytest.raises(RuntimeError, match="Default process group has not been initialized"):
+        nc.barrier()
+
+
 def test_new_group_uses_global_ranks():
     def body():
         rank = nc.get_rank()

@@ -31,7 +31,8 @@ from ..options import (AllreduceCoalescedOptions, BarrierOptions, GatherOptions,
                        ReduceScatterOptions, ScatterOptions)
 from ..process_group import ProcessGroup
 from .groups import _peer
-from .world import GroupMember, _check_timeout, _process_world, _thread_state, get_default_group
+from .world import (GroupMember, _check_timeout, _process_world, _thread_state,
+                    _thread_worlds, _world, get_default_group)
 
 __all__ = [
     "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
@@ -72,7 +73,7 @@ def collective(body, fast=None, fast_call=None):
         if pg is None:
             group = args[group_at] if len(args) > group_at else kwargs.get("group")
             if group is None:
-                pg = (_thread_state.world or _process_world).pg
+                pg = _world().pg
                 if pg is None:
                     pg = get_default_group()  # raises torch's error
             elif isinstance(group, ProcessGroup):
@@ -117,7 +118,8 @@ _FRONT_LINE = sys._getframe().f_lineno + 2
 _FRONT = """
 def {name}({params}):
     if group is None and not async_op:  # the busiest case: the default group, waiting
-        pg = (_thread_state.world or _process_world).pg
+        pg = ((_thread_state.world or _process_world) if _thread_worlds[0]
+              else _process_world).pg
         if pg is not None and ({fast_call}):
             return None
         return submit(pg, ({args},), {{}})
@@ -129,8 +131,8 @@ def _front(name: str, params: list, fast, submit, fast_call=None):
     """The function ``name`` with torch's parameters ``params`` (each positional
     or keyword, ``group`` and ``async_op`` among them) that tries ``fast``
     (or evaluates ``fast_call``) before ``submit`` (see :func:`collective`)."""
-    space = {"_thread_state": _thread_state, "_process_world": _process_world, "fast": fast,
-             "submit": submit}
+    space = {"_thread_state": _thread_state, "_process_world": _process_world,
+             "_thread_worlds": _thread_worlds, "fast": fast, "submit": submit}
     listed = []
     for p in params:
         assert p.kind is p.POSITIONAL_OR_KEYWORD, (name, p)
@@ -147,7 +149,7 @@ def _front(name: str, params: list, fast, submit, fast_call=None):
 
 
 def _global_rank() -> int:
-    pg = (_thread_state.world or _process_world).pg
+    pg = _world().pg
     return -1 if pg is None else pg.rank()
 
 

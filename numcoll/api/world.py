@@ -56,19 +56,32 @@ class _ThreadState(threading.local):
 
 
 _thread_state = _ThreadState()
+#: How many threads have a world of their own (a one-item list, which the
+#: collectives' fronts hold by reference): while none has, a front reads the
+#: process's world without the thread-local lookup (0.03 us of a 0.7 us
+#: barrier). Counted up before a thread's world is set, down after it is
+#: dropped, so a thread with a world of its own always finds it counted.
+_thread_worlds = [0]
+_thread_worlds_lock = threading.Lock()
 
 
 def _world() -> _World:
-    return _thread_state.world or _process_world
+    return (_thread_state.world or _process_world) if _thread_worlds[0] else _process_world
 
 
 def _use_thread_world() -> None:
     """Give the calling thread a default group of its own (``launch`` thread mode)."""
+    if _thread_state.world is None:
+        with _thread_worlds_lock:
+            _thread_worlds[0] += 1
     _thread_state.world = _World()
 
 
 def _drop_thread_world() -> None:
-    _thread_state.world = None
+    if _thread_state.world is not None:
+        _thread_state.world = None
+        with _thread_worlds_lock:
+            _thread_worlds[0] -= 1
 
 
 class _GroupMemberMeta(type):

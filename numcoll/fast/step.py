@@ -99,7 +99,10 @@ class FusedCall:
         self.rank, self.size = rank, size = arena.rank, arena.size
         self.spin_ns = spin_ns
         self.start_spin_ns = min(spin_ns, START_SPIN_NS)
-        self.x = x = _NOTHING if x is None else x
+        x = _NOTHING if x is None else x
+        # What the compiled functions take as their array: a barrier passes 0
+        # (an int costs their entry point less than an array; fused_step._bytes_of)
+        self.x = 0 if call.name == "barrier" else x
         recorder = pg._recorder
         nrows = recorder.lane_rows() if recorder is not None else 1
         self.plan = plan = np.zeros(fused_step.ROWS + 4 * nrows, np.int64)
@@ -127,7 +130,7 @@ class FusedCall:
         plan[fused_step.NOW_SEQ] = plan[fused_step.NOW_STEP] = -1
         self.words = memoryview(plan)
         self.address = plan.ctypes.data
-        self._start, self._finish, self._combine = self._entries(x)
+        self._start, self._finish, self._combine = self._entries(self.x)
         self.running = self.pending = False
         self.work = None
 

@@ -21,11 +21,11 @@ combine the slots in rank order.
 Calling convention
     Everything a call needs but its array is in one int64 *plan* (see the
     word indices below), the arena's memory included, as an address. The
-    compiled functions take the plan's address, the array, the step and the
-    sequence number, and :func:`entry` hands the caller the compiled
-    overload's entry point for its array's type: calling it skips Numba's
-    dispatcher, which would type every argument again on every call (an
-    array costs it more than the whole step does). The caller owns what the
+    compiled functions take the plan's address, the array (a barrier: the
+    int 0), the step and the sequence number, and :func:`entry` hands the
+    caller the compiled overload's entry point for its array's type: calling
+    it skips Numba's dispatcher, which would type every argument again on
+    every call (an array costs it more than the whole step does). The caller owns what the
     addresses point to (:class:`numcoll.fast.step.FusedCall` keeps the plan
     and the arena's mapping alive) and never passes an array of another type
     (its repeat checks and the persistent request's guard see to that).

@@ -188,7 +188,8 @@ def _all_reduce_repeat(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     return (repeats := pg.repeats) is not None and repeats.allreduce(tensor, op)
 
 
-@functools.partial(collective, fast=_all_reduce_repeat)
+@functools.partial(collective, fast=_all_reduce_repeat,  # (the same, without its frame:)
+                   fast_call="(r := pg.repeats) is not None and r.allreduce(tensor, op)")
 def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""
     call, run = reductions.allreduce(pg.context, [tensor], None, op)

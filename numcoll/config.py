@@ -94,9 +94,10 @@ class Config:
     single_copy_rooted_min_nbytes: int = 64 << 20
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather; alltoall and scatter keep the general
-    #: one, a scatter counting the root's whole list): there every synchronisation waits for context switches, and readers
-    #: contend for the pages they pin (4 ranks on 2 cores: single-copy took
-    #: 1.1-2.4x the arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
+    #: one, a scatter counting the root's whole list): there every
+    #: synchronisation waits for context switches, and readers contend for the
+    #: pages they pin (4 ranks on 2 cores: single-copy took 1.1-2.4x the
+    #: arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
     single_copy_crowded_min_nbytes: int = 32 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data

@@ -25,10 +25,11 @@ Calling convention
     int 0), the step and the sequence number, and :func:`entry` hands the
     caller the compiled overload's entry point for its array's type: calling
     it skips Numba's dispatcher, which would type every argument again on
-    every call (an array costs it more than the whole step does). The caller owns what the
-    addresses point to (:class:`numcoll.fast.step.FusedCall` keeps the plan
-    and the arena's mapping alive) and never passes an array of another type
-    (its repeat checks and the persistent request's guard see to that).
+    every call (an array costs it more than the whole step does). The caller
+    owns what the addresses point to (:class:`numcoll.fast.step.FusedCall`
+    keeps the plan and the arena's mapping alive) and never passes an array
+    of another type (its repeat checks and the persistent request's guard see
+    to that).
 
 The flight recorder's entry (:class:`numcoll.diagnostics.flight_recorder.Lane`)
 is a row of four int64: the sequence number, the start and end times (the

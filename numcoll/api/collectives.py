@@ -54,6 +54,7 @@ def collective(body, fast=None, fast_call=None):
     ``fast_call``, if given, is the expression (over ``pg``, ``fast`` and the
     parameters) the busiest case -- the default group, waiting -- evaluates
     instead of calling ``fast``: a fast path without a frame of its own.
+    Given alone, it is the whole fast path: ``fast`` is made from it.
     """
     name = body.__name__
     signature = inspect.signature(body)
@@ -93,7 +94,7 @@ def collective(body, fast=None, fast_call=None):
         work = pg.submit(call, run, not async_op)
         return work if async_op else None
 
-    if fast is None:
+    if fast is None and fast_call is None:
         def run_collective(*args, **kwargs):
             return submit(None, args, kwargs)
         # Frames of this function carry the collective's name, not
@@ -102,7 +103,8 @@ def collective(body, fast=None, fast_call=None):
         run_collective.__code__ = run_collective.__code__.replace(co_name=name,
                                                                   co_qualname=name)
     else:
-        run_collective = _front(name, params, fast, submit, fast_call)
+        # (submit reads fast when it runs: the one made here, if none was given)
+        run_collective, fast = _front(name, params, fast, submit, fast_call)
     functools.update_wrapper(run_collective, body)
     run_collective.__signature__ = signature.replace(parameters=params)
     return run_collective
@@ -118,19 +120,22 @@ _FRONT_LINE = sys._getframe().f_lineno + 2
 _FRONT = """
 def {name}({params}):
     if group is None and not async_op:  # the busiest case: the default group, waiting
-        pg = ((_thread_state.world or _process_world) if _thread_worlds[0]
+        pg = ((_thread_state.world or _process_world) if _thread_worlds[0]  # (world._world)
               else _process_world).pg
         if pg is not None and ({fast_call}):
             return None
         return submit(pg, ({args},), {{}})
     return submit(None, ({args},), {{}})
+def {name}_repeat(pg, {params}):
+    return {fast_call}
 """
 
 
-def _front(name: str, params: list, fast, submit, fast_call=None):
+def _front(name: str, params: list, fast, submit, fast_call=None) -> tuple:
     """The function ``name`` with torch's parameters ``params`` (each positional
     or keyword, ``group`` and ``async_op`` among them) that tries ``fast``
-    (or evaluates ``fast_call``) before ``submit`` (see :func:`collective`)."""
+    (or evaluates ``fast_call``) before ``submit`` (see :func:`collective`),
+    and the fast path as a function (``fast``, or one made of ``fast_call``)."""
     space = {"_thread_state": _thread_state, "_process_world": _process_world,
              "_thread_worlds": _thread_worlds, "fast": fast, "submit": submit}
     listed = []
@@ -145,7 +150,7 @@ def _front(name: str, params: list, fast, submit, fast_call=None):
     source = _FRONT.format(name=name, params=", ".join(listed), args=args,
                            fast_call=(fast_call or "fast(pg, {args})").format(args=args))
     exec(compile("\n" * (_FRONT_LINE - 2) + source, __file__, "exec"), space)
-    return space[name]
+    return space[name], fast or space[f"{name}_repeat"]
 
 
 def _global_rank() -> int:
@@ -184,11 +189,7 @@ def _tensor_list(param, name: str) -> list:
 
 
 # -- reductions ------------------------------------------------------------------------
-def _all_reduce_repeat(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return (repeats := pg.repeats) is not None and repeats.allreduce(tensor, op)
-
-
-@functools.partial(collective, fast=_all_reduce_repeat,  # (the same, without its frame:)
+@functools.partial(collective,
                    fast_call="(r := pg.repeats) is not None and r.allreduce(tensor, op)")
 def all_reduce(pg, tensor, op=ReduceOp.SUM, group=None, async_op=False):
     """Reduce ``tensor`` over the group's ranks, in place on every rank."""

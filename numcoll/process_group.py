@@ -33,12 +33,12 @@ from .collectives import exchange, movement, p2p, persistent, reductions
 from .collectives.checks import timeout_seconds
 from .collectives.choice import check_forced
 from .collectives.context import GroupContext
-from .collectives.fused_step import GROUP_BLOCKED, GROUP_SEQ
+from .collectives.fused_step import GROUP_BLOCKED, GROUP_CLAIMED, GROUP_SEQ, GROUP_WORDS
 from .comm import AbortNotes, Comm
 from .diagnostics import flight_recorder
 from .diagnostics.mismatch import Finished
 from .errors import CollectiveMismatchError, GroupPoisonedError, NumcollError
-from .fast import Repeats, make_request, promote, update_blocked
+from .fast import Repeats, make_request, take_back, update_blocked
 from .options import GroupOptions
 from .recovery import SHRINK_HINT, Recoverable
 from .bootstrap.store import PrefixStore, Store
@@ -111,9 +111,8 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         self._notes = AbortNotes(self._store, rank)
 
         self._lock = threading.Lock()
-        # The next number (from 1, as torch's) and whether a fused call may run
-        # now, in words its compiled step claims from (numcoll.fast.step)
-        self._fast_words = np.zeros(2, np.int64)
+        # The next number (from 1, as torch's) and more: fused_step.GROUP_WORDS
+        self._fast_words = np.zeros(GROUP_WORDS, np.int64)
         self._word = memoryview(self._fast_words)
         self._word[GROUP_SEQ] = 1
         self._order = 0  # every submitted call's place in this rank's order
@@ -294,21 +293,26 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         returns it once the call has completed (raising its error, as
         ``Work.wait()`` would), and runs it right here when the group has
         nothing in flight (every collective method takes ``blocking=``, for a
-        caller that will wait at once: the module API, the torch backend). That keeps each rank's order: nothing in flight
-        means every earlier call of this group on this rank has completed, so
-        this one overtakes nothing, and the check is made under the lock that
-        hands out sequence numbers, so a later call from another thread finds
-        this one in flight and is queued behind it. The caller would block
-        anyway and is not one of the group's workers, so running here holds
-        up nothing the queued path would not: it skips the queue and the
-        worker wake-up. A persistent start's ``publish(comm)`` runs here when
-        nothing is in flight; its Work is then *held* (on no queue) until ``wait()``.
+        caller that will wait at once: the module API, the torch backend).
+        That keeps each rank's order: nothing in flight means every earlier
+        call of this group on this rank has completed, so this one overtakes
+        nothing, and the check is made under the lock that hands out sequence
+        numbers, so a later call from another thread finds this one in flight
+        and is queued behind it. The caller would block anyway and is not one
+        of the group's workers, so running here holds up nothing the queued
+        path would not: it skips the queue and the worker wake-up. A
+        persistent start's ``publish(comm)`` runs here when nothing is in
+        flight; its Work is then *held* (on no queue) until ``wait()``.
         """
         with self._lock:
             if self._poisoned is not None or self._closed:
                 self._refuse(call.name)
-            if self._fast_held is not None:
-                promote(self)
+            # No fused call claims from here on (they claim without the lock,
+            # holding the GIL; this call will be in flight); one claimed or
+            # held goes first.
+            self._word[GROUP_BLOCKED] = 1
+            if self._fast_held is not None or self._word[GROUP_CLAIMED]:
+                take_back(self)
             seq = -1
             if call.collective:
                 seq = self._word[GROUP_SEQ]
@@ -321,10 +325,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
                                                     started=here or held)
             work.order = order = self._order
             self._order = order + 1
-            # Registered either way: a barrier or shutdown() on another thread
-            # waits for it like any other work.
-            self._inflight[order] = work
-            self._word[GROUP_BLOCKED] = 1  # (something in flight)
+            self._inflight[order] = work  # (either way: another thread's shutdown waits)
             if call.algorithm in ARENA:
                 self._arena_order.ticket(work, queued=not here)
             if not here:
@@ -476,8 +477,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         with self._lock:
             if self._closed:
                 return
-            if self._fast_held is not None:
-                promote(self)
+            take_back(self)
             pending = list(self._inflight.values())
             for w in pending:  # held starts (see submit) are on no queue: a worker runs them
                 if w._claim_lock is not None:

@@ -678,3 +678,42 @@ def test_the_groups_words_say_when_a_fused_call_may_run():
         assert pgs[0]._word[GROUP_BLOCKED] == 1 and pgs[1]._word[GROUP_BLOCKED] == 1
     finally:
         close(pgs)
+
+
+def test_a_fused_call_claimed_on_another_thread_goes_first():
+    """A fused call runs without the group's lock: between its compiled claim
+    and the group holding it (``GROUP_CLAIMED``), no other fused call is taken
+    and a call of another thread waits (``settle``) instead of overtaking
+    it; once the claiming thread holds it, everything completes in order."""
+    import threading
+
+    from numcoll.collectives.fused_step import GROUP_CLAIMED, NOT_TAKEN
+
+    pgs = groups(2, transport="shm", threads=2, timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            for _ in range(4):
+                nc.barrier(group=pg)
+            fused = pg.repeats.default_barrier
+            got = fused._start(fused.address, fused.x, 0)  # the claim; no wait
+            claimed = got != -1
+            seen = {"claimed": pg._word[GROUP_CLAIMED] == claimed}
+            if claimed:  # (else this rank found its peer there: done, let go)
+                seen["no second claim"] = fused._start(fused.address, fused.x, 0) == NOT_TAKEN
+            done = []
+            z = np.full(3, pg.rank() + 1.0)
+            other = threading.Thread(target=lambda: done.append(pg.allreduce(z).wait()))
+            other.start()
+            time.sleep(0.2)
+            seen["waited"] = not done if claimed else True
+            if claimed:
+                fused.hold(got)
+            other.join(10)
+            seen["after"] = not other.is_alive() and z.tolist() == [3.0] * 3
+            return seen, pg.sequence_number()
+
+        for seen, seq in on_ranks(pgs, body):
+            assert all(seen.values()), seen
+            assert seq == 4 + 1 + 1
+    finally:
+        close(pgs)

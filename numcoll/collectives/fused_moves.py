@@ -145,7 +145,8 @@ def _arrays(plan_address):
     return plan, region, moves, x, out
 
 
-@njit(nogil=True, cache=True)
+# (Without nogil, as fused_step.start: its claim counts on holding the GIL.)
+@njit(cache=True)
 def step(plan_address, typed_out, spin_ns):
     """A call's start: claim the group's next number and step (NOT_TAKEN if
     it may not: :func:`.fused_step._claim`), pack, publish, wait ``spin_ns``

@@ -52,7 +52,8 @@ from ..kernels.cpu_loops import _maximum, _minimum
 
 __all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
            "SOURCE", "OWN", "GROUP", "HELD", "STEPS", "NOW_SEQ", "NOW_STEP", "ROWS", "GROUP_SEQ",
-           "GROUP_BLOCKED", "NOT_TAKEN", "DONE_HELD", "start", "finish", "combine", "entry"]
+           "GROUP_BLOCKED", "GROUP_CLAIMED", "GROUP_WORDS", "NOT_TAKEN", "DONE_HELD", "start",
+           "finish", "combine", "entry"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -83,10 +84,15 @@ CTRL_NBYTES, RANK, SIZE, FIRST, STRIDE, STAMP, NBYTES, SPIN, YIELD, OP, ROOT, RE
 META, SOURCE, OWN, GROUP, HELD, STEPS, NOW_SEQ, NOW_STEP, ROWS = \
     16, 18, 19, 26, 27, 28, 29, 30, 32
 
-#: The group's words (``ProcessGroup._fast_words``), kept by the group under
-#: its lock: its next sequence number, and whether a fused call may not run
-#: now (something in flight or held, the group poisoned or closed).
-GROUP_SEQ, GROUP_BLOCKED = 0, 1
+#: The group's words (``ProcessGroup._fast_words``): its next sequence
+#: number; whether a fused call may not run now (something in flight or held,
+#: the group poisoned or closed), kept by the group under its lock; and
+#: whether a fused call was claimed here and not yet handed to the group
+#: (set by the claim, cleared when the call ended within its start or when
+#: the group holds it: :func:`numcoll.fast.step.settle`).
+GROUP_SEQ, GROUP_BLOCKED, GROUP_CLAIMED = 0, 1, 2
+#: How many words the group keeps.
+GROUP_WORDS = 3
 #: What a start returns besides ``_wait``'s answers (-1 done, a rank, -2 - a
 #: rank) and a move's check (-3 - a rank): the group's words say no fused call
 #: may run now (nothing was claimed or published); or the call completed but a
@@ -234,15 +240,21 @@ def _held(plan):
 def _claim(plan):
     """Take the group's next sequence number and the arena's next step for
     this call (into NOW_SEQ and NOW_STEP), unless the group's words say no
-    fused call may run now or its mailbox holds a message of a call not yet
-    taken. The caller holds the group's lock, under which the group keeps
-    those words true (:func:`numcoll.fast.step.update_blocked`)."""
-    group = carray(_pointer(plan[GROUP], np.int64), (2,))
-    if group[GROUP_BLOCKED] != 0 or _held(plan) != 0:
+    fused call may run now (or one claimed is not yet handed over) or its
+    mailbox holds a message of a call not yet taken.
+
+    The caller holds the GIL from here to its return (its start is compiled
+    without ``nogil``), so no other thread of this process sees the words
+    half-changed, and the group changes them only with the GIL and under its
+    lock (:func:`numcoll.fast.step.update_blocked`): a check and claim no
+    other Python thread can come between, without taking the group's lock."""
+    group = carray(_pointer(plan[GROUP], np.int64), (GROUP_WORDS,))
+    if group[GROUP_BLOCKED] != 0 or group[GROUP_CLAIMED] != 0 or _held(plan) != 0:
         return False
     steps = carray(_pointer(plan[STEPS], np.int64), (1,))
     seq, step = group[GROUP_SEQ], steps[0]
     group[GROUP_SEQ] = seq + 1
+    group[GROUP_CLAIMED] = 1
     steps[0] = step + 1
     plan[NOW_SEQ] = seq
     plan[NOW_STEP] = step
@@ -253,8 +265,13 @@ def _claim(plan):
 def _ended(plan, got):
     """A start's answer once it waited: DONE_HELD for a completed call while
     a message of a call not yet taken is held (the group checks it), else
-    ``got``."""
-    return DONE_HELD if got == -1 and _held(plan) != 0 else got
+    ``got``. A call that ended here (-1) lets go of its claim; any other
+    answer keeps it until the group holds the call."""
+    if got == -1:
+        if _held(plan) != 0:
+            return DONE_HELD
+        carray(_pointer(plan[GROUP], np.int64), (GROUP_WORDS,))[GROUP_CLAIMED] = 0
+    return got
 
 
 # Without nogil: start() waits the spin phase at most (microseconds), and

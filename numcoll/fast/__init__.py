@@ -12,7 +12,7 @@
 
 from .repeat import Repeats, fusable
 from .request import FusedRequest, Started, fused_request, make_request
-from .step import FusedCall, promote, update_blocked
+from .step import FusedCall, promote, settle, take_back, update_blocked
 
 __all__ = ["FusedCall", "FusedRequest", "Repeats", "Started", "fusable", "fused_request",
-           "make_request", "promote", "update_blocked"]
+           "make_request", "promote", "settle", "take_back", "update_blocked"]

@@ -27,7 +27,7 @@ from transports.shm.arena import HEADER_NBYTES, SharedArena
 from ..collectives import fused_moves, fused_step
 from ..algorithms.shared import _place
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
-from .step import _NOTHING, FusedCall, fusable_dtype
+from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
 __all__ = ["FusedMove", "plan", "span"]
 
@@ -90,7 +90,7 @@ def plan(pg, call, inp, out) -> FusedMove | None:
     if call.algorithm != "shared" or pg._size < 2 or pg._closed or \
             not _plain(inp) or not _plain(out) or (out is not None and not out.flags.writeable):
         return None
-    if type(pg._transport.arena) is not SharedArena:  # (not a hier transport's host arena)
+    if type(pg._transport.arena) is not SharedArena or not HAS_GIL:  # (not a hier host arena)
         return None
     itemsize = (inp if inp is not None else out).itemsize
     slot, seg = pg._transport.arena.slot_nbytes, pg.context.segment(itemsize)

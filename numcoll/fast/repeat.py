@@ -35,7 +35,7 @@ from transports.shm.arena import SharedArena
 from ..collectives import fused_step
 from . import moves
 from .replay import Replay, described
-from .step import FusedCall, fusable_dtype
+from .step import HAS_GIL, FusedCall, fusable_dtype
 
 __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
 
@@ -115,7 +115,7 @@ def fusable(pg, call, x) -> bool:
     """Whether ``call`` (as the ordinary builder made it) on array ``x`` (None:
     no array) can run as a fused step on ``pg``."""
     # (a SharedArena: the group's own arena, not the hier transport's host arena)
-    if call.algorithm != "shared" or pg._size < 2 or pg._closed \
+    if call.algorithm != "shared" or pg._size < 2 or pg._closed or not HAS_GIL \
             or type(pg._transport.arena) is not SharedArena:
         return False
     if x is None:
@@ -158,7 +158,9 @@ class Repeats:
                 or not x.flags.writeable:
             # (no replay kept, the usual case of a small call: no key to build)
             return bool(self._replays) and self._replayed((id(x), "allreduce"), (x,), op)
-        return seen.fused.run()
+        fused = seen.fused  # (FusedCall.run, inlined: a frame is 0.04 us of 1.3)
+        got = fused._start(fused.address, fused.x, fused.spin_ns)
+        return got == -1 or got != fused_step.NOT_TAKEN and fused.hold(got)
 
     def reduce(self, x, op, root: int) -> bool:
         """:meth:`allreduce` for ``reduce(x, op)`` into group rank ``root``."""

@@ -717,3 +717,23 @@ def test_a_fused_call_claimed_on_another_thread_goes_first():
             assert seq == 4 + 1 + 1
     finally:
         close(pgs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_small_calls_benchmark_times_every_layer(capsys):
+    """benchmarks/small_calls.py: a time for every layer of the small call,
+    the compiled step's included (which runs the fused start by hand and must
+    let go of its claim, or every later call of the group waits)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "small_calls.py"
+    spec = importlib.util.spec_from_file_location("small_calls", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--calls", "400", "--runs", "1"])
+    out = capsys.readouterr().out
+    rows = {name: out.split(name, 1)[1].split()[:2] for name in bench.ROWS if name in out}
+    assert sorted(rows) == sorted(bench.ROWS), out
+    assert all(float(median) > 0 for median, _ in rows.values()), out

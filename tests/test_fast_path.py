@@ -737,3 +737,38 @@ def test_the_small_calls_benchmark_times_every_layer(capsys):
     rows = {name: out.split(name, 1)[1].split()[:2] for name in bench.ROWS if name in out}
     assert sorted(rows) == sorted(bench.ROWS), out
     assert all(float(median) > 0 for median, _ in rows.values()), out
+
+
+def test_a_crowded_groups_fused_start_polls_with_yields_instead_of_returning_at_once():
+    """Where a group has more ranks than CPUs its arena does not spin, and a
+    fused call's start polls with ``sched_yield`` for CROWDED_WAIT_NS instead
+    of returning at once (which sent every call down the held path); an
+    uncrowded group's start busy-polls its spin phase."""
+    from numcoll.collectives.fused_step import ROWS, SPIN, _start_phases
+    from numcoll.fast.step import CROWDED_WAIT_NS
+    from transports.shm.transport import _usable_cpus
+
+    plan = np.zeros(ROWS, np.int64)
+    plan[SPIN] = 5000
+    assert _start_phases(plan, 100, 5000) == (5100, 5100)  # busy-polls, then returns
+    plan[SPIN] = 0
+    assert _start_phases(plan, 100, CROWDED_WAIT_NS) == (100, 100 + CROWDED_WAIT_NS)
+    size = _usable_cpus() + 1
+    if size > 5:
+        pytest.skip("a crowded group here would take more threads than this test starts")
+    pgs = groups(size, transport="shm", threads=2, timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            x = np.full(2, pg.rank() + 1.0, np.float32)
+            for _ in range(4):
+                nc.barrier(group=pg)
+            for i in range(6):
+                x[...] = pg.rank() + i
+                nc.all_reduce(x, group=pg)
+                assert x.tolist() == [sum(range(size)) + size * i] * 2
+            return pg.repeats.default_barrier.spin_ns, fused_runs(pg)
+
+        for spin, fused in on_ranks(pgs, body):
+            assert spin == CROWDED_WAIT_NS and fused >= 4
+    finally:
+        close(pgs)

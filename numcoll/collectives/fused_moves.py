@@ -41,7 +41,8 @@ from transports.shm.ring import _memcpy, _monotonic_ns
 
 from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STEP, OP, RANK,
                          REGION, REGION_NBYTES, SIZE, SPIN, STAMP, STRIDE, YIELD, _accumulate,
-                         _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
+                         _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer,
+                         _start_phases)
 
 __all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "MOVES", "INP", "OUT", "step",
            "finish", "unpack", "entry"]
@@ -167,8 +168,9 @@ def step(plan_address, typed_out, spin_ns):
     rank = plan[RANK]
     _put(region, ctrl, rank, step, plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq,
          plan[STAMP], plan[STAMP + 1], x, 0, plan[NBYTES])
+    spin_until, yield_until = _start_phases(plan, now, spin_ns)
     return _ended(plan, _wait_and_unpack(region, plan, moves, out, typed_out, step, seq,
-                                         now + spin_ns, now + spin_ns))
+                                         spin_until, yield_until))
 
 
 @njit(nogil=True, cache=True)

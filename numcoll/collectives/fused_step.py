@@ -262,6 +262,16 @@ def _claim(plan):
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _start_phases(plan, now, wait_ns):
+    """Until when a start busy-polls, and until when it polls at all:
+    ``wait_ns`` of busy polling; where the group's spin phase is 0 (more
+    ranks than CPUs), ``wait_ns`` of polling with ``sched_yield``, so that the
+    ranks sharing this CPU run meanwhile."""
+    until = now + wait_ns
+    return (until, until) if plan[SPIN] > 0 else (now, until)
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _ended(plan, got):
     """A start's answer once it waited: DONE_HELD for a completed call while
     a message of a call not yet taken is held (the group checks it), else
@@ -274,7 +284,8 @@ def _ended(plan, got):
     return got
 
 
-# Without nogil: start() waits the spin phase at most (microseconds), and
+# Without nogil: start() waits the spin phase at most (microseconds; in a
+# group with more ranks than CPUs, CROWDED_WAIT_NS of yielding polls), and
 # letting go of the GIL for that long would risk waiting to get it back
 # behind another thread (a switch interval) for nothing. finish() may wait
 # the whole yield phase, and lets go.
@@ -283,7 +294,8 @@ def start(plan_address, x, spin_ns):
     """Claim the group's next number and step (:func:`_claim`; NOT_TAKEN if
     it may not), open the lane row, publish this rank's part of the step (its
     header and, per the plan, ``x``'s bytes), then wait for the others for
-    ``spin_ns`` at most (0: look once) and, if they are all there, combine.
+    ``spin_ns`` at most (0: look once; :func:`_start_phases`) and, if they
+    are all there, combine.
     Returns ``_wait``'s answer: -1 done; DONE_HELD (done, see :func:`_ended`);
     else :func:`finish` (or the caller's slow wait) takes over."""
     plan = _plan_at(plan_address)
@@ -300,8 +312,8 @@ def start(plan_address, x, spin_ns):
          payload, plan[NBYTES], plan[NBYTES])
     if plan[OP] == GATHER and plan[OWN]:  # this rank's chunk, while the others catch up
         _memcpy(x, rank * plan[NBYTES], payload, 0, plan[NBYTES])
-    return _ended(plan, _wait_and_combine(region, plan, x, step, seq, now + spin_ns,
-                                          now + spin_ns))
+    spin_until, yield_until = _start_phases(plan, now, spin_ns)
+    return _ended(plan, _wait_and_combine(region, plan, x, step, seq, spin_until, yield_until))
 
 
 @njit(cache=True)
@@ -320,7 +332,8 @@ def barrier(plan_address, x, spin_ns):
     rank, s0, s1 = plan[RANK], plan[STAMP], plan[STAMP + 1]
     _put(region, ctrl, rank, step, plan[FIRST + (step & 1)] + rank * plan[STRIDE], seq, s0, s1,
          _NO_BYTES, 0, 0)
-    got = _wait(ctrl, plan[SIZE], step, seq, s0, s1, now + spin_ns, now + spin_ns)
+    spin_until, yield_until = _start_phases(plan, now, spin_ns)
+    got = _wait(ctrl, plan[SIZE], step, seq, s0, s1, spin_until, yield_until)
     if got == -1:
         _lane_close(plan)
     return _ended(plan, got)

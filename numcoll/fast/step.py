@@ -60,6 +60,12 @@ _NOTHING = np.empty(0, np.uint8)
 #: call instead of two and three. A start whose peers are later returns (it
 #: never waits longer than this) and wait() finishes it.
 START_SPIN_NS = 3000
+#: How long a blocking fused call's start polls with ``sched_yield`` (ns) in
+#: a group with more ranks than CPUs, whose arena does not spin: the ranks
+#: sharing a CPU arrive within a few time slices of each other, and a start
+#: that returns at once sends every call down the held path (a lock, a
+#: second compiled call, 2-3 us more).
+CROWDED_WAIT_NS = 50_000
 
 
 def fusable_dtype(dtype) -> bool:
@@ -108,8 +114,10 @@ class FusedCall:
         region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
         self.region = region
         self.rank, self.size = rank, size = arena.rank, arena.size
-        self.spin_ns = spin_ns
-        self.start_spin_ns = min(spin_ns, START_SPIN_NS)
+        # (the start's wait: the arena's spin phase, or, where the group has more
+        # ranks than CPUs and no spin phase, CROWDED_WAIT_NS of yielding polls)
+        self.spin_ns = spin_ns if spin_ns > 0 else CROWDED_WAIT_NS
+        self.start_spin_ns = min(self.spin_ns, START_SPIN_NS)
         x = _NOTHING if x is None else x
         # What the compiled functions take as their array: a barrier passes 0
         # (an int costs their entry point less than an array; fused_step._bytes_of)

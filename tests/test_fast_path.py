@@ -739,11 +739,28 @@ def test_the_small_calls_benchmark_times_every_layer(capsys):
     assert all(float(median) > 0 for median, _ in rows.values()), out
 
 
+def _crowded_body(size):
+    from numcoll.api.world import get_default_group
+
+    pg = get_default_group()
+    x = np.zeros(2, np.float32)
+    for _ in range(4):
+        nc.barrier()
+    right = True
+    for i in range(6):
+        x[...] = pg.rank() + i
+        nc.all_reduce(x)
+        right = right and x.tolist() == [sum(range(size)) + size * i] * 2
+    return pg.repeats.default_barrier.spin_ns, fused_runs(pg), right
+
+
 def test_a_crowded_groups_fused_start_polls_with_yields_instead_of_returning_at_once():
     """Where a group has more ranks than CPUs its arena does not spin, and a
     fused call's start polls with ``sched_yield`` for CROWDED_WAIT_NS instead
     of returning at once (which sent every call down the held path); an
-    uncrowded group's start busy-polls its spin phase."""
+    uncrowded group's start busy-polls its spin phase, and one whose peers are
+    threads of this process looks once (holding the GIL, it would keep them
+    from arriving)."""
     from numcoll.collectives.fused_step import ROWS, SPIN, _start_phases
     from numcoll.fast.step import CROWDED_WAIT_NS
     from transports.shm.transport import _usable_cpus
@@ -753,22 +770,19 @@ def test_a_crowded_groups_fused_start_polls_with_yields_instead_of_returning_at_
     assert _start_phases(plan, 100, 5000) == (5100, 5100)  # busy-polls, then returns
     plan[SPIN] = 0
     assert _start_phases(plan, 100, CROWDED_WAIT_NS) == (100, 100 + CROWDED_WAIT_NS)
-    size = _usable_cpus() + 1
-    if size > 5:
-        pytest.skip("a crowded group here would take more threads than this test starts")
-    pgs = groups(size, transport="shm", threads=2, timeout=timedelta(seconds=30))
+    pgs = groups(2, transport="shm", threads=2, timeout=timedelta(seconds=30))
     try:
-        def body(pg):
-            x = np.full(2, pg.rank() + 1.0, np.float32)
+        def threads(pg):
             for _ in range(4):
                 nc.barrier(group=pg)
-            for i in range(6):
-                x[...] = pg.rank() + i
-                nc.all_reduce(x, group=pg)
-                assert x.tolist() == [sum(range(size)) + size * i] * 2
-            return pg.repeats.default_barrier.spin_ns, fused_runs(pg)
+            return pg.repeats.default_barrier.spin_ns
 
-        for spin, fused in on_ranks(pgs, body):
-            assert spin == CROWDED_WAIT_NS and fused >= 4
+        assert on_ranks(pgs, threads) == [0, 0]
     finally:
         close(pgs)
+    size = _usable_cpus() + 1
+    if size > 5:
+        pytest.skip("a crowded group of processes here would take more than 5 ranks")
+    for spin, fused, right in nc.launch(_crowded_body, size, args=(size,), mode="process",
+                                        timeout=90):
+        assert spin == CROWDED_WAIT_NS and fused >= 4 and right

@@ -114,9 +114,12 @@ class FusedCall:
         region, ctrl, first, stride, spin_ns, yield_ns = arena.layout()
         self.region = region
         self.rank, self.size = rank, size = arena.rank, arena.size
-        # (the start's wait: the arena's spin phase, or, where the group has more
-        # ranks than CPUs and no spin phase, CROWDED_WAIT_NS of yielding polls)
-        self.spin_ns = spin_ns if spin_ns > 0 else CROWDED_WAIT_NS
+        # The start's wait: the arena's spin phase, or, where the group has more
+        # ranks than CPUs and no spin phase, CROWDED_WAIT_NS of yielding polls;
+        # none (one look) where a peer is a thread of this process, which needs
+        # the GIL the start holds to arrive at all.
+        self.spin_ns = 0 if getattr(pg._transport, "peers_in_this_process", False) \
+            else spin_ns if spin_ns > 0 else CROWDED_WAIT_NS
         self.start_spin_ns = min(self.spin_ns, START_SPIN_NS)
         x = _NOTHING if x is None else x
         # What the compiled functions take as their array: a barrier passes 0

@@ -173,6 +173,13 @@ class ShmRingTransport(MailboxTransport):
                 self._arena_slot_nbytes, spin_ns=self._spin_ns, yield_ns=self._yield_ns,
                 peer_left=self._rings.left, conflicting_call=self._rings.conflicting_call)
 
+    @property
+    def peers_in_this_process(self) -> bool:
+        """Whether a peer is a thread of this process (``nc.launch``'s thread
+        mode, tests): then a wait that holds the GIL keeps that peer from
+        arriving."""
+        return os.getpid() in self._peer_pids.values()
+
     # --- MailboxTransport ---------------------------------------------------------------
 
     def _send(self, req: ShmRequest, peer: int, tag: int, data: memoryview,

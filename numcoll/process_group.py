@@ -312,7 +312,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
             # held goes first.
             self._word[GROUP_BLOCKED] = 1
             if self._fast_held is not None or self._word[GROUP_CLAIMED]:
-                take_back(self)
+                take_back(self, call.name)
             seq = -1
             if call.collective:
                 seq = self._word[GROUP_SEQ]
@@ -477,7 +477,7 @@ class ProcessGroup(persistent.InitMethods, p2p.P2PMethods, Recoverable):
         with self._lock:
             if self._closed:
                 return
-            take_back(self)
+            take_back(self, "shutdown", give_up_s=min(self.context.timeout_s, _SHUTDOWN_DRAIN_S))
             pending = list(self._inflight.values())
             for w in pending:  # held starts (see submit) are on no queue: a worker runs them
                 if w._claim_lock is not None:

@@ -786,3 +786,28 @@ def test_a_crowded_groups_fused_start_polls_with_yields_instead_of_returning_at_
     for spin, fused, right in nc.launch(_crowded_body, size, args=(size,), mode="process",
                                         timeout=90):
         assert spin == CROWDED_WAIT_NS and fused >= 4 and right
+
+
+def test_a_claim_never_handed_over_fails_the_next_call_at_the_deadline_naming_it():
+    """A fused claim whose thread never hands it to the group (killed between
+    the two) leaves every later call waiting on it: that wait ends at the
+    group's deadline with an error naming the call, the rank and the number;
+    shutdown() gives up on it and closes."""
+    from numcoll.collectives.fused_step import GROUP_CLAIMED, GROUP_SEQ
+
+    (pg,) = groups(1, timeout=timedelta(seconds=0.5))
+    try:
+        # (what a claim of collective #1 leaves until hold(): the number taken)
+        pg._word[GROUP_SEQ], pg._word[GROUP_CLAIMED] = 2, 1
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"allreduce on rank 0 waited 0.5 s for "
+                                               r"collective #1, which a fused call"):
+            pg.allreduce(np.ones(2)).wait()
+        assert 0.4 < time.monotonic() - started < 10
+        pg._word[GROUP_CLAIMED] = 0  # (as hold() does)
+        assert pg.allreduce(np.ones(2)).wait()  # the group is usable again
+        pg._word[GROUP_CLAIMED] = 1
+        pg.shutdown()  # gives up on it within the deadline and closes all the same
+        assert pg._closed
+    finally:
+        pg.shutdown()

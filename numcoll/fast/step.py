@@ -253,7 +253,7 @@ class FusedCall:
         """The last start as the group's Work (made now if it is still held)."""
         pg = self.pg
         with pg._lock:
-            settle(pg)
+            settle(pg, self.call.name)
             if pg._fast_held is self:
                 promote(pg)
             else:
@@ -325,23 +325,26 @@ def promote(pg) -> None:
     fused.work = work
 
 
-def take_back(pg) -> None:
-    """What any call that is not fused does first, under the group's lock:
-    wait until no fused call is claimed and not yet held (:func:`settle`),
-    then promote the held one, if any (:func:`promote`)."""
-    settle(pg)
+def take_back(pg, op: str, give_up_s: float | None = None) -> None:
+    """What any call that is not fused (``op``) does first, under the group's
+    lock: wait until no fused call is claimed and not yet held
+    (:func:`settle`; with ``give_up_s``, at most that long, then go on
+    without raising: shutdown), then promote the held one, if any
+    (:func:`promote`)."""
+    settle(pg, op, give_up_s)
     if pg._fast_held is not None:
         promote(pg)
 
 
-def settle(pg) -> None:
-    """Under the group's lock, before looking at what it holds: refuse fused
+def settle(pg, op: str, give_up_s: float | None = None) -> None:
+    """Under the group's lock, before ``op`` looks at what it holds: refuse fused
     calls from now on (``GROUP_BLOCKED`` set: the caller puts it right,
     :func:`update_blocked`, or has something in flight), and wait -- the lock
     let go -- while one whose compiled start claimed its number and step
     without the lock, on another thread, is not held by the group yet
     (``GROUP_CLAIMED``: a few bytecodes of that thread's, unless something
-    killed it there; then the group's deadline ends the wait)."""
+    killed it there; then the group's deadline ends the wait with an error,
+    or ``give_up_s`` ends it quietly)."""
     word, lock = pg._word, pg._lock
     deadline = None
     while True:
@@ -351,12 +354,15 @@ def settle(pg) -> None:
         if not word[fused_step.GROUP_CLAIMED]:
             return
         if deadline is None:
-            deadline = time.monotonic() + pg.context.timeout_s
+            deadline = time.monotonic() + (pg.context.timeout_s if give_up_s is None
+                                           else give_up_s)
         elif time.monotonic() > deadline:
+            if give_up_s is not None:
+                return
             raise RuntimeError(
-                f"rank {pg._rank}: a fused call claimed collective "
-                f"#{word[fused_step.GROUP_SEQ] - 1} and its thread did not hand it to the "
-                f"group within {pg.context.timeout_s:g} s (was that thread interrupted?)")
+                f"{op} on rank {pg._rank} waited {pg.context.timeout_s:g} s for collective "
+                f"#{word[fused_step.GROUP_SEQ] - 1}, which a fused call on another thread of "
+                "this rank claimed and never handed to the group (was that thread interrupted?)")
         lock.release()
         try:
             time.sleep(0)  # (the claiming thread's turn: it needs the lock)

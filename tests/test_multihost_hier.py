@@ -280,7 +280,10 @@ def test_torchrun_across_hosts(hosts, tmp_path):
     procs = [hosts.popen(node, [sys.executable, "-m", "torch.distributed.run", "--nnodes",
                                 "2", "--node-rank", str(node), "--nproc-per-node", "2",
                                 "--master-addr", hosts.addrs[0], "--master-port",
-                                str(PORT + 40), str(script)], _env())
+                                str(PORT + 40),
+                                # torchrun's own logs: in the test's directory
+                                "--log-dir", str(tmp_path / f"torchrun-logs-{node}"),
+                                str(script)], _env())
              for node in (0, 1)]
     results = _finish(procs, timeout=110)
     names = str(["host0", "host0", "host1", "host1"])

@@ -149,7 +149,9 @@ def test_under_torchrun_the_ranks_use_its_agent_store(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--master-port", str(_free_port()), str(script)], env=env,
+                          "2", "--master-port", str(_free_port()),
+                          # torchrun's own logs: in the test's directory, not /tmp's
+                          "--log-dir", str(tmp_path / "torchrun-logs"), str(script)], env=env,
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("sum 3") == 2, out.stdout

@@ -6,6 +6,12 @@ import pytest
 #: The one command that runs the tests needing a real GPU (marked ``gpu``).
 GPU_COMMAND = "NUMBA_ENABLE_CUDASIM=0 python -m pytest -m gpu"
 
+# pytest-xdist (``pytest -n 2``) marks its workers' environment; the pytest runs a
+# test starts itself (the regression gate's, the notebooks' saved runs) are not its
+# workers, and pytest-benchmark would switch itself off in them if they inherited it.
+for _name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+    os.environ.pop(_name, None)
+
 # Every wait in the library has a deadline; this is the test-side backstop.
 DEFAULT_TEST_TIMEOUT_S = 120
 

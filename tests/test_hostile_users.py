@@ -37,6 +37,7 @@ import transports
 from transports.shm import ring as K
 from transports.shm.region import region_nbytes
 
+from shm_leftovers import numcoll_entries
 from test_transports import FileStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -185,7 +186,7 @@ def _run(kind: str, options: dict, tmp_path, attack, delay_s: float = 0.0):
     root = tmp_path / "store"
     root.mkdir()
     os.chmod(root, 0o700)  # the attacker does not get the store
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = numcoll_entries()
     outs = [str(tmp_path / f"rank{r}.json") for r in range(2)]
     procs = [_Rank(kind, r, str(root), options, outs[r], delay_s) for r in range(2)]
     try:
@@ -207,7 +208,7 @@ def _run(kind: str, options: dict, tmp_path, attack, delay_s: float = 0.0):
         assert r["threads"] == [], r["threads"]
         assert r["peak"] - r["baseline"] <= GROWTH_LIMIT, \
             f"peak RSS grew {(r['peak'] - r['baseline']) >> 20} MiB"
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert numcoll_entries() - shm_before == set()
     return results, report
 
 

@@ -16,6 +16,7 @@ import pytest
 import numcoll as nc
 from numcoll.memory import shared
 
+from shm_leftovers import numcoll_entries as ours_in_dev_shm
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(120),
@@ -240,11 +241,6 @@ def test_a_shared_array_on_one_rank_and_a_plain_one_on_the_other_fails_on_both()
         assert all("Detected mismatch" in e and "shared arrays)" in e for e in errors), errors
     finally:
         close(pgs)
-
-
-def ours_in_dev_shm() -> set:
-    """numcoll's entries in /dev/shm (other programs -- Open MPI, other tests -- have theirs)."""
-    return {name for name in os.listdir("/dev/shm") if "numcoll" in name}
 
 
 def test_lifetime_release_and_nothing_left_behind():

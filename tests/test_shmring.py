@@ -6,7 +6,6 @@ The conformance suite (tests/test_transports.py) runs it like every other kind.
 
 from __future__ import annotations
 
-import glob
 import multiprocessing
 import os
 import signal
@@ -20,6 +19,7 @@ from transports import ANY_SOURCE, PeerClosed, StampMismatch
 from transports.shm import ring as K
 from transports.shm.transport import ShmRingTransport, ring_nbytes_for
 
+from shm_leftovers import numcoll_entries
 from test_transports import FileStore, our_threads
 from test_transports import connect as _connect
 
@@ -200,16 +200,12 @@ def _ring_exchange(rank: int, size: int, root: str, rounds: int, crash: bool) ->
     t.close()
 
 
-def _shm_entries() -> set[str]:
-    return set(glob.glob("/dev/shm/*"))
-
-
 @pytest.mark.slow
 def test_four_processes_on_two_cores_then_one_is_killed(tmp_path):
     """4 ranks (more than this machine's cores) exchange 300 rounds in a ring,
     then rank 3 is SIGKILLed: the others learn within a second, naming it, and
     nothing is left in /dev/shm."""
-    before, threads_before = _shm_entries(), our_threads()
+    before, threads_before = numcoll_entries(), our_threads()
     ctx = multiprocessing.get_context("spawn")
     size, rounds = 4, 300
     children = [ctx.Process(target=_ring_exchange, args=(r, size, str(tmp_path), rounds, r == 3))
@@ -229,7 +225,7 @@ def test_four_processes_on_two_cores_then_one_is_killed(tmp_path):
         for peer in range(1, size):
             assert bytes(t.irecv(peer, 1 << 40).wait(deadline())) == b"done"
         assert time.monotonic() - start < 30
-        assert _shm_entries() == before  # memfd regions have no name
+        assert numcoll_entries() == before  # memfd regions have no name
         pending = t.irecv(3, 99)
         t.isend(3, 1 << 41, b"die").wait(deadline())
         killed = time.monotonic()
@@ -242,7 +238,7 @@ def test_four_processes_on_two_cores_then_one_is_killed(tmp_path):
         for c in children:
             c.join(WAIT_S)
     assert [c.exitcode for c in children] == [0, 0, -signal.SIGKILL]
-    assert _shm_entries() == before
+    assert numcoll_entries() == before
     assert our_threads() == threads_before
 
 

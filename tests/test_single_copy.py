@@ -19,6 +19,7 @@ from numcoll.collectives.choice import choose
 from numcoll.config import current
 from transports.shm import single_copy
 
+from shm_leftovers import numcoll_entries
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(120),
@@ -295,14 +296,14 @@ def _fds() -> set:
 
 
 def test_nothing_left_behind(no_leaked_threads):
-    shm_before, fds_before = set(os.listdir("/dev/shm")), _fds()
+    shm_before, fds_before = numcoll_entries(), _fds()
     for _ in range(3):
         pgs = shm_groups(2)
         try:
             on_ranks(pgs, every_collective)
         finally:
             close(pgs)
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert numcoll_entries() - shm_before == set()
     assert _fds() - fds_before == set()
 
 

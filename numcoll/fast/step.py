@@ -213,24 +213,21 @@ class FusedCall:
         self.work = None
         self.pending = got != fused_step.DONE_HELD
 
-    def start(self) -> bool:
-        """A persistent start: publish, and finish at once if every rank is
-        there within :data:`START_SPIN_NS` (then :meth:`finish` has nothing to
-        do); else hold the call until :meth:`finish`. Never waits longer.
-        False (nothing done, nothing numbered) when the fused path cannot take
-        it now."""
-        got = self._start(self.address, self.x, self.start_spin_ns)  # (no lock: see run())
-        if got == fused_step.NOT_TAKEN:
-            return False
+    def started(self, got: int) -> None:
+        """A persistent start whose compiled start (``_start`` with
+        ``start_spin_ns``, no lock: see :meth:`run`; the request calls it
+        itself, one frame fewer) took the call and answered ``got``: it
+        published, and finished at once if every rank was there within
+        :data:`START_SPIN_NS` (-1; then :meth:`finish` has nothing to do);
+        else the call is held until :meth:`finish`. Never waits longer."""
         self.work = None
         if got != -1:  # held (a promotion must find it published), finished by finish()
             with self.pg._lock:
                 self._hold(got)
                 self.running = False
-        return True
 
     def finish(self) -> None:
-        """The rest of a held :meth:`start`: wait, combine (one compiled call)."""
+        """The rest of a held persistent start (:meth:`started`): wait, combine (one compiled call)."""
         pg = self.pg
         with pg._lock:
             promoted = self.work is not None

@@ -637,21 +637,19 @@ def test_more_messages_in_flight_than_shared_memory_slots(make_group, kind, with
 def test_shared_memory_slabs_leave_no_files(make_group, kind):
     if kind != "ipc":
         pytest.skip("only the ipc transport uses shared memory")
-    import glob
+    from shm_leftovers import numcoll_entries
 
-    # this process's slabs only: other tests' ranks may run beside this one (pytest -n)
-    ours = f"/dev/shm/numcoll-slab-{os.getpid()}-*"
-    before = set(glob.glob(ours))
+    before = numcoll_entries()
     ranks = make_group(3)
     # the receivers unlink each slab as soon as they have mapped it
-    assert set(glob.glob(ours)) == before
+    assert numcoll_entries() == before
     req = ranks[0].isend(2, 1, payload(1, nbytes=300 << 10))
     got = ranks[2].irecv(0, 1).wait(deadline())
     req.wait(deadline())
     np.testing.assert_array_equal(np.frombuffer(got, np.uint8), payload(1, nbytes=300 << 10))
     for t in ranks:
         t.close()
-    assert set(glob.glob(ours)) == before
+    assert numcoll_entries() == before
 
 
 def test_no_room_for_shared_memory_falls_back_to_the_socket(make_group, kind, monkeypatch):

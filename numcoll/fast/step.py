@@ -227,7 +227,8 @@ class FusedCall:
                 self.running = False
 
     def finish(self) -> None:
-        """The rest of a held persistent start (:meth:`started`): wait, combine (one compiled call)."""
+        """The rest of a held persistent start (:meth:`started`): wait, combine
+        (one compiled call)."""
         pg = self.pg
         with pg._lock:
             promoted = self.work is not None

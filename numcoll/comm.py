@@ -179,8 +179,7 @@ class Comm:
         #: Which ranks share a host (:class:`numcoll.algorithms.levels.Topology`,
         #: groups over several hosts), else None.
         self.topology = topology
-        self.rank = transport.rank
-        self.size = transport.size
+        self.rank, self.size = transport.rank, transport.size
         self.seq = seq if seq > 0 else 0
         self.call = call
         self.op_name = call.name
@@ -348,8 +347,17 @@ class Comm:
         """:meth:`read_peer`'s other direction: copy ``data`` (uint8,
         C-contiguous) to ``address`` in ``peer``'s memory, a range ``peer``
         published for this rank to fill."""
-        return self._single_copy(self.transport.single_copy.write, peer, address, data,
-                                 "send")
+        return self._single_copy(self.transport.single_copy.write, peer, address, data, "send")
+
+    def single_copy_exchange(self, where, copies) -> tuple[int, int] | None:
+        """Both arena steps of a single-copy call and its copies, compiled:
+        :meth:`transports.shm.single_copy.SingleCopy.exchange`."""
+        self.started, t = True, self.transport
+        try:
+            return t.single_copy.exchange(t.arena, self.seq, self.stamp, where, copies,
+                                          self.deadline)
+        except TransportError as exc:
+            raise self._translate(exc, exc.peer, "arena") from exc
 
     def _single_copy(self, copy, peer: int, address: int, here, kind: str) -> str | None:
         self.started = True

@@ -25,6 +25,8 @@ from test_process_group import groups, on_ranks
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif("not __import__('transports').shm_available()")]
 
+#: A pid no process has (above any pid_max): a copy from it fails (ESRCH).
+NO_SUCH_PID = 1 << 30
 N = 3001  # float64 elements per rank: odd, not a multiple of anything
 W = 301  # alltoall_base: elements per row
 
@@ -237,6 +239,9 @@ def test_a_copy_refused_in_a_call_finishes_through_the_arena(monkeypatch, syscal
         monkeypatch.setattr(single_copy, syscall, flaky)
 
         def body(pg):
+            # (the compiled copies fail too -- no such pid -- and leave them to the
+            # step-by-step path, whose syscalls are the ones refused)
+            pg._transport.single_copy._pid_words[:] = NO_SUCH_PID
             every_collective(pg, algorithm="cma")  # each call falls back, results right
             assert pg._transport.single_copy.refused is None  # the choice stays as agreed
             return pg._transport.single_copy.failed
@@ -248,6 +253,43 @@ def test_a_copy_refused_in_a_call_finishes_through_the_arena(monkeypatch, syscal
         assert refusals
     finally:
         close(pgs)
+
+
+@pytest.mark.parametrize("where", ["copies", "steps"])
+def test_every_phase_the_compiled_call_leaves_is_finished_step_by_step(monkeypatch, where):
+    """The compiled call (where, copies, done) stops where a copy fails (no
+    such pid: the step-by-step path makes it again, with the real pid) or a
+    peer is not there within the spin and yield phases (none here): every
+    call finishes right from there, and nothing counts as refused."""
+    from transports.shm import single_copy_steps
+
+    pgs = shm_groups(3)
+    states = []
+
+    def counted(*args):
+        got = real(*args)
+        states.append(got[0])
+        return got
+
+    real = single_copy_steps.exchange
+    monkeypatch.setattr(single_copy_steps, "exchange", counted)
+    try:
+        def body(pg):
+            if where == "copies":
+                pg._transport.single_copy._pid_words[:] = NO_SUCH_PID
+            else:
+                pg._transport.arena._spin_ns = pg._transport.arena._yield_ns = 0
+            for _ in range(3):
+                every_collective(pg, algorithm="cma")
+            return pg._transport.single_copy.failed
+
+        assert on_ranks(pgs, body) == [None] * 3
+    finally:
+        close(pgs)
+    if where == "copies":  # (a rank whose peers were late stopped at the where step)
+        assert single_copy_steps.COPIES_OPEN in states and single_copy_steps.DONE not in states
+    else:
+        assert single_copy_steps.WHERE_OPEN in states
 
 
 def test_yama_scopes(monkeypatch):

@@ -45,11 +45,18 @@ read costs time, never a wrong result.
 
 Cost: two synchronisations; every byte is copied once (by its reader, or
 in the rooted collectives partly by the root).
+
+The three phases run as one compiled call (:func:`_exchange`, through
+:meth:`numcoll.comm.Comm.single_copy_exchange`) while every peer keeps up;
+wherever that call stops -- a late peer, a failed copy, a refusal -- they go
+on step by step here, from that phase.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from transports.shm.single_copy_steps import DONE, DONE_OPEN, READ, WHERE_OPEN, WRITE
 
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
@@ -73,18 +80,57 @@ def _address(view) -> int:
     return view.__array_interface__["data"][0]
 
 
-def _where(comm, ranges) -> list:
-    """Phase 1: publish ``ranges`` (each a uint8-viewable contiguous array a
-    peer will read, or None) and return every rank's table: an int64 array of
-    (address, nbytes) pairs per rank (None for this rank)."""
+def _exchange(comm, ranges, copies) -> bool:
+    """All three phases: publish ``ranges`` (each a uint8-viewable contiguous
+    array a peer will read or write, or None), make ``copies`` -- rows
+    ``(kind, peer, entry, buf, start, count)``: READ ``peer``'s published
+    range ``entry`` into ``buf``'s elements ``start:start + count``, or
+    WRITE those elements into it -- and publish *done*. True if every rank's
+    copies were made; False if one was refused (every rank agreed: the caller
+    finishes through the arena).
+
+    One compiled call takes the whole of it while every peer keeps up
+    (:meth:`numcoll.comm.Comm.single_copy_exchange`); where it stops, the
+    phases go on here, step by step, from where it stopped."""
     words = np.zeros(2 + 2 * len(ranges), np.int64)
     words[0], words[1] = _MAGIC, len(ranges)
     for i, view in enumerate(ranges):
         if view is not None and view.nbytes:
             words[2 + 2 * i] = _address(view)
             words[3 + 2 * i] = view.nbytes
-    payload = words.view(np.uint8)
-    step = comm.shared_step(payload)
+    views = [buf.recv_view(start, count) if kind == READ else buf.send_view(start, count)
+             for kind, _, _, buf, start, count in copies]
+    table = np.array([(kind, peer, entry, _address(v), v.nbytes)
+                      for (kind, peer, entry, *_), v in zip(copies, views)],
+                     np.int64).reshape(-1, 5)
+    got = comm.single_copy_exchange(words.view(np.uint8), table)
+    state, step = got if got is not None else (None, None)
+    if state == DONE:
+        ok = True
+    elif state == DONE_OPEN:
+        comm.shared_wait(step + 1)
+        ok = _verdict(comm, step + 1, None)
+    else:
+        if state is None:
+            step = comm.shared_step(words.view(np.uint8))
+        elif state == WHERE_OPEN:
+            comm.shared_wait(step)
+        tables = _tables(comm, step)
+        refused = None
+        for (kind, peer, entry, buf, start, count), view in zip(copies, views):
+            copy = _read if kind == READ else _write
+            refused = refused or copy(comm, buf, view, count, peer, tables[peer][entry])
+        ok = _done(comm, refused)
+    if ok:
+        for kind, _, _, buf, start, count in copies:
+            if kind == READ and count:
+                buf.recv_done(start, count)
+    return ok
+
+
+def _tables(comm, step: int) -> list:
+    """Every peer's *where* of ``step``: an int64 array of (address, nbytes)
+    pairs per rank (None for this rank)."""
     tables = [None] * comm.size
     for q in range(comm.size):
         if q == comm.rank:
@@ -98,26 +144,32 @@ def _where(comm, ranges) -> list:
     return tables
 
 
-def _read(comm, buf, start: int, count: int, peer: int, entry) -> str | None:
-    """Copy ``count`` elements of ``peer``'s published range ``entry`` into
-    ``buf``'s elements ``start:start + count``; a refusal's text, or None."""
+def _read(comm, buf, view, count: int, peer: int, entry) -> str | None:
+    """Copy ``peer``'s published range ``entry`` into ``view`` (``count`` of
+    ``buf``'s elements); a refusal's text, or None."""
     address, nbytes = int(entry[0]), int(entry[1])
     want = count * buf.itemsize
     if nbytes != want:
         comm.size_mismatch(peer, f"rank {peer} offers {nbytes} bytes, this rank reads {want}")
     if not count:
         return None
-    view = buf.recv_view(start, count)
-    refused = comm.read_peer(peer, address, view.view(np.uint8))
-    if refused is None:
-        buf.recv_done(start, count)
-    return refused
+    return comm.read_peer(peer, address, view.view(np.uint8))
+
+
+def _write(comm, buf, view, count: int, peer: int, entry) -> str | None:
+    """:func:`_read`'s other direction: copy ``view`` (``count`` of ``buf``'s
+    elements) into ``peer``'s published range ``entry``; a refusal's text, or None."""
+    address, nbytes = int(entry[0]), int(entry[1])
+    have = count * buf.itemsize
+    if nbytes != have:
+        comm.size_mismatch(peer, f"rank {peer} takes {nbytes} bytes, this rank writes {have}")
+    if not count:
+        return None
+    return comm.write_peer(peer, address, view.view(np.uint8))
 
 
 def _done(comm, refused: str | None) -> bool:
-    """Phase 3: publish this rank's verdict; True if every rank's reads
-    succeeded. Otherwise every rank marks its reads failed, for the first
-    refusal's reason (the same text on every rank), and returns False."""
+    """Phase 3: publish this rank's verdict; :func:`_verdict`."""
     text = np.zeros(_REASON_NBYTES, np.uint8)
     if refused is not None:
         raw = refused.encode()[:_REASON_NBYTES - 1] or b"?"
@@ -125,6 +177,13 @@ def _done(comm, refused: str | None) -> bool:
         step = comm.shared_step(text)
     else:
         step = comm.shared_step(text[:0])
+    return _verdict(comm, step, refused)
+
+
+def _verdict(comm, step: int, refused: str | None) -> bool:
+    """True if every rank's *done* (``step``) says its copies succeeded.
+    Otherwise every rank marks its copies failed, for the first refusal's
+    reason (the same text on every rank), and returns False."""
     reasons = []
     for q in range(comm.size):
         if q == comm.rank:
@@ -156,13 +215,8 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None) -> None:
     if size == 1:
         return
     first, n = chunks[rank]
-    tables = _where(comm, [buf.send_view(first, n)])
-    refused = None
-    for k in range(1, size):
-        q = (rank + k) % size  # every rank starts with a different peer
-        start, count = chunks[q]
-        refused = refused or _read(comm, buf, start, count, q, tables[q][0])
-    if not _done(comm, refused):
+    copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
+    if not _exchange(comm, [buf.send_view(first, n)], copies):
         allgather_shared(comm, buf, chunks, segment_count)
 
 
@@ -182,15 +236,12 @@ def broadcast_cma(comm, buf, root: int, segment_count: int | None = None) -> Non
     pushed = _root_share(count, size)
     kept = count - pushed
     if rank == root:
-        tables = _where(comm, [buf.send_view(0, kept)])
-        refused = None
-        for k in range(1, size):
-            q = (rank + k) % size
-            refused = refused or _write(comm, buf, kept, pushed, q, tables[q][0])
+        ranges = [buf.send_view(0, kept)]
+        copies = [(WRITE, q, 0, buf, kept, pushed) for q in _peers(rank, size)]
     else:
-        tables = _where(comm, [buf.recv_view(kept, pushed)])
-        refused = _read(comm, buf, 0, kept, root, tables[root][0])
-    if not _done(comm, refused):
+        ranges = [buf.recv_view(kept, pushed)]
+        copies = [(READ, root, 0, buf, 0, kept)]
+    if not _exchange(comm, ranges, copies):
         broadcast_shared(comm, buf, root, segment_count)
     elif rank != root:
         buf.recv_done(kept, pushed)
@@ -210,18 +261,14 @@ def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
         return
     if rank == root:
         heads = [_root_share(b.count, size) for b in recv_bufs]
-        tables = _where(comm, [None if q == root else b.recv_view(heads[q], b.count - heads[q])
-                               for q, b in enumerate(recv_bufs)])
-        refused = None
-        for k in range(1, size):
-            q = (rank + k) % size
-            refused = refused or _read(comm, recv_bufs[q], 0, heads[q], q, tables[q][0])
+        ranges = [None if q == root else b.recv_view(heads[q], b.count - heads[q])
+                  for q, b in enumerate(recv_bufs)]
+        copies = [(READ, q, 0, recv_bufs[q], 0, heads[q]) for q in _peers(rank, size)]
     else:
         head = _root_share(send_buf.count, size)
-        pushed = send_buf.count - head
-        tables = _where(comm, [send_buf.send_view(0, head)])
-        refused = _write(comm, send_buf, head, pushed, root, tables[root][rank])
-    if not _done(comm, refused):
+        ranges = [send_buf.send_view(0, head)]
+        copies = [(WRITE, root, rank, send_buf, head, send_buf.count - head)]
+    if not _exchange(comm, ranges, copies):
         gather_shared(comm, send_buf, recv_bufs, root, segment_count)
     elif rank == root:
         for q, b in enumerate(recv_bufs):
@@ -243,22 +290,25 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
         return
     if rank == root:
         heads = [b.count - _root_share(b.count, size) for b in send_bufs]
-        tables = _where(comm, [b.send_view(0, heads[q]) if q != root else None
-                               for q, b in enumerate(send_bufs)])
-        refused = None
-        for k in range(1, size):
-            q = (rank + k) % size
-            b = send_bufs[q]
-            refused = refused or _write(comm, b, heads[q], b.count - heads[q], q, tables[q][0])
+        ranges = [b.send_view(0, heads[q]) if q != root else None
+                  for q, b in enumerate(send_bufs)]
+        copies = [(WRITE, q, 0, send_bufs[q], heads[q], send_bufs[q].count - heads[q])
+                  for q in _peers(rank, size)]
     else:
         pushed = _root_share(recv_buf.count, size)
         kept = recv_buf.count - pushed
-        tables = _where(comm, [recv_buf.recv_view(kept, pushed)])
-        refused = _read(comm, recv_buf, 0, kept, root, tables[root][rank])
-    if not _done(comm, refused):
+        ranges = [recv_buf.recv_view(kept, pushed)]
+        copies = [(READ, root, rank, recv_buf, 0, kept)]
+    if not _exchange(comm, ranges, copies):
         scatter_shared(comm, send_bufs, recv_buf, root, segment_count)
     elif rank != root:
         recv_buf.recv_done(kept, pushed)
+
+
+def _peers(rank: int, size: int):
+    """The other ranks, from ``rank + 1`` on: every rank starts with a
+    different peer."""
+    return [(rank + k) % size for k in range(1, size)]
 
 
 def _root_share(count: int, size: int) -> int:
@@ -270,18 +320,6 @@ def _root_share(count: int, size: int) -> int:
     through ``process_vm_readv``/``writev``: each copying half took
     0.54-0.70x the time of one copying it all."""
     return count // size
-
-
-def _write(comm, buf, start: int, count: int, peer: int, entry) -> str | None:
-    """:func:`_read`'s other direction: copy ``buf``'s elements ``start:start
-    + count`` into ``peer``'s published range ``entry``; a refusal's text, or None."""
-    address, nbytes = int(entry[0]), int(entry[1])
-    have = count * buf.itemsize
-    if nbytes != have:
-        comm.size_mismatch(peer, f"rank {peer} takes {nbytes} bytes, this rank writes {have}")
-    if not count:
-        return None
-    return comm.write_peer(peer, address, buf.send_view(start, count).view(np.uint8))
 
 
 def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
@@ -296,12 +334,8 @@ def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     size, rank = comm.size, comm.rank
     if size == 1:
         return
-    tables = _where(comm, [send_buf.send_view(first, n) if q != rank else None
-                           for q, (first, n) in enumerate(send_chunks)])
-    refused = None
-    for k in range(1, size):
-        q = (rank + k) % size
-        start, count = recv_chunks[q]
-        refused = refused or _read(comm, recv_buf, start, count, q, tables[q][rank])
-    if not _done(comm, refused):
+    ranges = [send_buf.send_view(first, n) if q != rank else None
+              for q, (first, n) in enumerate(send_chunks)]
+    copies = [(READ, q, rank, recv_buf, *recv_chunks[q]) for q in _peers(rank, size)]
+    if not _exchange(comm, ranges, copies):
         alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks, segment_count)

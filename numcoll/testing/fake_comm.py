@@ -175,6 +175,11 @@ class FakeComm:
         ctypes.memmove(address, data.ctypes.data, data.nbytes)
         return None
 
+    def single_copy_exchange(self, where, copies) -> None:
+        """Comm.single_copy_exchange: never compiled here (None: the algorithm
+        takes every phase step by step, through the methods above)."""
+        return None
+
     def refuse_single_copy(self, reason: str) -> None:
         """Comm.refuse_single_copy: later reads are refused."""
         self.single_copy_refused = reason

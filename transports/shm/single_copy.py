@@ -62,6 +62,8 @@ import threading
 import numpy as np
 
 from ..base import SingleCopyRefused, TransportError
+from . import single_copy_steps
+from .arena import _stamp_cache, _stamp_words
 
 __all__ = ["SingleCopy", "SingleCopyRefused", "ptrace_scope"]
 
@@ -153,6 +155,7 @@ class SingleCopy:
     def __init__(self, rank: int, size: int, pids: dict[int, int]):
         self.rank, self.size = rank, size
         self._pids = dict(pids)
+        self._pid_words = np.array([self._pids.get(q, 0) for q in range(size)], np.int64)
         self.refused: str | None = "not agreed yet"
         self.failed: str | None = None
         self._lock = threading.Lock()
@@ -248,6 +251,19 @@ class SingleCopy:
                     raise SingleCopyRefused(message, peer)
                 raise TransportError(message, peer)
             done += n
+
+    def exchange(self, arena, seq: int, stamp: bytes, where: np.ndarray, copies: np.ndarray,
+                 deadline: float | None) -> tuple[int, int] | None:
+        """A single-copy call's *where* step, copies and *done* step in one
+        compiled call (:func:`.single_copy_steps.exchange`: ``(state,
+        step)``), or None -- nothing published -- where copies are off on
+        this group (the caller takes every phase step by step, and learns why)."""
+        if self.refused is not None or self.failed is not None:
+            return None
+        stamps = _stamp_cache.get(stamp) or _stamp_words(stamp)
+        deadline_ns = 1 << 62 if deadline is None else int(deadline * 1e9)
+        return single_copy_steps.exchange(arena, seq, stamps, where, copies, self._pid_words,
+                                          deadline_ns)
 
     def refuse(self, reason: str) -> bool:
         """A read was refused in a call (every rank calls this in the same call,

@@ -117,9 +117,8 @@ def _exchange(comm, ranges, copies) -> bool:
             comm.shared_wait(step)
         tables = _tables(comm, step)
         refused = None
-        for (kind, peer, entry, buf, start, count), view in zip(copies, views):
-            copy = _read if kind == READ else _write
-            refused = refused or copy(comm, buf, view, count, peer, tables[peer][entry])
+        for (kind, peer, entry, buf, _, count), view in zip(copies, views):
+            refused = refused or _copy(comm, kind, buf, view, count, peer, tables[peer][entry])
         ok = _done(comm, refused)
     if ok:
         for kind, _, _, buf, start, count in copies:
@@ -144,28 +143,19 @@ def _tables(comm, step: int) -> list:
     return tables
 
 
-def _read(comm, buf, view, count: int, peer: int, entry) -> str | None:
-    """Copy ``peer``'s published range ``entry`` into ``view`` (``count`` of
-    ``buf``'s elements); a refusal's text, or None."""
+def _copy(comm, kind: int, buf, view, count: int, peer: int, entry) -> str | None:
+    """READ ``peer``'s published range ``entry`` into ``view`` (``count`` of
+    ``buf``'s elements), or WRITE ``view`` into it; a refusal's text, or None."""
     address, nbytes = int(entry[0]), int(entry[1])
-    want = count * buf.itemsize
-    if nbytes != want:
-        comm.size_mismatch(peer, f"rank {peer} offers {nbytes} bytes, this rank reads {want}")
+    mine = count * buf.itemsize
+    if nbytes != mine:
+        comm.size_mismatch(peer, f"rank {peer} offers {nbytes} bytes, this rank reads {mine}"
+                           if kind == READ else
+                           f"rank {peer} takes {nbytes} bytes, this rank writes {mine}")
     if not count:
         return None
-    return comm.read_peer(peer, address, view.view(np.uint8))
-
-
-def _write(comm, buf, view, count: int, peer: int, entry) -> str | None:
-    """:func:`_read`'s other direction: copy ``view`` (``count`` of ``buf``'s
-    elements) into ``peer``'s published range ``entry``; a refusal's text, or None."""
-    address, nbytes = int(entry[0]), int(entry[1])
-    have = count * buf.itemsize
-    if nbytes != have:
-        comm.size_mismatch(peer, f"rank {peer} takes {nbytes} bytes, this rank writes {have}")
-    if not count:
-        return None
-    return comm.write_peer(peer, address, view.view(np.uint8))
+    copy = comm.read_peer if kind == READ else comm.write_peer
+    return copy(peer, address, view.view(np.uint8))
 
 
 def _done(comm, refused: str | None) -> bool:

@@ -349,7 +349,7 @@ class Comm:
         published for this rank to fill."""
         return self._single_copy(self.transport.single_copy.write, peer, address, data, "send")
 
-    def single_copy_exchange(self, where, copies) -> tuple[int, int] | None:
+    def single_copy_exchange(self, where, copies) -> tuple[str, int] | None:
         """Both arena steps of a single-copy call and its copies, compiled:
         :meth:`transports.shm.single_copy.SingleCopy.exchange`."""
         self.started, t = True, self.transport

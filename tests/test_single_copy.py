@@ -287,9 +287,9 @@ def test_every_phase_the_compiled_call_leaves_is_finished_step_by_step(monkeypat
     finally:
         close(pgs)
     if where == "copies":  # (a rank whose peers were late stopped at the where step)
-        assert single_copy_steps.COPIES_OPEN in states and single_copy_steps.DONE not in states
+        assert "copies" in states and "done" not in states
     else:
-        assert single_copy_steps.WHERE_OPEN in states
+        assert "where" in states
 
 
 def test_yama_scopes(monkeypatch):

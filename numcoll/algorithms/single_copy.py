@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from transports.shm.single_copy_steps import DONE, DONE_OPEN, READ, WHERE_OPEN, WRITE
-
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
 
@@ -66,6 +64,9 @@ __all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "allto
 
 #: Marks a published *where* (b"ncsingle" as a little-endian word).
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
+#: A copy row's first word (:meth:`numcoll.comm.Comm.single_copy_exchange`):
+#: read the peer's range, or write into it.
+READ, WRITE = 0, 1
 #: A *done* step carries a refusal's text, at most this many bytes.
 _REASON_NBYTES = 256
 
@@ -105,15 +106,15 @@ def _exchange(comm, ranges, copies) -> bool:
                      np.int64).reshape(-1, 5)
     got = comm.single_copy_exchange(words.view(np.uint8), table)
     state, step = got if got is not None else (None, None)
-    if state == DONE:
+    if state == "done":
         ok = True
-    elif state == DONE_OPEN:
+    elif state == "verdict":
         comm.shared_wait(step + 1)
         ok = _verdict(comm, step + 1, None)
     else:
         if state is None:
             step = comm.shared_step(words.view(np.uint8))
-        elif state == WHERE_OPEN:
+        elif state == "where":
             comm.shared_wait(step)
         tables = _tables(comm, step)
         refused = None

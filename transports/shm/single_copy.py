@@ -253,7 +253,7 @@ class SingleCopy:
             done += n
 
     def exchange(self, arena, seq: int, stamp: bytes, where: np.ndarray, copies: np.ndarray,
-                 deadline: float | None) -> tuple[int, int] | None:
+                 deadline: float | None) -> tuple[str, int] | None:
         """A single-copy call's *where* step, copies and *done* step in one
         compiled call (:func:`.single_copy_steps.exchange`: ``(state,
         step)``), or None -- nothing published -- where copies are off on

@@ -30,15 +30,19 @@ from numba.extending import intrinsic
 from .arena import HEADER_NBYTES, _put, _wait
 from .ring import _monotonic_ns
 
-__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "exchange"]
+__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "STATES",
+           "exchange"]
 
 #: A copy row's kind: read the peer's range into the local one, or write it.
 READ, WRITE = 0, 1
-#: :func:`exchange`'s answers: every phase done and every rank's copies made;
-#: the *where* step published but not seen complete; *where* complete, the
-#: copies not (all) made; the *done* step published (empty: this rank's
+#: Where the compiled call ended: every phase done and every rank's copies
+#: made; the *where* step published but not seen complete; *where* complete,
+#: the copies not (all) made; the *done* step published (empty: this rank's
 #: copies were made) but not seen complete, or some rank published a refusal.
 DONE, WHERE_OPEN, COPIES_OPEN, DONE_OPEN = 0, 1, 2, 3
+#: :func:`exchange`'s answers for those, by name (callers above the transport
+#: layer compare names, not this module's numbers).
+STATES = ("done", "where", "copies", "verdict")
 
 
 def _vm_call(name: str):
@@ -154,15 +158,16 @@ def _exchange(region, ctrl, rank, size, step, firsts, stride, seq, s0, s1, where
 
 
 def exchange(arena, seq: int, stamps: tuple, where: np.ndarray, copies: np.ndarray,
-             pids: np.ndarray, deadline_ns: int) -> tuple[int, int]:
+             pids: np.ndarray, deadline_ns: int) -> tuple[str, int]:
     """The three phases of a single-copy call over ``arena`` (a
     :class:`~transports.shm.arena.SharedArena`): publish ``where`` (uint8:
     the *where* words), make every copy of ``copies`` (int64 rows ``(kind,
     peer, entry, local address, nbytes)``: READ or WRITE ``nbytes`` between
     ``local`` and the address of entry ``entry`` of ``peer``'s *where*), then
     publish an empty *done*. ``pids[q]``: rank ``q``'s pid; ``stamps``: the
-    call's stamp as two words. Returns ``(state, step)``: :data:`DONE`, or
-    the phase the caller finishes from (see the module docstring); ``step``
+    call's stamp as two words. Returns ``(state, step)``: ``"done"``, or the
+    phase the caller finishes from (:data:`STATES`: ``"where"``, ``"copies"``,
+    ``"verdict"``; see the module docstring); ``step``
     is the *where* step (the *done* step is the next one). The arena's step
     count is advanced past every step published."""
     region, ctrl, firsts, stride, spin_ns, yield_ns = arena.layout()
@@ -170,4 +175,4 @@ def exchange(arena, seq: int, stamps: tuple, where: np.ndarray, copies: np.ndarr
     state = _exchange(region, ctrl, arena.rank, arena.size, step, firsts, stride, seq,
                       stamps[0], stamps[1], where, copies, pids, spin_ns, yield_ns, deadline_ns)
     arena.advance(step + (0 if state in (WHERE_OPEN, COPIES_OPEN) else 1))
-    return state, step
+    return STATES[state], step

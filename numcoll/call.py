@@ -63,7 +63,7 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 ALGORITHMS = ("", "ring", "recursive_doubling", "shared", "shared_split", "binomial", "chain",
               "direct", "pairwise", "dissemination", "gather_release", "allgather_coalesce",
               "shared_arrays", "twolevel", "twolevel_lanes",
-              "ipc", "cma")
+              "ipc", "cma", "cma_measured")
 _ALGORITHM_CODE = {name: i for i, name in enumerate(ALGORITHMS)}
 _OTHER_ALGORITHM = 255
 #: version, collective, dtype, op, algorithm, settings fingerprint, then root + 1

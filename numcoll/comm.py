@@ -9,8 +9,6 @@ between which ranks.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 from transports import (
@@ -25,6 +23,7 @@ from transports import (
 )
 
 from .call import SEQ_MASK, Call
+from .diagnostics.abort_notes import AbortNotes, abort_note, note_mismatch, read_note
 from .diagnostics.mismatch import AGREE, both_calls, settings_hint
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
 from .logs import get_logger
@@ -70,10 +69,6 @@ class Pending:
 # After a timeout, how long to wait for the awaited peer's abort note (which
 # names the rank it was stuck on); only a failing collective pays it.
 _STALL_NOTE_WAIT_S = 1.0
-# How long a rank waits for its note to reach the store (or a peer's to be
-# read) before going on: the store write or read goes on in the background,
-# and a dead store must not slow the abort or the error it explains.
-_NOTE_WAIT_S = 0.25
 
 
 #: What a survivor's error says it can do (numcoll.recovery).
@@ -83,81 +78,6 @@ _SHRINK = "the survivors can continue without it: nc.shrink_group()"
 def _hinted(text: str) -> str:
     """``text`` ending with what the survivors can do (said once)."""
     return text if "nc.shrink_group()" in text else f"{text}; {_SHRINK}"
-
-
-def abort_note(culprit: int, reason: str, mismatch: str | None = None) -> bytes:
-    """What an aborting rank publishes in the store: the rank that caused the
-    failure (itself, or the peer it lost) and why, for its peers' errors;
-    where the cause is a mismatch of calls, the mismatch's own message too."""
-    note = {"culprit": culprit, "reason": reason}
-    if mismatch:
-        note["mismatch"] = mismatch
-    return json.dumps(note).encode()
-
-
-class AbortNotes:
-    """The group's notes in its store: what a rank that aborts (or times out
-    waiting for a peer) says, so that its peers' errors name the rank that
-    caused a failure rather than the neighbour that passed it on. Every
-    store access is bounded (:data:`_NOTE_WAIT_S`)."""
-
-    def __init__(self, store, rank: int):
-        self._store, self._rank = store, rank
-
-    def publish(self, culprit: int, reason: str, mismatch: str | None = None) -> None:
-        """This rank aborts (or is stuck) because of rank ``culprit`` (with
-        ``mismatch``, the message of the mismatch of calls that caused it)."""
-        note = abort_note(culprit, reason, mismatch)
-
-        def write():
-            try:
-                self._store.set(f"abort/{self._rank}", note)
-            except Exception:  # noqa: BLE001 - best effort: peers still see the close
-                pass
-
-        _bounded(write, f"numcoll-r{self._rank}-abort", _NOTE_WAIT_S)
-
-    def read(self, peer: int) -> bytes | None:
-        """What ``peer`` published, if it did (bounded)."""
-        key = f"abort/{peer}"
-        found: list = []
-
-        def look():
-            try:
-                if self._store.check([key]):
-                    found.append(self._store.get(key))
-            except Exception:  # noqa: BLE001 - only an explanation; never mask the error
-                pass
-
-        _bounded(look, f"numcoll-r{self._rank}-why", _NOTE_WAIT_S * 2)
-        return found[0] if found else None
-
-
-def _bounded(fn, name: str, wait_s: float) -> None:
-    """Run ``fn`` on a daemon thread, waiting at most ``wait_s`` for it."""
-    thread = threading.Thread(target=fn, name=name, daemon=True)
-    thread.start()
-    thread.join(wait_s)
-
-
-def _read_note(note: bytes | str | None) -> tuple[int | None, str | None]:
-    if note is None:
-        return None, None
-    try:
-        data = json.loads(note)
-        return int(data["culprit"]), str(data["reason"])
-    except (ValueError, KeyError, TypeError):
-        text = note.decode(errors="replace") if isinstance(note, bytes) else str(note)
-        return None, text
-
-
-def _note_mismatch(note: bytes | str | None) -> str | None:
-    """The mismatch of calls that a peer's abort note says caused the failure."""
-    try:
-        mismatch = None if note is None else json.loads(note).get("mismatch")
-    except (ValueError, AttributeError, TypeError):
-        return None
-    return mismatch if isinstance(mismatch, str) and mismatch else None
 
 
 class Comm:
@@ -359,6 +279,11 @@ class Comm:
         except TransportError as exc:
             raise self._translate(exc, exc.peer, "arena") from exc
 
+    def single_copy_tuning(self) -> dict:
+        """A dict the single-copy algorithms keep with the group (rank 0's
+        times of single copy and of the arena, by kind of call)."""
+        return self.transport.single_copy.tuning
+
     def _single_copy(self, copy, peer: int, address: int, here, kind: str) -> str | None:
         self.started = True
         try:
@@ -428,7 +353,7 @@ class Comm:
         chain, reason = [self.rank, peer], None  # each rank waited for the next
         give_up = time.monotonic() + _STALL_NOTE_WAIT_S
         while True:
-            culprit, why = _read_note(self._notes.read(chain[-1]))
+            culprit, why = read_note(self._notes.read(chain[-1]))
             if culprit is None:
                 if time.monotonic() >= give_up:
                     break  # the last rank never said whom it waited for: it stalled
@@ -486,8 +411,8 @@ class Comm:
                 peer=peer)
         if isinstance(exc, PeerClosed):
             note = self._notes.read(peer) if self._notes and peer is not None else None
-            culprit, reason = _read_note(note)
-            mismatch = _note_mismatch(note)
+            culprit, reason = read_note(note)
+            mismatch = note_mismatch(note)
             if mismatch is not None:
                 # Ranks ran different calls: every rank fails with the mismatch,
                 # in torch's words, whichever rank saw it first.

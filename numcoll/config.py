@@ -83,8 +83,14 @@ class Config:
     #: alltoall and broadcast, scatter's 3-7 % slower, where the VM's vCPUs
     #: were near each other, and 3-10x faster where they were far apart (a
     #: cache line's round trip 0.3 us: the arena then copies at ~2 GB/s;
-    #: docs/performance/open-mpi.md, the far state).
-    single_copy_min_nbytes: int = 8 << 20
+    #: docs/performance/open-mpi.md, the far state). What is chosen from here
+    #: is ``cma_measured``: single copy or the arena, call by call, as rank 0
+    #: measured them lately, so the threshold need only keep clear of the calls
+    #: one fused arena step moves (never chosen there: see
+    #: numcoll.collectives.choice._single_copy_min). 2 ranks, the round trip
+    #: 0.15 us, medians of 200 calls, the arena / cma_measured: allgather
+    #: 4 MiB 739-740 / 554-630 us, alltoall 4 MiB 780-821 / 559-578.
+    single_copy_min_nbytes: int = 4 << 20
     #: The threshold for gather, where the root copies most of it: the arena's
     #: pipeline keeps both sides copying at once (2 ranks: gather of 16 MiB
     #: took 840 us on the arena, 1126 us single-copy, least times; at 64 MiB

@@ -33,7 +33,9 @@ W = 301  # alltoall_base: elements per row
 
 @pytest.fixture(autouse=True)
 def small_threshold(monkeypatch):
-    # Single-copy from 1 KiB, so small arrays exercise it.
+    # Single-copy from 1 KiB, so small arrays exercise it (and slots of 4 KiB:
+    # single copy is never chosen where one fused arena step moves the call).
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "4096")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
@@ -128,33 +130,41 @@ def test_processes_read_each_other_single_copy():
 
 
 def test_the_choice_by_size_forced_and_refused(monkeypatch):
+    # (chosen, it is cma_measured: single copy or the arena, as rank 0 measured them)
     cfg = current()  # NUMCOLL_SINGLE_COPY_MIN_NBYTES=1024 (the fixture)
-    assert choose(cfg, "allgather", None, 4096, 2, single_copy_refused=None).name == "cma"
+    assert choose(cfg, "allgather", None, 16384, 2, single_copy_refused=None).name \
+        == "cma_measured"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
+    # Never where one fused arena step moves a repeated call (slots of 4 KiB,
+    # the fixture): an allgather of a slot a rank, a broadcast of a slot.
+    for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):
+        assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name == "shared"
+        assert choose(cfg, name, None, fused + 1, 2, single_copy_refused=None).name \
+            == "cma_measured"
     # Gather: the rooted threshold (broadcast copies from both ends: the general one).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
     assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
-    assert choose(rooted, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
-    assert choose(rooted, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "cma"
+    assert choose(rooted, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "cma_measured"
+    assert choose(rooted, "scatter", None, 1 << 20, 2, single_copy_refused=None).name == "cma_measured"
     # More ranks than CPUs: the crowded threshold.
     crowded = current(single_copy_crowded_min_nbytes=1 << 30)
     many = (os.cpu_count() or 1) + 1
     assert choose(crowded, "allgather", None, 1 << 20, many, single_copy_refused=None).name \
         == "shared"
     assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
-        == "cma"
+        == "cma_measured"
     # ... but for alltoall and scatter, whose single copy wins there too.
     least = crowded.single_copy_min_nbytes
     for name in ("alltoall", "scatter"):
         assert choose(crowded, name, None, 1 << 20, many, single_copy_refused=None).name \
-            == "cma"
+            == "cma_measured"
         assert choose(crowded, name, None, least // (2 * many), many,
                       single_copy_refused=None).name == "shared"
     # (a crowded scatter counts the root's whole list: a share of an eighth of
     # the threshold is enough on 8 ranks, not on 4)
     crowds = (max(many, 8), min(max(many, 4), 7))
     assert choose(crowded, "scatter", None, least // 8, crowds[0], single_copy_refused=None) \
-        .name == "cma"
+        .name == "cma_measured"
     assert choose(crowded, "scatter", None, least // 8, crowds[1], single_copy_refused=None) \
         .name == "shared"
     assert choose(crowded, "alltoall", None, least // 2, many, single_copy_refused=None).name \
@@ -290,6 +300,64 @@ def test_every_phase_the_compiled_call_leaves_is_finished_step_by_step(monkeypat
         assert "copies" in states and "done" not in states
     else:
         assert "where" in states
+
+
+def test_rank_0_says_copy_or_arena_and_every_rank_follows(monkeypatch):
+    """``cma_measured`` (the automatic choice): rank 0 says in its *where*,
+    call by call, whether the call copies or goes through the arena; every
+    rank follows it (results right either way, in step), the flight recorder
+    says which way each call went, and a forced ``cma`` never asks."""
+    from numcoll.algorithms import single_copy as algorithms_single_copy
+
+    said = []
+
+    def say(tuning, key):  # arena, copy, arena, ...
+        said.append(key)
+        return len(said) % 2 == 1
+
+    monkeypatch.setattr(algorithms_single_copy, "_say", say)
+    pgs = shm_groups(3)
+    try:
+        def body(pg):
+            calls = every_collective(pg) + every_collective(pg)
+            ways = algorithms(pg, calls)
+            every_collective(pg, algorithm="cma")
+            return ways, algorithms(pg, 7)
+
+        got = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    ways = ["shared", "cma"] * 7
+    assert got == [(ways, ["cma"] * 7)] * 3
+    assert len(said) == 14  # rank 0 alone, once a call, never for the forced cma
+    assert said[0] == ("allgather_into_tensor", (8 * N).bit_length())  # (rank 0's block)
+
+
+def test_rank_0_takes_the_faster_way_and_looks_at_the_other_now_and_then():
+    from numcoll.algorithms.single_copy import _EXPLORE, _learnt, _say
+
+    tuning, key = {}, ("allgather", 23)
+
+    def calls(n, copy_s, arena_s):
+        ways = []
+        for _ in range(n):
+            arena = _say(tuning, key)
+            ways.append(arena)
+            _learnt(tuning, key, arena, arena_s if arena else copy_s)
+        return ways
+
+    # Each way twice first (the first of each is a warm-up, not counted).
+    assert calls(4, 1.0, 2.0) == [False, False, True, True]
+    # Single copy twice as fast: the arena every 2 * _EXPLORE calls.
+    ways = calls(8 * _EXPLORE, 1.0, 2.0)
+    assert sum(ways) == 4
+    # The arena turns 4x faster: seen at its next look (within 2 * _EXPLORE
+    # calls), then kept, single copy looked at every 4 * _EXPLORE calls.
+    ways = calls(8 * _EXPLORE, 1.0, 0.25)
+    switched = ways.index(True)
+    assert switched <= 2 * _EXPLORE and ways[switched:].count(False) <= 2
+    # (its slow old times are forgotten: only the last few count)
+    assert calls(1, 1.0, 0.25) == [True]
 
 
 def test_yama_scopes(monkeypatch):

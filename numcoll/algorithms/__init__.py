@@ -25,7 +25,9 @@ from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
                      alltoall_shared, barrier_shared, broadcast_shared, gather_shared,
                      reduce_scatter_shared, reduce_shared, scatter_shared)
-from .single_copy import allgather_cma, alltoall_cma, broadcast_cma, gather_cma, scatter_cma
+from .single_copy import (allgather_cma, allgather_cma_measured, alltoall_cma,
+                          alltoall_cma_measured, broadcast_cma, broadcast_cma_measured,
+                          gather_cma, gather_cma_measured, scatter_cma, scatter_cma_measured)
 from .twolevel import (allreduce_twolevel, allreduce_twolevel_lanes, barrier_twolevel,
                        broadcast_twolevel, broadcast_twolevel_lanes, reduce_twolevel,
                        reduce_twolevel_lanes)
@@ -34,6 +36,11 @@ from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
 
 __all__ = [
     "allgather_cma",
+    "allgather_cma_measured",
+    "alltoall_cma_measured",
+    "broadcast_cma_measured",
+    "gather_cma_measured",
+    "scatter_cma_measured",
     "allgather_ipc",
     "alltoall_cma",
     "alltoall_ipc",
@@ -97,23 +104,28 @@ CHOICES = {
                   "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,
                   "shared": broadcast_shared, "cma": broadcast_cma,
+                  "cma_measured": broadcast_cma_measured,
                   "twolevel": broadcast_twolevel,
                   "twolevel_lanes": broadcast_twolevel_lanes, "ipc": broadcast_ipc},
     "reduce": {"binomial": reduce_binomial, "ring": reduce_ring, "shared": reduce_shared,
                "twolevel": reduce_twolevel, "twolevel_lanes": reduce_twolevel_lanes,
                "ipc": reduce_ipc},
     "allgather": {"ring": allgather_ring, "shared": allgather_shared, "cma": allgather_cma,
+                  "cma_measured": allgather_cma_measured,
                   "twolevel": allgather_twolevel, "twolevel_lanes": allgather_twolevel_lanes,
                   "ipc": allgather_ipc},
     "gather": {"direct": gather_direct, "shared": gather_shared, "cma": gather_cma,
+               "cma_measured": gather_cma_measured,
                "ipc": gather_ipc},
     "scatter": {"direct": scatter_direct, "shared": scatter_shared, "cma": scatter_cma,
+                "cma_measured": scatter_cma_measured,
                 "ipc": scatter_ipc},
     "reduce_scatter": {"ring": reduce_scatter_ring, "shared": reduce_scatter_shared,
                        "twolevel": reduce_scatter_twolevel,
                        "twolevel_lanes": reduce_scatter_twolevel_lanes, "ipc": reduce_scatter_ipc},
     "alltoall": {"pairwise": alltoall_pairwise, "shared": alltoall_shared,
-                 "cma": alltoall_cma, "ipc": alltoall_ipc},
+                 "cma": alltoall_cma, "cma_measured": alltoall_cma_measured,
+                 "ipc": alltoall_ipc},
     "barrier": {"dissemination": barrier_dissemination, "shared": barrier_shared,
                 "twolevel": barrier_twolevel},
 }
@@ -128,8 +140,10 @@ SHARED = frozenset({"shared", "shared_split", "shared_arrays"})
 #: transport (an arena on each host) offer them.
 TWO_LEVEL = frozenset({"twolevel", "twolevel_lanes"})
 #: The single-copy algorithms (:mod:`.single_copy`): groups whose ranks share
-#: an arena and may read each other's memory (``transport.single_copy``) offer them.
-SINGLE_COPY = frozenset({"cma"})
+#: an arena and may read each other's memory (``transport.single_copy``) offer
+#: them. ``cma_measured`` takes, call by call, single copy or the arena's
+#: ``shared``, as rank 0 measured them lately.
+SINGLE_COPY = frozenset({"cma", "cma_measured"})
 #: Every algorithm that takes steps of an arena, so runs in sequence-number order.
 ARENA = SHARED | TWO_LEVEL | SINGLE_COPY
 #: The algorithms over the peers' device memory (:mod:`.peers`): device arrays

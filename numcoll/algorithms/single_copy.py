@@ -54,13 +54,16 @@ on step by step here, from that phase.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
 
 __all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "alltoall_cma",
-           "where_nbytes"]
+           "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
+           "scatter_cma_measured", "alltoall_cma_measured", "where_nbytes"]
 
 #: Marks a published *where* (b"ncsingle" as a little-endian word).
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
@@ -69,36 +72,65 @@ _MAGIC = int.from_bytes(b"ncsinglc", "little")
 READ, WRITE = 0, 1
 #: A *done* step carries a refusal's text, at most this many bytes.
 _REASON_NBYTES = 256
+#: A *where*'s words before its (address, nbytes) pairs: the magic word, the
+#: number of pairs, rank 0's say (non-zero: the arena, this call), a spare.
+_WHERE_HEADER_NBYTES = 32
+#: Rank 0's times kept per kind of call and way (the least of them counts),
+#: and how rarely it tries the slower way (see _say).
+_KEPT, _EXPLORE = 4, 16
 
 
 def where_nbytes(entries: int) -> int:
     """Bytes of a *where* with ``entries`` (address, length) pairs: what the
     arena's slot must hold (the choice checks it)."""
-    return 16 + 16 * entries
+    return _WHERE_HEADER_NBYTES + 16 * entries
 
 
 def _address(view) -> int:
     return view.__array_interface__["data"][0]
 
 
-def _exchange(comm, ranges, copies) -> bool:
+def _exchange(comm, ranges, copies, fallback, measured: bool = False) -> bool:
     """All three phases: publish ``ranges`` (each a uint8-viewable contiguous
     array a peer will read or write, or None), make ``copies`` -- rows
     ``(kind, peer, entry, buf, start, count)``: READ ``peer``'s published
     range ``entry`` into ``buf``'s elements ``start:start + count``, or
     WRITE those elements into it -- and publish *done*. True if every rank's
-    copies were made; False if one was refused (every rank agreed: the caller
-    finishes through the arena).
+    copies were made. Otherwise ``fallback()`` (the arena's algorithm on the
+    same buffers, whose inputs are intact) ran instead, on every rank: a copy
+    was refused, or, ``measured``, rank 0 said in its *where* that the arena
+    is the faster way for this call (:func:`_say`).
 
     One compiled call takes the whole of it while every peer keeps up
     (:meth:`numcoll.comm.Comm.single_copy_exchange`); where it stops, the
     phases go on here, step by step, from where it stopped."""
-    words = np.zeros(2 + 2 * len(ranges), np.int64)
-    words[0], words[1] = _MAGIC, len(ranges)
+    learn = measured and comm.rank == 0
+    if learn:
+        tuning = comm.single_copy_tuning()
+        key = (comm.op_name, sum(v.nbytes for v in ranges if v is not None).bit_length())
+        said = _say(tuning, key)
+        began = time.perf_counter()
+    else:
+        said = False
+    copied = _phases(comm, ranges, copies, said)
+    if not copied:
+        fallback()
+    if measured and copied is not False:  # (the record says which way it went)
+        comm.ran_instead("shared" if copied is None else "cma")
+    if learn:
+        _learnt(tuning, key, said, time.perf_counter() - began)
+    return bool(copied)
+
+
+def _phases(comm, ranges, copies, said: bool) -> bool | None:
+    """:func:`_exchange`'s three phases, rank 0 saying ``said``: True (every
+    copy made), False (a copy refused), None (rank 0 said: the arena)."""
+    words = np.zeros(4 + 2 * len(ranges), np.int64)
+    words[0], words[1], words[2] = _MAGIC, len(ranges), said
     for i, view in enumerate(ranges):
         if view is not None and view.nbytes:
-            words[2 + 2 * i] = _address(view)
-            words[3 + 2 * i] = view.nbytes
+            words[4 + 2 * i] = _address(view)
+            words[5 + 2 * i] = view.nbytes
     views = [buf.recv_view(start, count) if kind == READ else buf.send_view(start, count)
              for kind, _, _, buf, start, count in copies]
     table = np.array([(kind, peer, entry, _address(v), v.nbytes)
@@ -106,6 +138,8 @@ def _exchange(comm, ranges, copies) -> bool:
                      np.int64).reshape(-1, 5)
     got = comm.single_copy_exchange(words.view(np.uint8), table)
     state, step = got if got is not None else (None, None)
+    if state == "arena":
+        return None
     if state == "done":
         ok = True
     elif state == "verdict":
@@ -116,7 +150,9 @@ def _exchange(comm, ranges, copies) -> bool:
             step = comm.shared_step(words.view(np.uint8))
         elif state == "where":
             comm.shared_wait(step)
-        tables = _tables(comm, step)
+        tables, said = _tables(comm, step, said)
+        if said:
+            return None
         refused = None
         for (kind, peer, entry, buf, _, count), view in zip(copies, views):
             refused = refused or _copy(comm, kind, buf, view, count, peer, tables[peer][entry])
@@ -128,20 +164,69 @@ def _exchange(comm, ranges, copies) -> bool:
     return ok
 
 
-def _tables(comm, step: int) -> list:
+def _tables(comm, step: int, said: bool) -> tuple[list, bool]:
     """Every peer's *where* of ``step``: an int64 array of (address, nbytes)
-    pairs per rank (None for this rank)."""
+    pairs per rank (None for this rank); and rank 0's say (``said``, if this
+    is rank 0)."""
     tables = [None] * comm.size
     for q in range(comm.size):
         if q == comm.rank:
             continue
-        theirs = np.frombuffer(comm.shared_view(step, q, 0, 16), np.int64)
+        theirs = np.frombuffer(comm.shared_view(step, q, 0, _WHERE_HEADER_NBYTES), np.int64)
         if theirs[0] != _MAGIC:
             comm.size_mismatch(q, f"rank {q} runs another algorithm than this rank's "
                                   "single-copy one")
+        if q == 0:
+            said = bool(theirs[2])
         n = int(theirs[1])
-        tables[q] = np.frombuffer(comm.shared_view(step, q, 16, 16 * n), np.int64).reshape(n, 2)
-    return tables
+        tables[q] = np.frombuffer(comm.shared_view(step, q, _WHERE_HEADER_NBYTES, 16 * n),
+                                  np.int64).reshape(n, 2)
+    return tables, said
+
+
+class _Times:
+    """Rank 0's last times (seconds) of one kind of call, each way (the
+    first of each way is a warm-up, not kept), and how many it said."""
+
+    __slots__ = ("copy", "arena", "warm", "calls")
+
+    def __init__(self):
+        self.copy, self.arena, self.warm, self.calls = [], [], [False, False], 0
+
+
+def _say(tuning: dict, key) -> bool:
+    """Rank 0's say for the next call of kind ``key``: True for the arena.
+    Each way is tried until it has a time; then the way whose least recent
+    time (of :data:`_KEPT`) is lower, except every ``_EXPLORE * slower /
+    faster`` calls the other, so that a change of the machine's state (the
+    VM's vCPUs moved apart, the arena's copies at a quarter of their speed)
+    is seen within a few dozen calls while the slower way costs at most
+    1/_EXPLORE of the time."""
+    times = tuning.get(key)
+    if times is None:
+        times = tuning[key] = _Times()
+    times.calls += 1
+    if not times.copy:
+        return False
+    if not times.arena:
+        return True
+    copy, arena = min(times.copy), min(times.arena)
+    faster, slower = (arena, copy) if arena < copy else (copy, arena)
+    explore = times.calls % max(_EXPLORE, int(_EXPLORE * slower / max(faster, 1e-9))) == 0
+    return (arena < copy) != explore
+
+
+def _learnt(tuning: dict, key, arena: bool, seconds: float) -> None:
+    """Keep a call's time, the way rank 0 said."""
+    times = tuning.get(key)
+    if times is None:
+        times = tuning[key] = _Times()
+    if not times.warm[arena]:
+        times.warm[arena] = True
+        return
+    kept = times.arena if arena else times.copy
+    kept.append(seconds)
+    del kept[:-_KEPT]
 
 
 def _copy(comm, kind: int, buf, view, count: int, peer: int, entry) -> str | None:
@@ -191,7 +276,8 @@ def _verdict(comm, step: int, refused: str | None) -> bool:
     return False
 
 
-def allgather_cma(comm, buf, chunks, segment_count: int | None = None) -> None:
+def allgather_cma(comm, buf, chunks, segment_count: int | None = None,
+                  measured: bool = False) -> None:
     """Allgather by single-copy reads: ``buf``'s chunk ``comm.rank`` holds this
     rank's input; afterwards every chunk holds its rank's.
 
@@ -207,11 +293,12 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None) -> None:
         return
     first, n = chunks[rank]
     copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
-    if not _exchange(comm, [buf.send_view(first, n)], copies):
-        allgather_shared(comm, buf, chunks, segment_count)
+    _exchange(comm, [buf.send_view(first, n)], copies,
+              lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
 
 
-def broadcast_cma(comm, buf, root: int, segment_count: int | None = None) -> None:
+def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,
+                  measured: bool = False) -> None:
     """Broadcast by single-copy copies: the root publishes its buffer's head,
     every other rank publishes its own buffer's tail (its last
     ``count // P`` elements); each non-root reads the head from the root
@@ -232,13 +319,13 @@ def broadcast_cma(comm, buf, root: int, segment_count: int | None = None) -> Non
     else:
         ranges = [buf.recv_view(kept, pushed)]
         copies = [(READ, root, 0, buf, 0, kept)]
-    if not _exchange(comm, ranges, copies):
-        broadcast_shared(comm, buf, root, segment_count)
-    elif rank != root:
+    if _exchange(comm, ranges, copies, lambda: broadcast_shared(comm, buf, root, segment_count),
+                 measured) and rank != root:
         buf.recv_done(kept, pushed)
 
 
-def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None) -> None:
+def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None,
+               measured: bool = False) -> None:
     """Gather by single-copy copies: every other rank q publishes the head of
     ``send_buf`` (its first ``count // P`` elements), the root publishes the
     tail of each ``recv_bufs[q]``; the root reads each head into
@@ -259,15 +346,16 @@ def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
         head = _root_share(send_buf.count, size)
         ranges = [send_buf.send_view(0, head)]
         copies = [(WRITE, root, rank, send_buf, head, send_buf.count - head)]
-    if not _exchange(comm, ranges, copies):
-        gather_shared(comm, send_buf, recv_bufs, root, segment_count)
-    elif rank == root:
+    if _exchange(comm, ranges, copies,
+                 lambda: gather_shared(comm, send_buf, recv_bufs, root, segment_count),
+                 measured) and rank == root:
         for q, b in enumerate(recv_bufs):
             if q != root:
                 b.recv_done(heads[q], b.count - heads[q])
 
 
-def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None = None) -> None:
+def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None = None,
+                measured: bool = False) -> None:
     """Scatter by single-copy copies: the root publishes the head of every
     ``send_bufs[q]``, rank q publishes the tail of ``recv_buf`` (its last
     ``count // P`` elements); rank q reads its head from the root while the
@@ -290,9 +378,9 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
         kept = recv_buf.count - pushed
         ranges = [recv_buf.recv_view(kept, pushed)]
         copies = [(READ, root, rank, recv_buf, 0, kept)]
-    if not _exchange(comm, ranges, copies):
-        scatter_shared(comm, send_bufs, recv_buf, root, segment_count)
-    elif rank != root:
+    if _exchange(comm, ranges, copies,
+                 lambda: scatter_shared(comm, send_bufs, recv_buf, root, segment_count),
+                 measured) and rank != root:
         recv_buf.recv_done(kept, pushed)
 
 
@@ -314,7 +402,7 @@ def _root_share(count: int, size: int) -> int:
 
 
 def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
-                 segment_count: int | None = None) -> None:
+                 segment_count: int | None = None, measured: bool = False) -> None:
     """All-to-all by single-copy reads: rank r publishes where its block for
     every rank lies in ``send_buf`` and reads its block from every peer q
     into ``recv_buf``'s chunk q (its own block is the caller's). Ranks may
@@ -328,5 +416,37 @@ def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     ranges = [send_buf.send_view(first, n) if q != rank else None
               for q, (first, n) in enumerate(send_chunks)]
     copies = [(READ, q, rank, recv_buf, *recv_chunks[q]) for q in _peers(rank, size)]
-    if not _exchange(comm, ranges, copies):
-        alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks, segment_count)
+    _exchange(comm, ranges, copies, lambda: alltoall_shared(comm, send_buf, send_chunks, recv_buf,
+                                                            recv_chunks, segment_count), measured)
+
+
+# The ``cma_measured`` algorithms: single copy or the arena, call by call, as
+# rank 0 measured them lately (_say). What the automatic choice picks from
+# ``single_copy_min_nbytes``; ``cma`` and ``shared``, forced, do one way only.
+def allgather_cma_measured(comm, buf, chunks, segment_count: int | None = None) -> None:
+    """:func:`allgather_cma`, or the arena's allgather where rank 0 measured it faster."""
+    allgather_cma(comm, buf, chunks, segment_count, measured=True)
+
+
+def broadcast_cma_measured(comm, buf, root: int, segment_count: int | None = None) -> None:
+    """:func:`broadcast_cma`, or the arena's broadcast where rank 0 measured it faster."""
+    broadcast_cma(comm, buf, root, segment_count, measured=True)
+
+
+def gather_cma_measured(comm, send_buf, recv_bufs, root: int,
+                        segment_count: int | None = None) -> None:
+    """:func:`gather_cma`, or the arena's gather where rank 0 measured it faster."""
+    gather_cma(comm, send_buf, recv_bufs, root, segment_count, measured=True)
+
+
+def scatter_cma_measured(comm, send_bufs, recv_buf, root: int,
+                         segment_count: int | None = None) -> None:
+    """:func:`scatter_cma`, or the arena's scatter where rank 0 measured it faster."""
+    scatter_cma(comm, send_bufs, recv_buf, root, segment_count, measured=True)
+
+
+def alltoall_cma_measured(comm, send_buf, send_chunks, recv_buf, recv_chunks,
+                          segment_count: int | None = None) -> None:
+    """:func:`alltoall_cma`, or the arena's all-to-all where rank 0 measured it faster."""
+    alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks, segment_count,
+                 measured=True)

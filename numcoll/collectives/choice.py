@@ -172,7 +172,18 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
             least = max(least, cfg.single_copy_crowded_min_nbytes)
         elif collective == "scatter":
             least = -(-least // size)
-    return least
+    # Never where the arena moves a repeated call in one fused step (a few us
+    # of Python, where single copy's path takes tens): an allgather's output
+    # of a slot a rank, a broadcast of a slot. (Not alltoall's: its ranks may
+    # send different amounts, and a floor in the slot's range would part them;
+    # the default threshold is above its fused calls on 2-8 ranks.)
+    fused = _FUSED_SLOTS.get(collective, lambda size: 0)(size) * cfg.arena_slot_nbytes
+    return max(least, fused + 1)
+
+
+#: How many arena slots the largest call of a collective that one fused step
+#: moves fills, for a group of ``size`` (see _single_copy_min).
+_FUSED_SLOTS = {"allgather": lambda size: size, "broadcast": lambda size: 1}
 
 
 def _single_copy_fits(cfg: Config, size: int) -> bool:
@@ -192,7 +203,7 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
                 "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, collective, size) and \
                 _single_copy_fits(cfg, size):
-            on_arena = "cma"
+            on_arena = "cma_measured"
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":

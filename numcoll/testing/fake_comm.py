@@ -76,6 +76,7 @@ class FakeComm:
                  arena: _Arena | None = None, topology: Topology | None = None,
                  shared: dict | None = None):
         self.rank, self.size = rank, len(fabric)
+        self.op_name = "fake"  # (Comm's: the collective's name)
         self._fabric = fabric
         self._log = log
         self.arena = None if arena is None else _ArenaView(arena, rank)
@@ -84,6 +85,7 @@ class FakeComm:
         #: Why single-copy reads are refused (None: they succeed): set it to
         #: test an algorithm's fallback; :meth:`refuse_single_copy` sets it too.
         self.single_copy_refused: str | None = None
+        self.tuning: dict = {}
         #: What the algorithm said ran instead of itself (:meth:`ran_instead`), if anything.
         self.ran: str | None = None
 
@@ -179,6 +181,10 @@ class FakeComm:
         """Comm.single_copy_exchange: never compiled here (None: the algorithm
         takes every phase step by step, through the methods above)."""
         return None
+
+    def single_copy_tuning(self) -> dict:
+        """Comm.single_copy_tuning: this rank's own dict (only rank 0 uses it)."""
+        return self.tuning
 
     def refuse_single_copy(self, reason: str) -> None:
         """Comm.refuse_single_copy: later reads are refused."""

@@ -156,6 +156,10 @@ class SingleCopy:
         self.rank, self.size = rank, size
         self._pids = dict(pids)
         self._pid_words = np.array([self._pids.get(q, 0) for q in range(size)], np.int64)
+        #: What the algorithms above learn about this group's copies and keep
+        #: with it (rank 0's times of single copy and of the arena, by kind of
+        #: call): theirs, never read here.
+        self.tuning: dict = {}
         self.refused: str | None = "not agreed yet"
         self.failed: str | None = None
         self._lock = threading.Lock()

@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 from .arena import HEADER_NBYTES, _put, _wait
 from .ring import _monotonic_ns
 
-__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "STATES",
-           "exchange"]
+__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "ARENA", "STATES",
+           "WHERE_HEADER_NBYTES", "exchange"]
 
 #: A copy row's kind: read the peer's range into the local one, or write it.
 READ, WRITE = 0, 1
@@ -39,10 +39,16 @@ READ, WRITE = 0, 1
 #: made; the *where* step published but not seen complete; *where* complete,
 #: the copies not (all) made; the *done* step published (empty: this rank's
 #: copies were made) but not seen complete, or some rank published a refusal.
-DONE, WHERE_OPEN, COPIES_OPEN, DONE_OPEN = 0, 1, 2, 3
+#: Or: rank 0's *where* said that this call goes through the arena (nothing
+#: copied, no *done* step taken).
+DONE, WHERE_OPEN, COPIES_OPEN, DONE_OPEN, ARENA = 0, 1, 2, 3, 4
 #: :func:`exchange`'s answers for those, by name (callers above the transport
 #: layer compare names, not this module's numbers).
-STATES = ("done", "where", "copies", "verdict")
+STATES = ("done", "where", "copies", "verdict", "arena")
+#: A *where*'s words: a magic word, the number of entries, rank 0's say
+#: (non-zero: the arena, this time), a spare word, then an (address, nbytes)
+#: pair per entry.
+WHERE_HEADER_NBYTES = 32
 
 
 def _vm_call(name: str):
@@ -97,20 +103,33 @@ def _copy(kind, pid, local, remote, nbytes, iov):
 
 
 @njit(nogil=True, cache=True)
+def _where_of(region, first, stride, magic, peer):
+    """Where ``peer``'s *where* lies in ``region`` (its payload's offset), or
+    -1 if what it published is not a whole *where* of ``magic``."""
+    at = first + peer * stride
+    published = region[at:at + HEADER_NBYTES].view(np.int64)[3]
+    at += HEADER_NBYTES
+    if published < WHERE_HEADER_NBYTES:
+        return -1
+    words = region[at:at + 16].view(np.int64)
+    if words[0] != magic or words[1] < 0 or published < WHERE_HEADER_NBYTES + 16 * words[1]:
+        return -1
+    return at
+
+
+@njit(nogil=True, cache=True)
 def _checked(region, first, stride, magic, copies):
-    """True if every peer a row of ``copies`` names published a *where* of
-    ``magic`` with the row's entry, of the row's length."""
+    """True if rank 0 and every peer a row of ``copies`` names published a
+    *where* of ``magic``, each with the row's entry, of the row's length."""
+    if _where_of(region, first, stride, magic, 0) < 0:
+        return False
     for i in range(copies.shape[0]):
         peer, entry, nbytes = copies[i, 1], copies[i, 2], copies[i, 4]
-        header = region[first + peer * stride:first + peer * stride + HEADER_NBYTES]
-        published = header.view(np.int64)[3]
-        at = first + peer * stride + HEADER_NBYTES
-        if published < 16:
+        at = _where_of(region, first, stride, magic, peer)
+        if at < 0 or not 0 <= entry < region[at + 8:at + 16].view(np.int64)[0]:
             return False
-        words = region[at:at + 16].view(np.int64)
-        if words[0] != magic or not 0 <= entry < words[1] or published < 16 + 16 * words[1]:
-            return False
-        if region[at + 24 + 16 * entry:at + 32 + 16 * entry].view(np.int64)[0] != nbytes:
+        at += WHERE_HEADER_NBYTES + 16 * entry
+        if region[at + 8:at + 16].view(np.int64)[0] != nbytes:
             return False
     return True
 
@@ -136,13 +155,16 @@ def _exchange(region, ctrl, rank, size, step, firsts, stride, seq, s0, s1, where
     magic = where[:8].view(np.int64)[0]
     if not _checked(region, first, stride, magic, copies):
         return COPIES_OPEN
+    said = first + HEADER_NBYTES + 16  # rank 0's say: copy, or the arena
+    if region[said:said + 8].view(np.int64)[0] != 0:
+        return ARENA
     iov = np.empty(4, np.int64)
     for i in range(copies.shape[0]):
         kind, peer, entry, local, nbytes = (copies[i, 0], copies[i, 1], copies[i, 2],
                                             copies[i, 3], copies[i, 4])
         if nbytes == 0:
             continue
-        at = first + peer * stride + HEADER_NBYTES + 16 + 16 * entry
+        at = first + peer * stride + HEADER_NBYTES + WHERE_HEADER_NBYTES + 16 * entry
         remote = region[at:at + 8].view(np.int64)[0]
         if not _copy(kind, pids[peer], local, remote, nbytes, iov):
             return COPIES_OPEN
@@ -167,12 +189,13 @@ def exchange(arena, seq: int, stamps: tuple, where: np.ndarray, copies: np.ndarr
     publish an empty *done*. ``pids[q]``: rank ``q``'s pid; ``stamps``: the
     call's stamp as two words. Returns ``(state, step)``: ``"done"``, or the
     phase the caller finishes from (:data:`STATES`: ``"where"``, ``"copies"``,
-    ``"verdict"``; see the module docstring); ``step``
+    ``"verdict"``; see the module docstring), or ``"arena"``: rank 0 said so in
+    its *where* (the caller runs the call through the arena); ``step``
     is the *where* step (the *done* step is the next one). The arena's step
     count is advanced past every step published."""
     region, ctrl, firsts, stride, spin_ns, yield_ns = arena.layout()
     step = arena.next_step
     state = _exchange(region, ctrl, arena.rank, arena.size, step, firsts, stride, seq,
                       stamps[0], stamps[1], where, copies, pids, spin_ns, yield_ns, deadline_ns)
-    arena.advance(step + (0 if state in (WHERE_OPEN, COPIES_OPEN) else 1))
+    arena.advance(step + (0 if state in (WHERE_OPEN, COPIES_OPEN, ARENA) else 1))
     return STATES[state], step

@@ -116,7 +116,7 @@ def test_cli_process_mode_table_and_json_file(tmp_path):
     (["--world-size", "0"], "--world-size must be at least 1"),
     (["--sizes", "8,12Q"], "invalid size '12Q'"),
     (["--op", "allgather", "--algorithm", "tree"],
-     "unknown allgather algorithm 'tree'; choose one of cma, ipc, ring"),
+     "unknown allgather algorithm 'tree'; choose one of cma, cma_measured, ipc, ring"),
     (["--algorithm", "tree"], "unknown allreduce algorithm 'tree'"),
     (["--compare", "torch,nccl"], "unknown anchor 'nccl'"),
     (["--op", "alltoall", "--placement", "in-place"], "alltoall has no in-place form"),

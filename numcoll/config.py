@@ -105,6 +105,13 @@ class Config:
     #: pages they pin (4 ranks on 2 cores: single-copy took 1.1-2.4x the
     #: arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
     single_copy_crowded_min_nbytes: int = 32 << 20
+    #: The threshold for alltoall, which counts a rank's own buffer: ranks
+    #: may send each other different amounts, so ranks whose buffers lie on
+    #: either side of a threshold choose differently and their call fails
+    #: with a mismatch error (force one algorithm for such calls). It stays
+    #: where it was when single copy came (not lowered with the others: calls
+    #: that worked then still work); an agreed choice for alltoall is not built.
+    single_copy_alltoall_min_nbytes: int = 8 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -179,7 +186,8 @@ class Config:
 AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_small_nbytes",
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
           "sparse_dense_ratio", "cuda_ipc", "single_copy", "single_copy_min_nbytes",
-          "single_copy_rooted_min_nbytes", "single_copy_crowded_min_nbytes")
+          "single_copy_rooted_min_nbytes", "single_copy_crowded_min_nbytes",
+          "single_copy_alltoall_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:
@@ -206,7 +214,8 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "shared_arrays_min_nbytes": (0, None), "shared_arrays_block_nbytes": (64, None),
            "single_copy": (0, 1), "single_copy_min_nbytes": (0, None),
            "single_copy_rooted_min_nbytes": (0, None),
-           "single_copy_crowded_min_nbytes": (0, None)}
+           "single_copy_crowded_min_nbytes": (0, None),
+           "single_copy_alltoall_min_nbytes": (0, None)}
 
 
 def _from_env(name: str):

@@ -37,6 +37,7 @@ def small_threshold(monkeypatch):
     # single copy is never chosen where one fused arena step moves the call).
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "4096")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
 
@@ -135,6 +136,16 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     assert choose(cfg, "allgather", None, 16384, 2, single_copy_refused=None).name \
         == "cma_measured"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
+    # Alltoall keeps its own threshold (its ranks' buffers may differ: a
+    # threshold between them would part them), not lowered with the others.
+    defaults = current(single_copy_min_nbytes=4 << 20, single_copy_alltoall_min_nbytes=8 << 20,
+                       arena_slot_nbytes=1 << 20)
+    assert choose(defaults, "allgather", None, 6 << 20, 2, single_copy_refused=None).name \
+        == "cma_measured"
+    assert choose(defaults, "alltoall", None, 6 << 20, 2, single_copy_refused=None).name \
+        == "shared"
+    assert choose(defaults, "alltoall", None, 8 << 20, 2, single_copy_refused=None).name \
+        == "cma_measured"
     # Never where one fused arena step moves a repeated call (slots of 4 KiB,
     # the fixture): an allgather of a slot a rank, a broadcast of a slot.
     for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):

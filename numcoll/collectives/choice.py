@@ -20,6 +20,7 @@ The automatic choice, in order:
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it, from
   ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for gather,
+  ``single_copy_alltoall_min_nbytes`` for alltoall,
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
   alltoall and scatter),
   where the ranks may read each other's memory;
@@ -160,13 +161,17 @@ _UNCROWDED = frozenset(("alltoall", "scatter"))
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for gather (the root copies most of it), and the larger again on a
+    two for gather (the root copies most of it) and for alltoall (whose
+    ranks' buffers may differ: see ``single_copy_alltoall_min_nbytes``), and
+    the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
     one host, as an shm group's ranks are), but for alltoall and scatter (a
     scatter's share then counts ``size`` times: the root's whole list)."""
     least = cfg.single_copy_min_nbytes
     if collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
+    elif collective == "alltoall":
+        least = max(least, cfg.single_copy_alltoall_min_nbytes)
     if size > (os.cpu_count() or 1):
         if collective not in _UNCROWDED:
             least = max(least, cfg.single_copy_crowded_min_nbytes)

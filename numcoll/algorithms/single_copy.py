@@ -50,6 +50,13 @@ The three phases run as one compiled call (:func:`_exchange`, through
 :meth:`numcoll.comm.Comm.single_copy_exchange`) while every peer keeps up;
 wherever that call stops -- a late peer, a failed copy, a refusal -- they go
 on step by step here, from that phase.
+
+The ``cma_measured`` twins (what the automatic choice picks) let rank 0 say,
+in its *where*, whether this call copies at all: where its recent times
+(:func:`_say`) found the arena faster for calls of this kind, every rank
+reads that say from the same step, takes no *done* step and runs the
+``shared`` algorithm on the same buffers instead -- the ranks cannot part,
+and the machine's state (its cores near or far) picks the way, call by call.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class Config:
     #: one fused arena step moves (never chosen there: see
     #: numcoll.collectives.choice._single_copy_min). 2 ranks, the round trip
     #: 0.15 us, medians of 200 calls, the arena / cma_measured: allgather
-    #: 4 MiB 739-740 / 554-630 us, alltoall 4 MiB 780-821 / 559-578.
+    #: 4 MiB 739-740 / 554-630 us (alltoall has its own threshold, below).
     single_copy_min_nbytes: int = 4 << 20
     #: The threshold for gather, where the root copies most of it: the arena's
     #: pipeline keeps both sides copying at once (2 ranks: gather of 16 MiB

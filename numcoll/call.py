@@ -161,6 +161,17 @@ def stamp_settings(stamp: bytes) -> int | None:
     return _STAMP.unpack_from(stamp)[5]
 
 
+def stamp_call(stamp: bytes) -> tuple[str, str] | None:
+    """The collective and the algorithm a stamp names (None if it is not a
+    stamp of this version)."""
+    if len(stamp) != _STAMP_NBYTES or stamp[0] != _STAMP_VERSION:
+        return None
+    _, code, _, _, algorithm, _ = _STAMP.unpack_from(stamp)
+    code &= ~_SHARED_ARRAYS
+    return (COLLECTIVES[code] if code < len(COLLECTIVES) else "?",
+            ALGORITHMS[algorithm] if algorithm < len(ALGORITHMS) else "another")
+
+
 def _render(name, dtype, count, op, root, seq, extra=None, shared_arrays=False) -> str:
     parts = []
     if dtype is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transports.mailbox import NONE_HELD
 
-from ..call import SEQ_MASK, Call, describe_stamp, stamp_settings
+from ..call import SEQ_MASK, Call, describe_stamp, stamp_call, stamp_settings
 from ..config import AGREED
 from ..errors import CollectiveMismatchError, GroupPoisonedError
 
@@ -31,9 +31,19 @@ def both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None)
 
 
 def settings_hint(stamp: bytes, theirs: bytes) -> str:
-    """What to do when two stamps differ in their settings fingerprint."""
+    """What to do when two stamps differ in their settings fingerprint, or
+    are alltoalls that chose different algorithms under the same settings."""
     a, b = stamp_settings(stamp), stamp_settings(theirs)
-    if a is None or b is None or a == b:
+    if a is None or b is None:
+        return ""
+    if a == b:
+        mine, other = stamp_call(stamp), stamp_call(theirs)
+        if mine[0] == other[0] and mine[0].startswith("alltoall") and mine[1] != other[1]:
+            return (". An alltoall chooses its algorithm by the size of each rank's own "
+                    "buffer, so ranks that send each other different amounts can choose "
+                    "differently (NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES): force one on every "
+                    "rank (AllToAllOptions(algorithm=...), or "
+                    "NUMCOLL_ALGORITHM=alltoall:shared)")
         return ""
     names = ", ".join(f"NUMCOLL_{name.upper()}" for name in AGREED)
     return (f". The ranks' settings differ (fingerprints {a:04x} and {b:04x}): every rank "

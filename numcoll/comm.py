@@ -21,6 +21,11 @@ from transports import (
     TransportError,
     TransportTimeout,
 )
+# The single-copy exchange's layout, for the algorithms that build its rows and
+# read its *where* (the transport's, defined once: Comm.single_copy_exchange).
+from transports.shm.single_copy_steps import READ as COPY_READ
+from transports.shm.single_copy_steps import WHERE_HEADER_NBYTES
+from transports.shm.single_copy_steps import WRITE as COPY_WRITE
 
 from .call import SEQ_MASK, Call
 from .diagnostics.abort_notes import AbortNotes, abort_note, note_mismatch, read_note
@@ -28,7 +33,8 @@ from .diagnostics.mismatch import AGREE, both_calls, settings_hint
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, NumcollError, PeerError
 from .logs import get_logger
 
-__all__ = ["Comm", "AbortNotes", "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
+__all__ = ["Comm", "AbortNotes", "COPY_READ", "COPY_WRITE", "WHERE_HEADER_NBYTES",
+           "collective_tag", "p2p_tag", "abort_note", "MAX_STEP",
            "MAX_USER_TAG"]
 
 _STEP_BITS = CALL_SHIFT  # so the transport knows which tags belong to one call

@@ -65,6 +65,9 @@ import time
 
 import numpy as np
 
+from ..comm import COPY_READ as READ
+from ..comm import COPY_WRITE as WRITE
+from ..comm import WHERE_HEADER_NBYTES as _WHERE_HEADER_NBYTES
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
 
@@ -74,14 +77,8 @@ __all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "allto
 
 #: Marks a published *where* (b"ncsingle" as a little-endian word).
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
-#: A copy row's first word (:meth:`numcoll.comm.Comm.single_copy_exchange`):
-#: read the peer's range, or write into it.
-READ, WRITE = 0, 1
 #: A *done* step carries a refusal's text, at most this many bytes.
 _REASON_NBYTES = 256
-#: A *where*'s words before its (address, nbytes) pairs: the magic word, the
-#: number of pairs, rank 0's say (non-zero: the arena, this call), a spare.
-_WHERE_HEADER_NBYTES = 32
 #: Rank 0's times kept per kind of call and way (the least of them counts),
 #: and how rarely it tries the slower way (see _say).
 _KEPT, _EXPLORE = 4, 16

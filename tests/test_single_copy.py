@@ -351,36 +351,30 @@ def test_uneven_alltoall_across_its_threshold_fails_and_says_why(monkeypatch):
     says why and what to do; forcing one algorithm makes the call work."""
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "16000")
     m = 1500  # rank 0 sends 2 x 1500 float64 (24000 B), rank 1 2 x 750 (12000 B)
-    pgs = shm_groups(2)
-    try:
-        def body(pg):
-            mine = m if pg.rank() == 0 else m // 2
-            send = np.full((2 * mine, 1), float(pg.rank()))
-            recv = np.zeros((m + m // 2, 1))
-            call = lambda **kw: pg.alltoall_base(  # noqa: E731
-                recv, send, [m, m // 2], [mine, mine],
-                nc.AllToAllOptions(timeout=timedelta(seconds=10), **kw)).wait()
-            with pytest.raises(nc.CollectiveMismatchError,
-                               match="chooses its algorithm by the size of each rank's own"):
-                call()
-            return True
 
-        assert on_ranks(pgs, body) == [True, True]
-    finally:
-        close(pgs)
-    pgs = shm_groups(2)
-    try:
-        def forced(pg):
-            mine = m if pg.rank() == 0 else m // 2
-            send = np.full((2 * mine, 1), float(pg.rank()))
-            recv = np.zeros((m + m // 2, 1))
-            pg.alltoall_base(recv, send, [m, m // 2], [mine, mine],
-                             nc.AllToAllOptions(algorithm="shared")).wait()
-            return recv[:, 0].tolist()
+    def uneven(pg, **options):
+        mine = m if pg.rank() == 0 else m // 2
+        send = np.full((2 * mine, 1), float(pg.rank()))
+        recv = np.zeros((m + m // 2, 1))
+        pg.alltoall_base(recv, send, [m, m // 2], [mine, mine],
+                         nc.AllToAllOptions(timeout=timedelta(seconds=10), **options)).wait()
+        return recv[:, 0].tolist()
 
-        got = on_ranks(pgs, forced)
-    finally:
-        close(pgs)
+    def body(pg):
+        with pytest.raises(nc.CollectiveMismatchError,
+                           match="chooses its algorithm by the size of each rank's own"):
+            uneven(pg)
+        return True
+
+    def on_a_new_group(fn):  # (a mismatch poisons its group)
+        pgs = shm_groups(2)
+        try:
+            return on_ranks(pgs, fn)
+        finally:
+            close(pgs)
+
+    assert on_a_new_group(body) == [True, True]
+    got = on_a_new_group(lambda pg: uneven(pg, algorithm="shared"))
     assert got[0] == [0.0] * m + [1.0] * (m // 2) and got[1] == [0.0] * m + [1.0] * (m // 2)
 
 

@@ -198,6 +198,14 @@ class _Times:
         self.copy, self.arena, self.warm, self.calls = [], [], [False, False], 0
 
 
+def _times(tuning: dict, key) -> _Times:
+    """Rank 0's :class:`_Times` of calls of kind ``key`` (new the first time)."""
+    times = tuning.get(key)
+    if times is None:
+        times = tuning[key] = _Times()
+    return times
+
+
 def _say(tuning: dict, key) -> bool:
     """Rank 0's say for the next call of kind ``key``: True for the arena.
     Each way is tried until it has a time; then the way whose least recent
@@ -206,9 +214,7 @@ def _say(tuning: dict, key) -> bool:
     VM's vCPUs moved apart, the arena's copies at a quarter of their speed)
     is seen within a few dozen calls while the slower way costs at most
     1/_EXPLORE of the time."""
-    times = tuning.get(key)
-    if times is None:
-        times = tuning[key] = _Times()
+    times = _times(tuning, key)
     times.calls += 1
     if not times.copy:
         return False
@@ -222,9 +228,7 @@ def _say(tuning: dict, key) -> bool:
 
 def _learnt(tuning: dict, key, arena: bool, seconds: float) -> None:
     """Keep a call's time, the way rank 0 said."""
-    times = tuning.get(key)
-    if times is None:
-        times = tuning[key] = _Times()
+    times = _times(tuning, key)
     if not times.warm[arena]:
         times.warm[arena] = True
         return

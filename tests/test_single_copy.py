@@ -485,3 +485,55 @@ def test_algorithms_alone_fall_back_when_one_rank_is_refused(size):
         assert np.array_equal(buf, np.concatenate([inputs(q, count) for q in range(size)]))
         assert np.array_equal(b, inputs(0, count))
         assert refused == "EPERM (simulated)"  # every rank learnt it in the same call
+
+
+@pytest.mark.slow
+def test_the_single_copy_floor_benchmark_copies_whole_halves(capsys):
+    """benchmarks/single_copy_floor.py (a fused single-copy step's floor):
+    every call's half arrives whole (it raises otherwise), and each size gets
+    a figure per amount touched."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "single_copy_floor.py"
+    spec = importlib.util.spec_from_file_location("single_copy_floor", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if bench.first_two_cpus() is None:
+        pytest.skip("needs two CPUs")
+    code = bench.main(["--sizes", "4K,64K", "--touch", "0,16K", "--runs", "1"])
+    out = capsys.readouterr().out
+    if code == 2:
+        pytest.skip(f"this machine cannot run it: {out.strip()}")
+    assert code == 0
+    (row,) = [line for line in out.splitlines() if line.startswith("round trip")]
+    cells = [c.split() for c in row.split("|")[1:]]
+    assert [c[0] for c in cells] == ["none", "4", "64"]
+    for cell in cells:
+        figures = [float(v) for v in cell[-3::2]]
+        assert len(figures) == 2 and all(f > 0 for f in figures)
+
+
+def test_the_single_copy_floor_benchmark_gives_up_on_a_refused_read():
+    """A read the kernel refuses ends the floor's loop at once and tells the
+    peer (a negative step word), instead of leaving it to spin."""
+    import importlib.util
+    import pathlib
+    import time
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "single_copy_floor.py"
+    spec = importlib.util.spec_from_file_location("single_copy_floor", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    flags = np.zeros(512, np.int64)
+    flags[8] = 1 << 40  # the peer (rank 1) is always there
+    here, there = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    deadline_ns = time.monotonic_ns() + 10 ** 9
+    made = bench._calls(flags, 0, NO_SUCH_PID, here.ctypes.data, there.ctypes.data, 64,
+                        np.zeros(0, np.uint8), 0, 5, deadline_ns)
+    assert made == 0 and flags[0] == -1
+    flags[:] = 0
+    flags[8] = -1  # a peer that gave up: this side stops waiting at once
+    assert bench._calls(flags, 0, os.getpid(), here.ctypes.data, there.ctypes.data, 64,
+                        np.zeros(0, np.uint8), 0, 5, deadline_ns) == 0
+    assert time.monotonic_ns() < deadline_ns

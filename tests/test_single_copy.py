@@ -379,7 +379,7 @@ def test_uneven_alltoall_across_its_threshold_fails_and_says_why(monkeypatch):
 
 
 def test_rank_0_takes_the_faster_way_and_looks_at_the_other_now_and_then():
-    from numcoll.algorithms.single_copy import _EXPLORE, _learnt, _say
+    from numcoll.algorithms.single_copy_say import _EXPLORE, _learnt, _say
 
     tuning, key = {}, ("allgather", 23)
 

@@ -70,8 +70,10 @@ from ..comm import COPY_WRITE as WRITE
 from ..comm import WHERE_HEADER_NBYTES as _WHERE_HEADER_NBYTES
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
+from .single_copy_say import _learnt, _say, measured_key
 
-__all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "alltoall_cma",
+__all__ = ["allgather_cma", "allgather_cma_resume", "allgather_plan", "broadcast_cma",
+           "gather_cma", "scatter_cma", "alltoall_cma",
            "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
            "scatter_cma_measured", "alltoall_cma_measured", "where_nbytes"]
 
@@ -79,9 +81,6 @@ __all__ = ["allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "allto
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
 #: A *done* step carries a refusal's text, at most this many bytes.
 _REASON_NBYTES = 256
-#: Rank 0's times kept per kind of call and way (the least of them counts),
-#: and how rarely it tries the slower way (see _say).
-_KEPT, _EXPLORE = 4, 16
 
 
 def where_nbytes(entries: int) -> int:
@@ -111,7 +110,7 @@ def _exchange(comm, ranges, copies, fallback, measured: bool = False) -> bool:
     learn = measured and comm.rank == 0
     if learn:
         tuning = comm.single_copy_tuning()
-        key = (comm.op_name, sum(v.nbytes for v in ranges if v is not None).bit_length())
+        key = measured_key(comm.op_name, sum(v.nbytes for v in ranges if v is not None))
         said = _say(tuning, key)
         began = time.perf_counter()
     else:
@@ -142,6 +141,14 @@ def _phases(comm, ranges, copies, said: bool) -> bool | None:
                      np.int64).reshape(-1, 5)
     got = comm.single_copy_exchange(words.view(np.uint8), table)
     state, step = got if got is not None else (None, None)
+    return _resume(comm, copies, views, state, step, said, words)
+
+
+def _resume(comm, copies, views, state: str | None, step: int | None, said: bool,
+            words=None) -> bool | None:
+    """:func:`_phases` from where the compiled call stopped: ``state`` (one of
+    :meth:`numcoll.comm.Comm.single_copy_exchange`'s, or None: nothing
+    published yet, ``words`` to publish) at *where* step ``step``."""
     if state == "arena":
         return None
     if state == "done":
@@ -186,55 +193,6 @@ def _tables(comm, step: int, said: bool) -> tuple[list, bool]:
         tables[q] = np.frombuffer(comm.shared_view(step, q, _WHERE_HEADER_NBYTES, 16 * n),
                                   np.int64).reshape(n, 2)
     return tables, said
-
-
-class _Times:
-    """Rank 0's last times (seconds) of one kind of call, each way (the
-    first of each way is a warm-up, not kept), and how many it said."""
-
-    __slots__ = ("copy", "arena", "warm", "calls")
-
-    def __init__(self):
-        self.copy, self.arena, self.warm, self.calls = [], [], [False, False], 0
-
-
-def _times(tuning: dict, key) -> _Times:
-    """Rank 0's :class:`_Times` of calls of kind ``key`` (new the first time)."""
-    times = tuning.get(key)
-    if times is None:
-        times = tuning[key] = _Times()
-    return times
-
-
-def _say(tuning: dict, key) -> bool:
-    """Rank 0's say for the next call of kind ``key``: True for the arena.
-    Each way is tried until it has a time; then the way whose least recent
-    time (of :data:`_KEPT`) is lower, except every ``_EXPLORE * slower /
-    faster`` calls the other, so that a change of the machine's state (the
-    VM's vCPUs moved apart, the arena's copies at a quarter of their speed)
-    is seen within a few dozen calls while the slower way costs at most
-    1/_EXPLORE of the time."""
-    times = _times(tuning, key)
-    times.calls += 1
-    if not times.copy:
-        return False
-    if not times.arena:
-        return True
-    copy, arena = min(times.copy), min(times.arena)
-    faster, slower = (arena, copy) if arena < copy else (copy, arena)
-    explore = times.calls % max(_EXPLORE, int(_EXPLORE * slower / max(faster, 1e-9))) == 0
-    return (arena < copy) != explore
-
-
-def _learnt(tuning: dict, key, arena: bool, seconds: float) -> None:
-    """Keep a call's time, the way rank 0 said."""
-    times = _times(tuning, key)
-    if not times.warm[arena]:
-        times.warm[arena] = True
-        return
-    kept = times.arena if arena else times.copy
-    kept.append(seconds)
-    del kept[:-_KEPT]
 
 
 def _copy(comm, kind: int, buf, view, count: int, peer: int, entry) -> str | None:
@@ -303,6 +261,36 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None,
     copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
     _exchange(comm, [buf.send_view(first, n)], copies,
               lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
+
+
+def allgather_plan(out_address: int, source_address: int, nbytes: int, rank: int,
+                   size: int) -> tuple[np.ndarray, np.ndarray]:
+    """What :func:`allgather_cma` publishes and copies, made once for a fused
+    start (:mod:`numcoll.fast.copy`) of an output at ``out_address`` whose
+    chunks are ``nbytes`` each, this rank's part read by the peers at
+    ``source_address``: the *where* (bytes; rank 0's say 0, copy) and the
+    copy table (int64 rows ``(kind, peer, entry, local address, nbytes)``)."""
+    words = np.array([_MAGIC, 1, 0, 0, source_address, nbytes], np.int64)
+    table = np.array([(READ, q, 0, out_address + q * nbytes, nbytes)
+                      for q in _peers(rank, size)], np.int64).reshape(-1, 5)
+    return words.view(np.uint8), table
+
+
+def allgather_cma_resume(comm, buf, chunks, segment_count: int | None, state: str,
+                         step: int, measured: bool) -> None:
+    """The rest of an :func:`allgather_cma` on ``buf`` whose phases a fused
+    start (:mod:`numcoll.collectives.fused_copy`) took as far as ``state``
+    (:meth:`numcoll.comm.Comm.single_copy_exchange`'s states; its *where*
+    step ``step``): the same copies, *done* and verdict step by step, or,
+    where rank 0 said so (``measured``) or a copy was refused, the arena's
+    allgather on the same buffers (this rank's chunk holds its input)."""
+    copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(comm.rank, comm.size)]
+    views = [buf.recv_view(start, count) for _, _, _, _, start, count in copies]
+    copied = _resume(comm, copies, views, state, step, False)
+    if not copied:
+        allgather_shared(comm, buf, chunks, segment_count)
+    if measured and copied is not False:
+        comm.ran_instead("shared" if copied is None else "cma")
 
 
 def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,

@@ -34,6 +34,7 @@ from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
 from . import moves
+from .copy import fused_copy_allgather
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
 
@@ -267,7 +268,8 @@ class Repeats:
         """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""
         key = (id(out), id(inp), "allgather")
         if self._twice(key, out) and type(inp) is np.ndarray:
-            fused = fused_allgather(self.pg, call, out, inp)
+            fused = fused_allgather(self.pg, call, out, inp) \
+                or fused_copy_allgather(self.pg, call, out, inp)
             if fused is not None:
                 self._keep(key, out, inp, fused)
             else:

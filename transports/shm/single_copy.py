@@ -164,6 +164,12 @@ class SingleCopy:
         self.failed: str | None = None
         self._lock = threading.Lock()
 
+    @property
+    def pid_words(self) -> np.ndarray:
+        """The ranks' pids as int64 words, in rank order: what compiled copies
+        (:func:`.single_copy_steps.exchange`) name their peers by."""
+        return self._pid_words
+
     # -- set-up ----------------------------------------------------------------------
     def _allow_peers(self) -> str | None:
         """Let exactly this group's peers read this process (Yama scope 1), or

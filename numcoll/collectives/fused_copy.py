@@ -1,0 +1,89 @@
+"""A repeated single-copy call's three phases as one compiled start.
+
+The single-copy algorithms (:mod:`numcoll.algorithms.single_copy`) take two
+arena steps around their copies: *where* (every rank publishes the address
+and length of what a peer reads), the ``process_vm_readv`` copies, and
+*done*. :func:`transports.shm.single_copy_steps.exchange` already runs the
+three in one compiled call, but a call still pays the ordinary path around
+it: the checks, the plan, the group's Work and Comm, the *where* and the
+copy table built anew -- 40-60 µs of Python on 2 ranks, and the lines of the
+buffers it pushes out of the caches. :func:`start` is the whole call for a
+repeat of the same arrays (:class:`numcoll.fast.copy.FusedCopy`), on the
+plan of :mod:`.fused_step`: claim the group's next number and the *where*
+step, copy this rank's own part into the output (out of place), run the
+three phases with the *where* and the copy table made once, claim the *done*
+step once it is published, close the flight recorder's row.
+
+It publishes exactly the bytes of the ordinary path, so ranks on either path
+meet at the same steps. A start that does not finish -- a peer later than the
+spin phase, a peer's *where* not what this rank expects, a copy refused, a
+refusal published, or rank 0 saying the arena this time -- returns where it
+stopped (:data:`transports.shm.single_copy_steps.STATES`' index, above 0),
+keeping its claim, and the group finishes the call from that phase on the
+ordinary path (:meth:`numcoll.fast.copy.FusedCopy.rest`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit, typeof, types
+
+from transports.shm.ring import _memcpy
+from transports.shm.single_copy_steps import DONE, DONE_OPEN, _exchange
+
+from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STEP, OWN, RANK,
+                         REGION, REGION_NBYTES, SIZE, SOURCE, SPIN, STAMP, STEPS, STRIDE,
+                         _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
+
+__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "entry"]
+
+#: The plan's words (:mod:`.fused_step`'s, with words 20-25, which a move's
+#: plan uses, for these): the *where* to publish (address, bytes), the copy
+#: table (address, rows of ``(kind, peer, entry, local address, nbytes)``),
+#: the ranks' pids (address), and where the last start stopped (its state).
+WHERE, COPIES, PIDS, STATE = 20, 22, 24, 25
+#: No deadline inside the start: its waits end with the spin phase.
+_NO_DEADLINE = 1 << 62
+
+
+@njit(cache=True)
+def start(plan_address, x, spin_ns):
+    """Claim the group's next number and step (NOT_TAKEN if it may not:
+    :func:`.fused_step._claim`), open the lane row, copy this rank's part
+    from SOURCE into ``x`` (the output's bytes) where the plan says so
+    (OWN), then the *where* step, the copies and the *done* step, each wait
+    ``spin_ns`` at most (where the group does not spin, ``spin_ns`` of
+    yielding polls). Returns -1 done (or DONE_HELD: done, a message of a
+    call not yet taken held); else the state it stopped in, also kept in the
+    plan's STATE word (the caller finishes the call from there)."""
+    plan = _plan_at(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    step, seq = plan[NOW_STEP], plan[NOW_SEQ]
+    _lane_open(plan, seq)
+    rank, size, nbytes = plan[RANK], plan[SIZE], plan[NBYTES]
+    region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
+    where = carray(_pointer(plan[WHERE], np.uint8), (plan[WHERE + 1],))
+    copies = carray(_pointer(plan[COPIES], np.int64), (plan[COPIES + 1], 5))
+    pids = carray(_pointer(plan[PIDS], np.int64), (size,))
+    if plan[OWN]:
+        _memcpy(x, rank * nbytes, carray(_pointer(plan[SOURCE], np.uint8), (nbytes,)), 0,
+                nbytes)
+    spin, polls = (spin_ns, 0) if plan[SPIN] > 0 else (0, spin_ns)
+    state = _exchange(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, size, step,
+                      plan[FIRST:FIRST + 2], plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
+                      where, copies, pids, spin, polls, _NO_DEADLINE)
+    if state == DONE or state == DONE_OPEN:  # the *done* step is published: claimed too
+        carray(_pointer(plan[STEPS], np.int64), (1,))[0] = step + 2
+    plan[STATE] = state
+    if state != DONE:
+        return state
+    _lane_close(plan)
+    return _ended(plan, -1)
+
+
+def entry(x):
+    """The compiled :func:`start` for outputs of ``x``'s type, as its bare
+    entry point (called without the dispatcher's typing of the arguments,
+    as :func:`.fused_step.entry`)."""
+    return start.compile((types.int64, typeof(x), types.int64))

@@ -1,0 +1,160 @@
+"""Repeated single-copy allgathers as one compiled start (numcoll.fast.copy):
+results right call after call, in place and out of place, with ranks as
+processes and as threads; every way a start stops -- a late peer, a copy
+that fails, rank 0 saying the arena -- finished by the group on the ordinary
+path; a rank that calls something else gets the mismatch error."""
+
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import numcoll as nc
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif("not __import__('transports').shm_available()")]
+
+#: A pid no process has (above any pid_max): a copy from it fails (ESRCH).
+NO_SUCH_PID = 1 << 30
+N = 3001  # float64 elements per rank: odd
+
+
+@pytest.fixture(autouse=True)
+def small_threshold(monkeypatch):
+    # Slots of 32 KiB: a rank's part (24 KiB) fits one, as a fused start needs.
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "32768")
+
+
+def part(rank, call, n=N):
+    return (np.arange(n) % 89 + 1000 * rank + call + 0.5).astype(np.float64)
+
+
+def fused_copies(pg) -> int:
+    from numcoll.fast.copy import FusedCopy
+
+    return sum(isinstance(s.fused, FusedCopy) for s in pg.repeats._seen.values())
+
+
+def allgathers(calls, in_place, before=None):
+    """``calls`` allgathers of the same arrays (new values each call), each
+    checked; ``before(i)`` runs before call i. The number of fused plans."""
+    pg = nc.get_default_group()
+    r, size = pg.rank(), pg.size()
+    out = np.zeros(N * size)
+    inp = out[r * N:(r + 1) * N] if in_place else np.zeros(N)
+    for i in range(calls):
+        if before is not None:
+            before(i)
+        inp[:] = part(r, i)
+        nc.all_gather_into_tensor(out, inp)
+        want = np.concatenate([part(q, i) for q in range(size)])
+        assert np.array_equal(out, want), f"call {i}"
+    return fused_copies(pg)
+
+
+@pytest.mark.parametrize("algorithm", ["cma", "cma_measured"])
+@pytest.mark.parametrize("size,mode", [(2, "process"), (3, "process"), (2, "thread")])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_repeated_allgathers_run_fused_and_right(monkeypatch, algorithm, size, mode, in_place):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", f"allgather:{algorithm}")
+    got = nc.launch(allgathers, size, (40, in_place), mode=mode, transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [1] * size
+
+
+def test_a_part_larger_than_a_slot_keeps_the_ordinary_path(monkeypatch):
+    """(A fused start holds the GIL throughout: only a slot's copy.)"""
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "16384")
+    assert nc.launch(allgathers, 2, (6, False), transport="shm",
+                     timeout=timedelta(seconds=60)) == [0, 0]
+
+
+def late_peer(calls):
+    pg = nc.get_default_group()
+
+    def before(i):
+        if pg.rank() == 1 and i % 3 == 2:
+            time.sleep(0.005)  # rank 0's start stops at the where step
+
+    return allgathers(calls, False, before), pg._transport.single_copy.failed
+
+
+def test_a_late_peer_leaves_the_call_to_the_group(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
+    assert nc.launch(late_peer, 2, (30,), transport="shm",
+                     timeout=timedelta(seconds=60)) == [(1, None)] * 2
+
+
+def failing_copies(calls):
+    """From call 10 on, rank 1's compiled copies name no such pid: its start
+    stops at the copies and the group makes them again (the real pid)."""
+    pg = nc.get_default_group()
+
+    def before(i):
+        if pg.rank() == 1 and i == 10:
+            pg._transport.single_copy.pid_words[:] = NO_SUCH_PID
+
+    return allgathers(calls, True, before), pg._transport.single_copy.failed
+
+
+def test_a_copy_the_start_cannot_make_is_made_by_the_group(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
+    assert nc.launch(failing_copies, 2, (20,), transport="shm",
+                     timeout=timedelta(seconds=60)) == [(1, None)] * 2
+
+
+def says_arena_every_other_call(calls):
+    """Rank 0 says the arena on every other fused call: that call takes the
+    ordinary path, which says so in its where, and the peers' starts stop
+    there and finish through the arena."""
+    from numcoll.algorithms import single_copy
+    from numcoll.diagnostics import flight_recorder
+    from numcoll.fast import copy
+
+    said = []
+
+    def fused_say(tuning, key):
+        said.append(key)
+        return len(said) % 2 == 0
+
+    copy.fused_say = fused_say
+    single_copy._say = lambda tuning, key: True  # (the ordinary path's say: the arena)
+    pg = nc.get_default_group()
+    fused = allgathers(calls, False)
+    entries = [e for e in flight_recorder.dump(pg.rank())["entries"]
+               if e["pg_id"] == pg._pg_id]
+    return fused, [e["algorithm"] for e in entries[-6:]]
+
+
+def test_rank_0_saying_the_arena_sends_every_rank_there(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma_measured")
+    got = nc.launch(says_arena_every_other_call, 2, (12,), transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [(1, ["cma", "shared"] * 3)] * 2
+
+
+def mismatched(calls):
+    pg = nc.get_default_group()
+    r = pg.rank()
+    out, inp = np.zeros(2 * N), np.zeros(N)
+    for _ in range(calls):
+        nc.all_gather_into_tensor(out, inp)
+    try:
+        if r == 0:
+            nc.all_gather_into_tensor(out, inp)
+        else:
+            nc.all_reduce(np.zeros(N))
+    except nc.CollectiveMismatchError as exc:
+        return fused_copies(pg), str(exc)
+    return fused_copies(pg), None
+
+
+def test_a_rank_that_calls_something_else_gets_the_mismatch_error(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
+    got = nc.launch(mismatched, 2, (5,), transport="shm", timeout=timedelta(seconds=60),
+                    group_timeout=timedelta(seconds=10))
+    for fused, error in got:
+        assert fused == 1
+        assert error is not None and "mismatch" in error.lower(), error

@@ -142,7 +142,8 @@ class FusedCopy(FusedCall):
         if self.pending:
             self.pending = False
             n = self.typed.size // self.size
-            allgather_cma_resume(comm, HostBuffer(self.typed), [(q * n, n) for q in range(self.size)],
-                                 self.segment, STATES[self.words[fused_copy.STATE]], self.step,
+            chunks = [(q * n, n) for q in range(self.size)]
+            allgather_cma_resume(comm, HostBuffer(self.typed), chunks, self.segment,
+                                 STATES[self.words[fused_copy.STATE]], self.step,
                                  self.call.algorithm == "cma_measured")
         return self.outs

@@ -3,17 +3,19 @@ call by call, from its recent times of both (:mod:`.single_copy`).
 
 Rank 0 alone keeps times, per kind of call (:func:`measured_key`), and says
 in its *where* which way the call goes; every rank reads that one say, so
-the ranks cannot part. A fused single-copy start (:mod:`numcoll.fast.copy`)
-asks through :func:`fused_say` and keeps its time with :func:`fused_learnt`.
+the ranks cannot part.
 """
 
 from __future__ import annotations
 
-__all__ = ["measured_key", "fused_say", "fused_learnt"]
+__all__ = ["measured_key"]
 
 #: Rank 0's times kept per kind of call and way (the least of them counts),
-#: and how rarely it tries the slower way (see _say).
-_KEPT, _EXPLORE = 4, 16
+#: how many each way needs before the two are compared (one time can be a
+#: peer's one-off delay: a first call that loaded compiled code took 3 ms, and
+#: alone it would have kept that way off for a thousand calls), and how rarely
+#: it tries the slower way (see _say).
+_KEPT, _TRIED, _EXPLORE = 4, 2, 16
 
 
 def measured_key(op_name: str, nbytes: int) -> tuple:
@@ -42,38 +44,22 @@ def _times(tuning: dict, key) -> _Times:
 
 def _say(tuning: dict, key) -> bool:
     """Rank 0's say for the next call of kind ``key``: True for the arena.
-    Each way is tried until it has a time; then the way whose least recent
-    time (of :data:`_KEPT`) is lower, except every ``_EXPLORE * slower /
+    Each way is tried until it has :data:`_TRIED` times (after its warm-up);
+    then the way whose least recent time (of :data:`_KEPT`) is lower, except every ``_EXPLORE * slower /
     faster`` calls the other, so that a change of the machine's state (the
     VM's vCPUs moved apart, the arena's copies at a quarter of their speed)
     is seen within a few dozen calls while the slower way costs at most
     1/_EXPLORE of the time."""
     times = _times(tuning, key)
     times.calls += 1
-    if not times.copy:
+    if len(times.copy) < _TRIED:
         return False
-    if not times.arena:
+    if len(times.arena) < _TRIED:
         return True
     copy, arena = min(times.copy), min(times.arena)
     faster, slower = (arena, copy) if arena < copy else (copy, arena)
     explore = times.calls % max(_EXPLORE, int(_EXPLORE * slower / max(faster, 1e-9))) == 0
     return (arena < copy) != explore
-
-
-def fused_say(tuning: dict, key) -> bool:
-    """Rank 0's say (:func:`_say`) for a fused single-copy start
-    (:mod:`numcoll.fast.copy`): True, the arena, sends the call down the
-    ordinary path, which asks again -- so that say is not counted, and the
-    ordinary path's is the same."""
-    said = _say(tuning, key)
-    if said:
-        _times(tuning, key).calls -= 1
-    return said
-
-
-def fused_learnt(tuning: dict, key, seconds: float) -> None:
-    """Keep a fused single-copy start's time (it copied): :func:`_learnt`."""
-    _learnt(tuning, key, False, seconds)
 
 
 def _learnt(tuning: dict, key, arena: bool, seconds: float) -> None:

@@ -1,8 +1,7 @@
 """Single-copy allgathers that repeat, run as one compiled start.
 
 A repeated ``all_gather_into_tensor(out, inp)`` that the ordinary path runs
-single-copy (``cma``, or ``cma_measured``: the automatic choice from
-``single_copy_min_nbytes``) pays that path's Python on every call -- the
+single-copy (``cma``, forced) pays that path's Python on every call -- the
 checks, the plan, the group's Work and Comm, the *where* and the copy table
 built anew: 40-60 µs on 2 ranks where the copies of a 1 MiB call take 30,
 and a footprint that pushes the buffers' lines out of the caches (2 ranks,
@@ -14,17 +13,21 @@ publishes (the peers read its input where it lies), the copy table, the
 pids -- and runs it as :class:`~numcoll.fast.step.FusedCall` runs a fused
 arena step: one compiled start (:mod:`numcoll.collectives.fused_copy`),
 without the group's lock, a Work or a Comm. A start that does not finish
-(a late peer, a refused copy, rank 0 saying the arena this time) is promoted
-and finished by the group from the phase it reached
+(a late peer, a copy it cannot make, a refusal) is promoted and finished by
+the group from the phase it reached
 (:func:`numcoll.algorithms.single_copy.allgather_cma_resume`), with the
-ordinary path's errors. Under ``cma_measured``, rank 0 asks its say first
-(:func:`numcoll.algorithms.single_copy_say.fused_say`): where it says the
-arena, the call takes the ordinary path, whose *where* carries that say.
+ordinary path's errors.
+
+Not for ``cma_measured`` (the automatic choice): there rank 0 says, call by
+call, whether the call copies or goes through the arena, and an arena call
+on the ordinary path -- where, then the arena's steps, with its Python --
+leaves every fused peer's start waiting past its spin phase and promoted:
+measured with the choice forced at 64 KiB while rank 0 said the arena, 245
+µs a call against the ordinary path's 50-60. (The automatic choice takes it only for
+parts larger than a slot, which no fused start takes.)
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
@@ -32,7 +35,6 @@ from transports.shm.arena import SharedArena
 from transports.shm.single_copy_steps import STATES
 
 from ..algorithms.single_copy import allgather_cma_resume, allgather_plan
-from ..algorithms.single_copy_say import fused_learnt, fused_say, measured_key
 from ..collectives import fused_copy, fused_step
 from ..memory.host import HostBuffer
 from ..memory.overlap import shares_memory
@@ -40,14 +42,12 @@ from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather"]
 
-#: The algorithms a fused single-copy start runs.
-_ALGORITHMS = ("cma", "cma_measured")
 
 
 def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, an ``allgather_into_tensor`` of
-    ``inp`` into ``out`` that the ordinary builder checked and chose a
-    single-copy algorithm for, if a fused start can run it: two C-contiguous
+    ``inp`` into ``out`` that the ordinary builder checked and ran with the
+    ``cma`` algorithm (forced), if a fused start can run it: two C-contiguous
     NumPy arrays of one dtype, ``inp`` either the output's own chunk (torch's
     in-place form) or apart from the output, and within an arena slot (the
     start holds the GIL throughout, as a fused arena step does for a slot's
@@ -56,7 +56,7 @@ def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     too: its start looks once, holding the GIL the others need, and the
     group finishes the call.)"""
     transport = pg._transport
-    if call.name != "allgather_into_tensor" or call.algorithm not in _ALGORITHMS \
+    if call.name != "allgather_into_tensor" or call.algorithm != "cma" \
             or not HAS_GIL or pg._size < 2 or pg._closed \
             or type(getattr(transport, "arena", None)) is not SharedArena \
             or getattr(transport, "single_copy", None) is None \
@@ -77,7 +77,7 @@ class FusedCopy(FusedCall):
     """A repeated single-copy allgather of ``source`` (this rank's part, flat
     bytes) into ``out`` (``flat``: its bytes) as one compiled start."""
 
-    __slots__ = ("single_copy", "where", "table", "pids", "tuning", "key", "segment", "typed")
+    __slots__ = ("single_copy", "where", "table", "pids", "segment", "typed")
 
     def __init__(self, pg, call, out, flat, source):
         super().__init__(pg, call, flat, fused_step.GATHER, -1, [out], source=source)
@@ -91,39 +91,22 @@ class FusedCopy(FusedCall):
         plan[fused_copy.WHERE:fused_copy.WHERE + 2] = self.where.ctypes.data, self.where.nbytes
         plan[fused_copy.COPIES:fused_copy.COPIES + 2] = self.table.ctypes.data, len(self.table)
         plan[fused_copy.PIDS] = self.pids.ctypes.data
-        # Rank 0 of a measured call says, call by call, which way it goes.
-        self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
-            else None
-        self.key = measured_key(call.name, nbytes)
         # What the promoted path runs on: the output in its dtype, as the
         # ordinary path's allgather does (the same chunks and rounds).
         self.typed = out.reshape(-1)
         self.segment = pg.context.segment(out.itemsize)
         self._start = fused_copy.entry(flat)
-        if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
-            self.lane.algorithm = "cma"
 
     def _entries(self, x) -> tuple:
         return None, None, None  # (set in __init__: the start is this class's own)
 
     def run(self) -> bool:
         """The whole call, as :meth:`FusedCall.run`; False (nothing done) where
-        the ordinary path must take it: copies are off on this group (that
-        path says why), or rank 0 says the arena this time."""
+        copies are off on this group: the ordinary path takes it (and says why)."""
         single_copy = self.single_copy
         if single_copy.refused is not None or single_copy.failed is not None:
             return False
-        tuning = self.tuning
-        if tuning is None:
-            return super().run()
-        if fused_say(tuning, self.key):
-            return False
-        began = time.perf_counter()
-        got = self._start(self.address, self.x, self.spin_ns)
-        if got == -1:
-            fused_learnt(tuning, self.key, time.perf_counter() - began)
-            return True
-        return got != fused_step.NOT_TAKEN and self.hold(got)
+        return super().run()
 
     def hold(self, got: int) -> bool:
         """A start that stopped (``got``: its state, or DONE_HELD): the group
@@ -136,14 +119,13 @@ class FusedCopy(FusedCall):
 
     def rest(self, comm, work):
         """``run(comm, work)`` of the promoted call: the phases the start did
-        not finish, step by step (or the arena's allgather, where rank 0 said
-        so or a copy was refused)."""
+        not finish, step by step (or the arena's allgather, where a copy was
+        refused)."""
         self.moved()
         if self.pending:
             self.pending = False
             n = self.typed.size // self.size
             chunks = [(q * n, n) for q in range(self.size)]
             allgather_cma_resume(comm, HostBuffer(self.typed), chunks, self.segment,
-                                 STATES[self.words[fused_copy.STATE]], self.step,
-                                 self.call.algorithm == "cma_measured")
+                                 STATES[self.words[fused_copy.STATE]], self.step, False)
         return self.outs

@@ -45,8 +45,8 @@ def _times(tuning: dict, key) -> _Times:
 def _say(tuning: dict, key) -> bool:
     """Rank 0's say for the next call of kind ``key``: True for the arena.
     Each way is tried until it has :data:`_TRIED` times (after its warm-up);
-    then the way whose least recent time (of :data:`_KEPT`) is lower, except every ``_EXPLORE * slower /
-    faster`` calls the other, so that a change of the machine's state (the
+    then the way whose least recent time (of :data:`_KEPT`) is lower, except
+    every ``_EXPLORE * slower / faster`` calls the other, so that a change of the machine's state (the
     VM's vCPUs moved apart, the arena's copies at a quarter of their speed)
     is seen within a few dozen calls while the slower way costs at most
     1/_EXPLORE of the time."""

@@ -6,7 +6,7 @@ and length of what a peer reads), the ``process_vm_readv`` copies, and
 *done*. :func:`transports.shm.single_copy_steps.exchange` already runs the
 three in one compiled call, but a call still pays the ordinary path around
 it: the checks, the plan, the group's Work and Comm, the *where* and the
-copy table built anew -- 40-60 µs of Python on 2 ranks, and the lines of the
+copy table built anew -- 35-50 µs of Python on 2 ranks, and the lines of the
 buffers it pushes out of the caches. :func:`start` is the whole call for a
 repeat of the same arrays (:class:`numcoll.fast.copy.FusedCopy`), on the
 plan of :mod:`.fused_step`: claim the group's next number and the *where*
@@ -17,10 +17,10 @@ step once it is published, close the flight recorder's row.
 It publishes exactly the bytes of the ordinary path, so ranks on either path
 meet at the same steps. A start that does not finish -- a peer later than the
 spin phase, a peer's *where* not what this rank expects, a copy refused, a
-refusal published, or rank 0 saying the arena this time -- returns where it
-stopped (:data:`transports.shm.single_copy_steps.STATES`' index, above 0),
-keeping its claim, and the group finishes the call from that phase on the
-ordinary path (:meth:`numcoll.fast.copy.FusedCopy.rest`).
+refusal published -- returns where it stopped (its index in
+:data:`transports.shm.single_copy_steps.STATES`, above 0), keeping its
+claim, and the group finishes the call from that phase on the ordinary path
+(:meth:`numcoll.fast.copy.FusedCopy.rest`).
 """
 
 from __future__ import annotations

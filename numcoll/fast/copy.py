@@ -3,7 +3,7 @@
 A repeated ``all_gather_into_tensor(out, inp)`` that the ordinary path runs
 single-copy (``cma``, forced) pays that path's Python on every call -- the
 checks, the plan, the group's Work and Comm, the *where* and the copy table
-built anew: 40-60 µs on 2 ranks where the copies of a 1 MiB call take 30,
+built anew: 35-50 µs on 2 ranks where the copies of a 1 MiB call take 30,
 and a footprint that pushes the buffers' lines out of the caches (2 ranks,
 1 MiB, in place: the ordinary path's copy phase took 84-106 µs, the same
 copy in a compiled loop 29; ``benchmarks/single_copy_floor.py``).
@@ -43,7 +43,6 @@ from .step import HAS_GIL, FusedCall
 __all__ = ["FusedCopy", "fused_copy_allgather"]
 
 
-
 def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, an ``allgather_into_tensor`` of
     ``inp`` into ``out`` that the ordinary builder checked and ran with the
@@ -52,9 +51,9 @@ def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     in-place form) or apart from the output, and within an arena slot (the
     start holds the GIL throughout, as a fused arena step does for a slot's
     copy; larger calls' copies take the ordinary path, which lets go of it),
-    on a group that reads single-copy. Else None. (Ranks that are threads of one process get one
-    too: its start looks once, holding the GIL the others need, and the
-    group finishes the call.)"""
+    on a group that reads single-copy. Else None. (Ranks that are threads of
+    one process get one too: its start looks once, holding the GIL the
+    others need, and the group finishes the call.)"""
     transport = pg._transport
     if call.name != "allgather_into_tensor" or call.algorithm != "cma" \
             or not HAS_GIL or pg._size < 2 or pg._closed \

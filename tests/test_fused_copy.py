@@ -70,12 +70,16 @@ def test_the_measured_choice_keeps_the_ordinary_path(monkeypatch):
                      timeout=timedelta(seconds=60)) == [0, 0]
 
 
-def test_a_part_larger_than_a_slot_keeps_the_ordinary_path(monkeypatch):
-    """(A fused start holds the GIL throughout: only a slot's copy.)"""
-    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
+@pytest.mark.parametrize("algorithm", ["cma", "cma_measured"])
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_parts_larger_than_a_slot_copy_without_the_gil(monkeypatch, algorithm, mode, in_place):
+    """(A claim, then the phases in a compiled call that lets go of the GIL.)"""
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", f"allgather:{algorithm}")
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "16384")
-    assert nc.launch(allgathers, 2, (6, False), transport="shm",
-                     timeout=timedelta(seconds=60)) == [0, 0]
+    got = nc.launch(allgathers, 2, (30, in_place), mode=mode, transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [1, 1]
 
 
 def late_peer(calls):
@@ -110,6 +114,39 @@ def test_a_copy_the_start_cannot_make_is_made_by_the_group(monkeypatch):
     monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
     assert nc.launch(failing_copies, 2, (20,), transport="shm",
                      timeout=timedelta(seconds=60)) == [(1, None)] * 2
+
+
+def says_arena_every_other_call(calls):
+    """Rank 0 says the arena on every other fused call: that call takes the
+    ordinary path, which says so in its where, and the peers' starts stop
+    there and finish through the arena."""
+    from numcoll.algorithms import single_copy
+    from numcoll.diagnostics import flight_recorder
+    from numcoll.fast import copy
+
+    said = []
+
+    def fused_say(tuning, key):
+        said.append(key)
+        return len(said) % 2 == 0
+
+    copy.fused_say = fused_say
+    single_copy._say = lambda tuning, key: True  # (the ordinary path's say: the arena)
+    pg = nc.get_default_group()
+    fused = allgathers(calls, False)
+    entries = [e for e in flight_recorder.dump(pg.rank())["entries"]
+               if e["pg_id"] == pg._pg_id]
+    return fused, [e["algorithm"] for e in entries[-6:]], len(said)
+
+
+def test_rank_0_saying_the_arena_sends_every_rank_there(monkeypatch):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma_measured")
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "16384")
+    got = nc.launch(says_arena_every_other_call, 2, (12,), transport="shm",
+                    timeout=timedelta(seconds=60))
+    # (one plan: a call its run declined does not plan the same arrays again)
+    assert got[0] == (1, ["cma", "shared"] * 3, 10)  # rank 0 alone asks, from call 3
+    assert got[1][:2] == (1, ["cma", "shared"] * 3)
 
 
 def mismatched(calls):

@@ -32,10 +32,10 @@ from transports.shm.ring import _memcpy
 from transports.shm.single_copy_steps import DONE, DONE_OPEN, _exchange
 
 from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STEP, OWN, RANK,
-                         REGION, REGION_NBYTES, SIZE, SOURCE, SPIN, STAMP, STEPS, STRIDE,
+                         REGION, REGION_NBYTES, SIZE, SOURCE, SPIN, STAMP, STEPS, STRIDE, YIELD,
                          _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
 
-__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "entry"]
+__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "entry"]
 
 #: The plan's words (:mod:`.fused_step`'s, with words 20-25, which a move's
 #: plan uses, for these): the *where* to publish (address, bytes), the copy
@@ -46,21 +46,14 @@ WHERE, COPIES, PIDS, STATE = 20, 22, 24, 25
 _NO_DEADLINE = 1 << 62
 
 
-@njit(cache=True)
-def start(plan_address, x, spin_ns):
-    """Claim the group's next number and step (NOT_TAKEN if it may not:
-    :func:`.fused_step._claim`), open the lane row, copy this rank's part
-    from SOURCE into ``x`` (the output's bytes) where the plan says so
-    (OWN), then the *where* step, the copies and the *done* step, each wait
-    ``spin_ns`` at most (where the group does not spin, ``spin_ns`` of
-    yielding polls). Returns -1 done (or DONE_HELD: done, a message of a
-    call not yet taken held); else the state it stopped in, also kept in the
-    plan's STATE word (the caller finishes the call from there)."""
-    plan = _plan_at(plan_address)
-    if not _claim(plan):
-        return NOT_TAKEN
+@njit(nogil=True, cache=True, inline="always")
+def _phases(plan, x, spin_ns, polls_ns):
+    """This rank's own part into ``x`` (OWN), then the *where* step, the
+    copies and the *done* step of the call the plan claimed, each wait
+    ``spin_ns`` busy then ``polls_ns`` yielding at most; the *done* step
+    claimed once published. The state it ended in (DONE or where it
+    stopped), also kept in the plan's STATE word."""
     step, seq = plan[NOW_STEP], plan[NOW_SEQ]
-    _lane_open(plan, seq)
     rank, size, nbytes = plan[RANK], plan[SIZE], plan[NBYTES]
     region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
     where = carray(_pointer(plan[WHERE], np.uint8), (plan[WHERE + 1],))
@@ -69,21 +62,63 @@ def start(plan_address, x, spin_ns):
     if plan[OWN]:
         _memcpy(x, rank * nbytes, carray(_pointer(plan[SOURCE], np.uint8), (nbytes,)), 0,
                 nbytes)
-    spin, polls = (spin_ns, 0) if plan[SPIN] > 0 else (0, spin_ns)
     state = _exchange(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, size, step,
                       plan[FIRST:FIRST + 2], plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
-                      where, copies, pids, spin, polls, _NO_DEADLINE)
+                      where, copies, pids, spin_ns, polls_ns, _NO_DEADLINE)
     if state == DONE or state == DONE_OPEN:  # the *done* step is published: claimed too
         carray(_pointer(plan[STEPS], np.int64), (1,))[0] = step + 2
     plan[STATE] = state
-    if state != DONE:
-        return state
+    return state
+
+
+# Without nogil, as fused_step.start: the claim and the spin phase hold the GIL.
+@njit(cache=True)
+def start(plan_address, x, spin_ns):
+    """Claim the group's next number and step (NOT_TAKEN if it may not:
+    :func:`.fused_step._claim`), open the lane row, then the call's phases
+    (:func:`_phases`), each wait ``spin_ns`` at most (where the group does
+    not spin, ``spin_ns`` of yielding polls). Returns -1 done (or DONE_HELD:
+    done, a message of a call not yet taken held); else the state it stopped
+    in (the caller finishes the call from there)."""
+    plan = _plan_at(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    _lane_open(plan, plan[NOW_SEQ])
+    spin, polls = (spin_ns, 0) if plan[SPIN] > 0 else (0, spin_ns)
+    if _phases(plan, x, spin, polls) != DONE:
+        return plan[STATE]
     _lane_close(plan)
     return _ended(plan, -1)
 
 
-def entry(x):
-    """The compiled :func:`start` for outputs of ``x``'s type, as its bare
-    entry point (called without the dispatcher's typing of the arguments,
-    as :func:`.fused_step.entry`)."""
-    return start.compile((types.int64, typeof(x), types.int64))
+@njit(cache=True)
+def claim(plan_address):
+    """Only the claim and the lane row of a call whose copies are too long
+    to make holding the GIL (:func:`copy`, next, makes them): 0, or
+    NOT_TAKEN."""
+    plan = _plan_at(plan_address)
+    if not _claim(plan):
+        return NOT_TAKEN
+    _lane_open(plan, plan[NOW_SEQ])
+    return 0
+
+
+@njit(nogil=True, cache=True)
+def copy(plan_address, x):
+    """The phases of a call :func:`claim` claimed (and the group now holds),
+    without the GIL, each wait the plan's spin and yield phases. Returns -1
+    done (the lane row closed), else the state it stopped in."""
+    plan = _plan_at(plan_address)
+    if _phases(plan, x, plan[SPIN], plan[YIELD]) != DONE:
+        return plan[STATE]
+    _lane_close(plan)
+    return -1
+
+
+def entry(function, x):
+    """The compiled :func:`start`, :func:`claim` or :func:`copy` for outputs
+    of ``x``'s type, as its bare entry point (called without the
+    dispatcher's typing of the arguments, as :func:`.fused_step.entry`)."""
+    i64 = types.int64
+    return function.compile({start: (i64, typeof(x), i64), claim: (i64,),
+                             copy: (i64, typeof(x))}[function])

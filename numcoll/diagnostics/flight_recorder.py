@@ -134,13 +134,17 @@ class Lane:
     slow peer, a failure) marks its row moved and gets a Record instead.
 
     ``meta[0]`` counts the rows written, ``meta[1]`` is the last one's index.
+    ``algorithm``: what every completed row ran, where the step does one way
+    of the call's algorithm (a fused single-copy start copies); None: the
+    call's algorithm.
     """
 
-    __slots__ = ("pg_id", "rank", "call", "rows", "meta", "_offset_ns")
+    __slots__ = ("pg_id", "rank", "call", "rows", "meta", "algorithm", "_offset_ns")
 
     def __init__(self, pg_id: int, rank: int, call, rows: np.ndarray, meta: np.ndarray):
         self.pg_id, self.rank, self.call = pg_id, rank, call
         self.rows, self.meta = rows, meta
+        self.algorithm = None
         self._offset_ns = time.time_ns() - time.monotonic_ns()  # monotonic -> wall
 
     def last_row(self) -> np.ndarray:
@@ -162,6 +166,7 @@ class Lane:
             rec.state = what
             if what == "completed":
                 rec.time_completed_ns = completed + self._offset_ns
+                rec.algorithm = self.algorithm
             else:
                 rec.waiting_op = "arena"
             out.append(rec)

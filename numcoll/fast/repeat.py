@@ -267,6 +267,11 @@ class Repeats:
     def learn_allgather(self, out, inp, call, run=None) -> None:
         """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""
         key = (id(out), id(inp), "allgather")
+        seen = self._seen.get(key)
+        if seen is not None and seen.x is out and seen.op is inp and out.shape == seen.shape \
+                and out.strides == seen.strides and out.dtype == seen.dtype \
+                and _form(inp) == seen.form:
+            return  # planned for these very arrays, which its run declined this time
         if self._twice(key, out) and type(inp) is np.ndarray:
             fused = fused_allgather(self.pg, call, out, inp) \
                 or fused_copy_allgather(self.pg, call, out, inp)

@@ -42,7 +42,7 @@ __all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "entry"
 #: table (address, rows of ``(kind, peer, entry, local address, nbytes)``),
 #: the ranks' pids (address), and where the last start stopped (its state).
 WHERE, COPIES, PIDS, STATE = 20, 22, 24, 25
-#: No deadline inside the start: its waits end with the spin phase.
+#: No deadline inside the calls: their waits end with the spin (and yield) phases.
 _NO_DEADLINE = 1 << 62
 
 

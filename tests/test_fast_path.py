@@ -15,6 +15,7 @@ import numcoll as nc
 from numcoll.diagnostics import flight_recorder
 from numcoll.fast import FusedRequest
 
+import benchmark_scripts
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(120),
@@ -490,13 +491,7 @@ def test_a_request_made_after_shutdown_fails_at_its_start():
 def test_the_arena_sync_benchmark_runs_both_barriers_to_the_end(capsys):
     """benchmarks/arena_sync.py (flat step against dissemination): every rank
     gets through every barrier of both kinds, at 2 and 3 ranks."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "arena_sync.py"
-    spec = importlib.util.spec_from_file_location("arena_sync", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("arena_sync")
     bench.main(["-n", "2", "-n", "3", "--steps", "200", "--runs", "1"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.strip()[:1].isdigit()]
@@ -508,13 +503,7 @@ def test_the_arena_sync_benchmark_runs_both_barriers_to_the_end(capsys):
 def test_the_handoff_benchmark_hands_over_whole_buffers_both_ways(capsys):
     """benchmarks/handoff.py (plain against non-temporal stores): every handoff
     arrives whole (it raises otherwise) and each size gets both figures."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "handoff.py"
-    spec = importlib.util.spec_from_file_location("handoff", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("handoff")
     if bench.first_two_cpus() is None:
         pytest.skip("needs two CPUs")
     assert bench.main(["--sizes", "4K,64K", "--runs", "1"]) == 0
@@ -725,13 +714,7 @@ def test_the_small_calls_benchmark_times_every_layer(capsys):
     """benchmarks/small_calls.py: a time for every layer of the small call,
     the compiled step's included (which runs the fused start by hand and must
     let go of its claim, or every later call of the group waits)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "small_calls.py"
-    spec = importlib.util.spec_from_file_location("small_calls", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("small_calls")
     bench.main(["--calls", "400", "--runs", "1"])
     out = capsys.readouterr().out
     rows = {name: out.split(name, 1)[1].split()[:2] for name in bench.ROWS if name in out}

@@ -19,6 +19,7 @@ from numcoll.collectives.choice import choose
 from numcoll.config import current
 from transports.shm import single_copy
 
+import benchmark_scripts
 from shm_leftovers import numcoll_entries
 from test_process_group import groups, on_ranks
 
@@ -512,13 +513,7 @@ def test_the_single_copy_floor_benchmark_copies_whole_halves(capsys):
     """benchmarks/single_copy_floor.py (a fused single-copy step's floor):
     every call's half arrives whole (it raises otherwise), and each size gets
     a figure per amount touched."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "single_copy_floor.py"
-    spec = importlib.util.spec_from_file_location("single_copy_floor", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("single_copy_floor")
     if bench.first_two_cpus() is None:
         pytest.skip("needs two CPUs")
     code = bench.main(["--sizes", "4K,64K", "--touch", "0,16K", "--runs", "1"])
@@ -537,14 +532,9 @@ def test_the_single_copy_floor_benchmark_copies_whole_halves(capsys):
 def test_the_single_copy_floor_benchmark_gives_up_on_a_refused_read():
     """A read the kernel refuses ends the floor's loop at once and tells the
     peer (a negative step word), instead of leaving it to spin."""
-    import importlib.util
-    import pathlib
     import time
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "single_copy_floor.py"
-    spec = importlib.util.spec_from_file_location("single_copy_floor", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_scripts.load("single_copy_floor")
     flags = np.zeros(512, np.int64)
     here, there = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
     bench._calls(flags, 0, os.getpid(), here.ctypes.data, there.ctypes.data, 64,

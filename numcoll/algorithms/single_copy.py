@@ -116,13 +116,20 @@ def _exchange(comm, ranges, copies, fallback, measured: bool = False) -> bool:
     else:
         said = False
     copied = _phases(comm, ranges, copies, said)
-    if not copied:
-        fallback()
-    if measured and copied is not False:  # (the record says which way it went)
-        comm.ran_instead("shared" if copied is None else "cma")
+    _finish(comm, copied, fallback, measured)
     if learn:
         _learnt(tuning, key, said, time.perf_counter() - began)
     return bool(copied)
+
+
+def _finish(comm, copied: bool | None, fallback, measured: bool) -> None:
+    """After the phases (``copied``: :func:`_phases`' answer): the arena's
+    algorithm where they did not copy, and, ``measured``, the record of which
+    way the call went."""
+    if not copied:
+        fallback()
+    if measured and copied is not False:  # (a refusal's fallback is recorded as such)
+        comm.ran_instead("shared" if copied is None else "cma")
 
 
 def _phases(comm, ranges, copies, said: bool) -> bool | None:
@@ -258,9 +265,14 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None,
     if size == 1:
         return
     first, n = chunks[rank]
-    copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
+    copies = _allgather_reads(buf, chunks, rank, size)
     _exchange(comm, [buf.send_view(first, n)], copies,
               lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
+
+
+def _allgather_reads(buf, chunks, rank: int, size: int) -> list:
+    """An allgather's copies: every peer q's published chunk into chunk q."""
+    return [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
 
 
 def allgather_plan(out_address: int, source_address: int, nbytes: int, rank: int,
@@ -284,13 +296,10 @@ def allgather_cma_resume(comm, buf, chunks, segment_count: int | None, state: st
     step ``step``): the same copies, *done* and verdict step by step, or,
     where rank 0 said so (``measured``) or a copy was refused, the arena's
     allgather on the same buffers (this rank's chunk holds its input)."""
-    copies = [(READ, q, 0, buf, *chunks[q]) for q in _peers(comm.rank, comm.size)]
+    copies = _allgather_reads(buf, chunks, comm.rank, comm.size)
     views = [buf.recv_view(start, count) for _, _, _, _, start, count in copies]
-    copied = _resume(comm, copies, views, state, step, False)
-    if not copied:
-        allgather_shared(comm, buf, chunks, segment_count)
-    if measured and copied is not False:
-        comm.ran_instead("shared" if copied is None else "cma")
+    _finish(comm, _resume(comm, copies, views, state, step, False),
+            lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
 
 
 def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,

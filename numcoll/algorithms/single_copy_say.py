@@ -99,5 +99,3 @@ def _learnt(tuning: dict, key, arena: bool, seconds: float) -> None:
     kept = times.arena if arena else times.copy
     kept.append(seconds)
     del kept[:-_KEPT]
-
-

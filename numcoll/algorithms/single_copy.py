@@ -32,21 +32,22 @@ During phase 2 no byte is written by one rank and read or written by
 another: each algorithm's docstring says which bytes it reads and writes; a
 range published to be read is never written, and a range published to be
 written is written only by the one peer it was published for, and its owner
-neither reads nor writes it before *done*. Between phases the arena's release/acquire publication orders
-the owner's writes of its input before any reader's copy.
+neither reads nor writes it before *done*. Between phases the arena's
+release/acquire publication orders the owner's writes of its input before
+any reader's copy.
 
 If a read (or write) is refused by the kernel (``EPERM``: this process's reader was
 re-named by another group since the group agreed; a seccomp filter), the
 *done* step says so, every rank learns it in the same step and marks its
 reads failed (:meth:`numcoll.comm.Comm.refuse_single_copy`: later reads fail
-at once, without a syscall), and the call is finished through the arena (the ``shared`` algorithm of the same
-collective, on the same buffers, whose inputs are still intact): a refused
-read costs time, never a wrong result.
+at once, without a syscall), and the call is finished through the arena
+(the ``shared`` algorithm of the same collective, on the same buffers, whose
+inputs are still intact): a refused read costs time, never a wrong result.
 
 Cost: two synchronisations; every byte is copied once (by its reader, or
 in the rooted collectives partly by the root).
 
-The three phases run as one compiled call (:func:`_exchange`, through
+The three phases run as one compiled call (:func:`_run`, through
 :meth:`numcoll.comm.Comm.single_copy_exchange`) while every peer keeps up;
 wherever that call stops -- a late peer, a failed copy, a refusal -- they go
 on step by step here, from that phase.
@@ -62,6 +63,7 @@ and the machine's state (its cores near or far) picks the way, call by call.
 from __future__ import annotations
 
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -72,8 +74,9 @@ from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather
                      scatter_shared)
 from .single_copy_say import _learnt, _say, measured_key
 
-__all__ = ["allgather_cma", "allgather_cma_resume", "allgather_plan", "broadcast_cma",
-           "gather_cma", "scatter_cma", "alltoall_cma",
+__all__ = ["Parts", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
+           "alltoall_cma", "allgather_parts", "broadcast_parts", "gather_parts", "scatter_parts",
+           "alltoall_parts", "fused_plan", "resume",
            "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
            "scatter_cma_measured", "alltoall_cma_measured", "where_nbytes"]
 
@@ -93,16 +96,30 @@ def _address(view) -> int:
     return view.__array_interface__["data"][0]
 
 
-def _exchange(comm, ranges, copies, fallback, measured: bool = False) -> bool:
-    """All three phases: publish ``ranges`` (each a uint8-viewable contiguous
-    array a peer will read or write, or None), make ``copies`` -- rows
-    ``(kind, peer, entry, buf, start, count)``: READ ``peer``'s published
-    range ``entry`` into ``buf``'s elements ``start:start + count``, or
-    WRITE those elements into it -- and publish *done*. True if every rank's
-    copies were made. Otherwise ``fallback()`` (the arena's algorithm on the
-    same buffers, whose inputs are intact) ran instead, on every rank: a copy
-    was refused, or, ``measured``, rank 0 said in its *where* that the arena
-    is the faster way for this call (:func:`_say`).
+class Parts(NamedTuple):
+    """One rank's side of a single-copy call, as an algorithm lays it out:
+    what every phase does with which bytes (one source for the ordinary
+    path, :func:`_run`, and a fused start's plan, :func:`fused_plan`)."""
+
+    #: What this rank publishes in its *where*: contiguous arrays a peer will
+    #: read or write (one entry each), or None (an entry no peer uses).
+    ranges: list
+    #: This rank's copies, rows ``(kind, peer, entry, buf, start, count)``:
+    #: READ ``peer``'s published range ``entry`` into ``buf``'s elements
+    #: ``start:start + count``, or WRITE those elements into it.
+    copies: list
+    #: ``fallback(comm)``: the arena's algorithm on the same buffers (their
+    #: inputs intact), where the call does not copy.
+    fallback: Callable
+    #: ``(buf, start, count)``: the published ranges peers write into.
+    written: list
+
+
+def _run(comm, parts: Parts, measured: bool = False) -> None:
+    """All three phases of ``parts``: publish its ranges, make its copies,
+    publish *done*. Where a copy was refused, or, ``measured``, rank 0 said
+    in its *where* that the arena is the faster way for this call
+    (:func:`_say`), ``parts.fallback`` runs instead, on every rank.
 
     One compiled call takes the whole of it while every peer keeps up
     (:meth:`numcoll.comm.Comm.single_copy_exchange`); where it stops, the
@@ -110,76 +127,103 @@ def _exchange(comm, ranges, copies, fallback, measured: bool = False) -> bool:
     learn = measured and comm.rank == 0
     if learn:
         tuning = comm.single_copy_tuning()
-        key = measured_key(comm.op_name, sum(v.nbytes for v in ranges if v is not None))
+        key = measured_key(comm.op_name, sum(v.nbytes for v in parts.ranges if v is not None))
         said = _say(tuning, key)
         began = time.perf_counter()
     else:
         said = False
-    copied = _phases(comm, ranges, copies, said)
-    _finish(comm, copied, fallback, measured)
+    words, views, table = _where(parts, said)
+    got = comm.single_copy_exchange(words.view(np.uint8), table)
+    state, step = got if got is not None else (None, None)
+    _finish(comm, parts, _resume(comm, parts.copies, views, state, step, said, words), measured)
     if learn:
         _learnt(tuning, key, said, time.perf_counter() - began)
-    return bool(copied)
 
 
-def _finish(comm, copied: bool | None, fallback, measured: bool) -> None:
-    """After the phases (``copied``: :func:`_phases`' answer): the arena's
-    algorithm where they did not copy, and, ``measured``, the record of which
-    way the call went."""
-    if not copied:
-        fallback()
-    if measured and copied is not False:  # (a refusal's fallback is recorded as such)
-        comm.ran_instead("shared" if copied is None else "cma")
-
-
-def _phases(comm, ranges, copies, said: bool) -> bool | None:
-    """:func:`_exchange`'s three phases, rank 0 saying ``said``: True (every
-    copy made), False (a copy refused), None (rank 0 said: the arena)."""
+def _where(parts: Parts, said: bool) -> tuple[np.ndarray, list, np.ndarray]:
+    """What ``parts`` publishes and copies, rank 0 saying ``said``: the
+    *where*'s words, the copies' local views, and the copy table the
+    compiled phases take (int64 rows ``(kind, peer, entry, local address,
+    nbytes)``)."""
+    ranges, copies = parts.ranges, parts.copies
     words = np.zeros(4 + 2 * len(ranges), np.int64)
     words[0], words[1], words[2] = _MAGIC, len(ranges), said
     for i, view in enumerate(ranges):
         if view is not None and view.nbytes:
             words[4 + 2 * i] = _address(view)
             words[5 + 2 * i] = view.nbytes
-    views = [buf.recv_view(start, count) if kind == READ else buf.send_view(start, count)
-             for kind, _, _, buf, start, count in copies]
+    views = _views(copies)
     table = np.array([(kind, peer, entry, _address(v), v.nbytes)
                       for (kind, peer, entry, *_), v in zip(copies, views)],
                      np.int64).reshape(-1, 5)
-    got = comm.single_copy_exchange(words.view(np.uint8), table)
-    state, step = got if got is not None else (None, None)
-    return _resume(comm, copies, views, state, step, said, words)
+    return words, views, table
+
+
+def _views(copies) -> list:
+    """The local end of every copy row: the elements read into or written from."""
+    return [buf.recv_view(start, count) if kind == READ else buf.send_view(start, count)
+            for kind, _, _, buf, start, count in copies]
+
+
+def fused_plan(parts: Parts) -> tuple[np.ndarray, np.ndarray]:
+    """What a fused start (:mod:`numcoll.fast.copy`) of the call ``parts``
+    lays out publishes and copies, made once, exactly as :func:`_run` makes
+    them each call: the *where* (bytes; rank 0's say 0, copy) and the copy
+    table (int64 rows ``(kind, peer, entry, local address, nbytes)``)."""
+    words, _, table = _where(parts, False)
+    return words.view(np.uint8), table
+
+
+def resume(comm, parts: Parts, state: str, step: int, measured: bool) -> None:
+    """The rest of the call ``parts`` lays out, whose phases a fused start
+    (:mod:`numcoll.collectives.fused_copy`) took as far as ``state``
+    (:meth:`numcoll.comm.Comm.single_copy_exchange`'s states; its *where*
+    step ``step``): the copies, *done* and verdict step by step, or, where
+    rank 0 said so (``measured``) or a copy was refused, the fallback."""
+    _finish(comm, parts, _resume(comm, parts.copies, _views(parts.copies), state, step, False),
+            measured)
+
+
+def _finish(comm, parts: Parts, copied: bool | None, measured: bool) -> None:
+    """After the phases (``copied``: :func:`_resume`'s answer): the copied
+    bytes marked arrived, or the fallback where nothing was copied; and,
+    ``measured``, the record of which way the call went."""
+    if copied:
+        for kind, _, _, buf, start, count in parts.copies:
+            if kind == READ and count:
+                buf.recv_done(start, count)
+        for buf, start, count in parts.written:
+            buf.recv_done(start, count)
+    else:
+        parts.fallback(comm)
+    if measured and copied is not False:  # (a refusal's fallback is recorded as such)
+        comm.ran_instead("shared" if copied is None else "cma")
 
 
 def _resume(comm, copies, views, state: str | None, step: int | None, said: bool,
             words=None) -> bool | None:
-    """:func:`_phases` from where the compiled call stopped: ``state`` (one of
+    """The phases from where the compiled call stopped: ``state`` (one of
     :meth:`numcoll.comm.Comm.single_copy_exchange`'s, or None: nothing
-    published yet, ``words`` to publish) at *where* step ``step``."""
+    published yet, ``words`` to publish) at *where* step ``step``. True
+    (every copy made), False (a copy refused), None (rank 0 said: the arena)."""
     if state == "arena":
         return None
     if state == "done":
-        ok = True
-    elif state == "verdict":
+        return True
+    if state == "verdict":
         comm.shared_wait(step + 1)
-        ok = _verdict(comm, step + 1, None)
-    else:
-        if state is None:
-            step = comm.shared_step(words.view(np.uint8))
-        elif state == "where":
-            comm.shared_wait(step)
-        tables, said = _tables(comm, step, said)
-        if said:
-            return None
-        refused = None
-        for (kind, peer, entry, buf, _, count), view in zip(copies, views):
-            refused = refused or _copy(comm, kind, buf, view, count, peer, tables[peer][entry])
-        ok = _done(comm, refused)
-    if ok:
-        for kind, _, _, buf, start, count in copies:
-            if kind == READ and count:
-                buf.recv_done(start, count)
-    return ok
+        return _verdict(comm, step + 1, None)
+    if state is None:
+        step = comm.shared_step(words.view(np.uint8))
+    elif state == "where":
+        comm.shared_wait(step)
+    tables, said = _tables(comm, step, said)
+    if said:
+        return None
+    refused = None
+    for (kind, peer, entry, buf, _, count), view in zip(copies, views):
+        refused = refused or _copy(comm, kind, buf, view, count, peer, tables[peer][entry])
+    return _done(comm, refused)
 
 
 def _tables(comm, step: int, said: bool) -> tuple[list, bool]:
@@ -261,45 +305,16 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None,
     Cost: two synchronisations; each rank copies (P-1) S/P once (the arena's
     ``allgather_shared``: twice). Source: Open MPI's vader BTL with CMA.
     """
-    size, rank = comm.size, comm.rank
-    if size == 1:
-        return
+    if comm.size > 1:
+        _run(comm, allgather_parts(comm.rank, comm.size, buf, chunks, segment_count), measured)
+
+
+def allgather_parts(rank: int, size: int, buf, chunks, segment_count: int | None = None) -> Parts:
+    """:func:`allgather_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
     first, n = chunks[rank]
-    copies = _allgather_reads(buf, chunks, rank, size)
-    _exchange(comm, [buf.send_view(first, n)], copies,
-              lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
-
-
-def _allgather_reads(buf, chunks, rank: int, size: int) -> list:
-    """An allgather's copies: every peer q's published chunk into chunk q."""
-    return [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)]
-
-
-def allgather_plan(out_address: int, source_address: int, nbytes: int, rank: int,
-                   size: int) -> tuple[np.ndarray, np.ndarray]:
-    """What :func:`allgather_cma` publishes and copies, made once for a fused
-    start (:mod:`numcoll.fast.copy`) of an output at ``out_address`` whose
-    chunks are ``nbytes`` each, this rank's part read by the peers at
-    ``source_address``: the *where* (bytes; rank 0's say 0, copy) and the
-    copy table (int64 rows ``(kind, peer, entry, local address, nbytes)``)."""
-    words = np.array([_MAGIC, 1, 0, 0, source_address, nbytes], np.int64)
-    table = np.array([(READ, q, 0, out_address + q * nbytes, nbytes)
-                      for q in _peers(rank, size)], np.int64).reshape(-1, 5)
-    return words.view(np.uint8), table
-
-
-def allgather_cma_resume(comm, buf, chunks, segment_count: int | None, state: str,
-                         step: int, measured: bool) -> None:
-    """The rest of an :func:`allgather_cma` on ``buf`` whose phases a fused
-    start (:mod:`numcoll.collectives.fused_copy`) took as far as ``state``
-    (:meth:`numcoll.comm.Comm.single_copy_exchange`'s states; its *where*
-    step ``step``): the same copies, *done* and verdict step by step, or,
-    where rank 0 said so (``measured``) or a copy was refused, the arena's
-    allgather on the same buffers (this rank's chunk holds its input)."""
-    copies = _allgather_reads(buf, chunks, comm.rank, comm.size)
-    views = [buf.recv_view(start, count) for _, _, _, _, start, count in copies]
-    _finish(comm, _resume(comm, copies, views, state, step, False),
-            lambda: allgather_shared(comm, buf, chunks, segment_count), measured)
+    return Parts([buf.send_view(first, n)],
+                 [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)],
+                 lambda comm: allgather_shared(comm, buf, chunks, segment_count), [])
 
 
 def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,
@@ -313,20 +328,22 @@ def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,
     Cost: two synchronisations; one copy of S per non-root, (P-1)/P S of it
     by the non-root, S/P by the root (the arena's ``broadcast_shared``: one
     in at the root, one out per rank, per slot)."""
-    size, rank, count = comm.size, comm.rank, buf.count
-    if size == 1:
-        return
-    pushed = _root_share(count, size)
-    kept = count - pushed
+    if comm.size > 1:
+        _run(comm, broadcast_parts(comm.rank, comm.size, buf, root, segment_count), measured)
+
+
+def broadcast_parts(rank: int, size: int, buf, root: int,
+                    segment_count: int | None = None) -> Parts:
+    """:func:`broadcast_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
+    pushed = _root_share(buf.count, size)
+    kept = buf.count - pushed
+    fallback = lambda comm: broadcast_shared(comm, buf, root, segment_count)  # noqa: E731
     if rank == root:
-        ranges = [buf.send_view(0, kept)]
-        copies = [(WRITE, q, 0, buf, kept, pushed) for q in _peers(rank, size)]
-    else:
-        ranges = [buf.recv_view(kept, pushed)]
-        copies = [(READ, root, 0, buf, 0, kept)]
-    if _exchange(comm, ranges, copies, lambda: broadcast_shared(comm, buf, root, segment_count),
-                 measured) and rank != root:
-        buf.recv_done(kept, pushed)
+        return Parts([buf.send_view(0, kept)],
+                     [(WRITE, q, 0, buf, kept, pushed) for q in _peers(rank, size)],
+                     fallback, [])
+    return Parts([buf.recv_view(kept, pushed)], [(READ, root, 0, buf, 0, kept)], fallback,
+                 [(buf, kept, pushed)])
 
 
 def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None = None,
@@ -339,24 +356,25 @@ def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
     only the tail of ``recv_bufs[q]``, which no one else touches.
     Cost: two synchronisations; (P-1) S/P copied once, 1/P of each rank's
     part by the root, the rest by its owner."""
-    size, rank = comm.size, comm.rank
-    if size == 1:
-        return
-    if rank == root:
-        heads = [_root_share(b.count, size) for b in recv_bufs]
-        ranges = [None if q == root else b.recv_view(heads[q], b.count - heads[q])
-                  for q, b in enumerate(recv_bufs)]
-        copies = [(READ, q, 0, recv_bufs[q], 0, heads[q]) for q in _peers(rank, size)]
-    else:
+    if comm.size > 1:
+        _run(comm, gather_parts(comm.rank, comm.size, send_buf, recv_bufs, root, segment_count),
+             measured)
+
+
+def gather_parts(rank: int, size: int, send_buf, recv_bufs, root: int,
+                 segment_count: int | None = None) -> Parts:
+    """:func:`gather_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
+    fallback = lambda comm: gather_shared(comm, send_buf, recv_bufs, root,  # noqa: E731
+                                          segment_count)
+    if rank != root:
         head = _root_share(send_buf.count, size)
-        ranges = [send_buf.send_view(0, head)]
-        copies = [(WRITE, root, rank, send_buf, head, send_buf.count - head)]
-    if _exchange(comm, ranges, copies,
-                 lambda: gather_shared(comm, send_buf, recv_bufs, root, segment_count),
-                 measured) and rank == root:
-        for q, b in enumerate(recv_bufs):
-            if q != root:
-                b.recv_done(heads[q], b.count - heads[q])
+        return Parts([send_buf.send_view(0, head)],
+                     [(WRITE, root, rank, send_buf, head, send_buf.count - head)], fallback, [])
+    heads = [_root_share(b.count, size) for b in recv_bufs]
+    tails = [(b, heads[q], b.count - heads[q]) for q, b in enumerate(recv_bufs)]
+    return Parts([None if q == root else b.recv_view(at, n) for q, (b, at, n) in enumerate(tails)],
+                 [(READ, q, 0, recv_bufs[q], 0, heads[q]) for q in _peers(rank, size)],
+                 fallback, [t for q, t in enumerate(tails) if q != root])
 
 
 def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None = None,
@@ -369,24 +387,26 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
     inputs are only read.
     Cost: two synchronisations; every non-root's S/P copied once, 1/P of it
     by the root, the rest by the non-root."""
-    size, rank = comm.size, comm.rank
-    if size == 1:
-        return
-    if rank == root:
-        heads = [b.count - _root_share(b.count, size) for b in send_bufs]
-        ranges = [b.send_view(0, heads[q]) if q != root else None
-                  for q, b in enumerate(send_bufs)]
-        copies = [(WRITE, q, 0, send_bufs[q], heads[q], send_bufs[q].count - heads[q])
-                  for q in _peers(rank, size)]
-    else:
+    if comm.size > 1:
+        _run(comm, scatter_parts(comm.rank, comm.size, send_bufs, recv_buf, root, segment_count),
+             measured)
+
+
+def scatter_parts(rank: int, size: int, send_bufs, recv_buf, root: int,
+                  segment_count: int | None = None) -> Parts:
+    """:func:`scatter_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
+    fallback = lambda comm: scatter_shared(comm, send_bufs, recv_buf, root,  # noqa: E731
+                                           segment_count)
+    if rank != root:
         pushed = _root_share(recv_buf.count, size)
         kept = recv_buf.count - pushed
-        ranges = [recv_buf.recv_view(kept, pushed)]
-        copies = [(READ, root, rank, recv_buf, 0, kept)]
-    if _exchange(comm, ranges, copies,
-                 lambda: scatter_shared(comm, send_bufs, recv_buf, root, segment_count),
-                 measured) and rank != root:
-        recv_buf.recv_done(kept, pushed)
+        return Parts([recv_buf.recv_view(kept, pushed)], [(READ, root, rank, recv_buf, 0, kept)],
+                     fallback, [(recv_buf, kept, pushed)])
+    heads = [b.count - _root_share(b.count, size) for b in send_bufs]
+    return Parts([b.send_view(0, heads[q]) if q != root else None
+                  for q, b in enumerate(send_bufs)],
+                 [(WRITE, q, 0, send_bufs[q], heads[q], send_bufs[q].count - heads[q])
+                  for q in _peers(rank, size)], fallback, [])
 
 
 def _peers(rank: int, size: int):
@@ -415,14 +435,19 @@ def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     reader expects fails as a wrong-size message. Each rank writes only
     ``recv_buf``, which no one reads.
     Cost: two synchronisations; one copy of (P-1)/P S per rank."""
-    size, rank = comm.size, comm.rank
-    if size == 1:
-        return
-    ranges = [send_buf.send_view(first, n) if q != rank else None
-              for q, (first, n) in enumerate(send_chunks)]
-    copies = [(READ, q, rank, recv_buf, *recv_chunks[q]) for q in _peers(rank, size)]
-    _exchange(comm, ranges, copies, lambda: alltoall_shared(comm, send_buf, send_chunks, recv_buf,
-                                                            recv_chunks, segment_count), measured)
+    if comm.size > 1:
+        _run(comm, alltoall_parts(comm.rank, comm.size, send_buf, send_chunks, recv_buf,
+                                  recv_chunks, segment_count), measured)
+
+
+def alltoall_parts(rank: int, size: int, send_buf, send_chunks, recv_buf, recv_chunks,
+                   segment_count: int | None = None) -> Parts:
+    """:func:`alltoall_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
+    return Parts([send_buf.send_view(first, n) if q != rank else None
+                  for q, (first, n) in enumerate(send_chunks)],
+                 [(READ, q, rank, recv_buf, *recv_chunks[q]) for q in _peers(rank, size)],
+                 lambda comm: alltoall_shared(comm, send_buf, send_chunks, recv_buf,
+                                              recv_chunks, segment_count), [])
 
 
 # The ``cma_measured`` algorithms: single copy or the arena, call by call, as

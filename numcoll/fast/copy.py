@@ -1,37 +1,41 @@
-"""Single-copy allgathers that repeat, run as one compiled start.
+"""Single-copy calls that repeat, run as one compiled start.
 
-A repeated ``all_gather_into_tensor(out, inp)`` that the ordinary path runs
-single-copy (``cma``, forced) pays that path's Python on every call -- the
-checks, the plan, the group's Work and Comm, the *where* and the copy table
-built anew: 35-50 µs on 2 ranks where the copies of a 1 MiB call take 30,
-and a footprint that pushes the buffers' lines out of the caches (2 ranks,
-1 MiB, in place: the ordinary path's copy phase took 84-106 µs, the same
-copy in a compiled loop 29; ``benchmarks/single_copy_floor.py``).
+A repeated call that the ordinary path runs single-copy (``cma``, forced, or
+``cma_measured``, the automatic choice from ``single_copy_min_nbytes``) pays
+that path's Python on every call -- the checks, the plan, the group's Work
+and Comm, the *where* and the copy table built anew: 35-50 µs on 2 ranks
+where the copies of a 1 MiB allgather take 30, and a footprint that pushes
+the buffers' lines out of the caches (2 ranks, 1 MiB, in place: the
+ordinary path's copy phase took 84-106 µs, the same copy in a compiled loop
+29; ``benchmarks/single_copy_floor.py``).
 
-:class:`FusedCopy` plans such a call once -- the *where* this rank
-publishes (the peers read its input where it lies), the copy table, the
-pids -- and runs it as :class:`~numcoll.fast.step.FusedCall` runs a fused
-arena step: one compiled start (:mod:`numcoll.collectives.fused_copy`),
-without the group's lock, a Work or a Comm. A start that does not finish
-(a late peer, a copy it cannot make, a refusal) is promoted and finished by
-the group from the phase it reached
-(:func:`numcoll.algorithms.single_copy.allgather_cma_resume`), with the
-ordinary path's errors.
+:class:`FusedCopy` plans such a call once -- the *where* this rank publishes,
+the copy table, the pids, all from the algorithm's own
+:class:`~numcoll.algorithms.single_copy.Parts`, so that it publishes and
+copies exactly what the ordinary path does -- and runs it as
+:class:`~numcoll.fast.step.FusedCall` runs a fused arena step: one compiled
+start (:mod:`numcoll.collectives.fused_copy`), without the group's lock, a
+Work or a Comm. A start that does not finish (a late peer, a copy it cannot
+make, a refusal) is promoted and finished by the group from the phase it
+reached (:func:`numcoll.algorithms.single_copy.resume`), with the ordinary
+path's errors. Planned for ``all_gather_into_tensor``
+(:func:`fused_copy_allgather`; there the peers read the input where it
+lies), equal-split ``all_to_all_single``, ``gather``, ``scatter``
+(:func:`fused_copy_move`) and ``broadcast`` (:func:`fused_copy_broadcast`).
 
-A part larger than an arena slot is copied without the GIL: a compiled
-claim, then -- the group holding the call, as it holds a fused call whose
-peers were late -- the phases in a second compiled call that lets go of the
-GIL and waits the arena's spin and yield phases (a slot's copy is the most
-any fused step makes holding it).
+Where this rank copies more than an arena slot holds, the copies run without
+the GIL: a compiled claim, then -- the group holding the call, as it holds a
+fused call whose peers were late -- the phases in a second compiled call
+that lets go of the GIL and waits the arena's spin and yield phases (a
+slot's copy is the most any fused step makes holding it).
 
-``cma_measured`` (the automatic choice from ``single_copy_min_nbytes``) is
-planned only for such parts: there rank 0 says, call by call, whether the
-call copies or goes through the arena (it asks first: an arena call takes
-the ordinary path, whose *where* carries the say, and the peers' starts stop
-there and finish through the arena). For parts within a slot that costs more
-than it saves -- tried, with the choice forced at 64 KiB while rank 0 said
-the arena: 245 µs a call against the ordinary path's 50-60 -- and the
-automatic choice never takes single copy there anyway.
+``cma_measured`` is planned only for such calls: there rank 0 says, call by
+call, whether the call copies or goes through the arena (it asks first: an
+arena call takes the ordinary path, whose *where* carries the say, and the
+peers' starts stop there and finish through the arena). For smaller calls
+that costs more than it saves -- tried, an allgather with the choice forced
+at 64 KiB while rank 0 said the arena: 245 µs a call against the ordinary
+path's 50-60 -- and the automatic choice never takes single copy there.
 """
 
 from __future__ import annotations
@@ -43,91 +47,180 @@ import numpy as np
 from transports.shm.arena import SharedArena
 from transports.shm.single_copy_steps import STATES
 
-from ..algorithms.single_copy import allgather_cma_resume, allgather_plan
+from ..algorithms.single_copy import (allgather_parts, alltoall_parts, broadcast_parts,
+                                      fused_plan, gather_parts, resume, scatter_parts)
 from ..algorithms.single_copy_say import fused_learnt, fused_say, measured_key
 from ..collectives import fused_copy, fused_step
 from ..memory.host import HostBuffer
 from ..memory.overlap import shares_memory
 from .step import HAS_GIL, FusedCall
 
-__all__ = ["FusedCopy", "fused_copy_allgather"]
+__all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_broadcast", "fused_copy_move"]
+
+
+def _copies_here(pg, call) -> bool:
+    """Whether ``call`` (as the ordinary builder made it) runs single-copy on
+    a group whose ranks read each other where a fused start can run."""
+    transport = pg._transport
+    return call.algorithm in ("cma", "cma_measured") and HAS_GIL and pg._size >= 2 \
+        and not pg._closed and type(getattr(transport, "arena", None)) is SharedArena \
+        and getattr(transport, "single_copy", None) is not None
+
+
+def _plain(a, writes: bool = False) -> bool:
+    return type(a) is np.ndarray and a.flags.c_contiguous and a.size > 0 \
+        and (not writes or a.flags.writeable)
 
 
 def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, an ``allgather_into_tensor`` of
-    ``inp`` into ``out`` that the ordinary builder checked and ran with the
-    ``cma`` algorithm, or ``cma_measured`` on parts larger than a slot, if a
-    fused start can run it: two C-contiguous NumPy arrays of one dtype,
-    ``inp`` either the output's own chunk (torch's in-place form) or apart
-    from the output, on a group that reads single-copy. Else None. (Ranks
-    that are threads of one process get one too: a start within a slot
-    looks once, holding the GIL the others need, and the group finishes the
-    call.)"""
-    transport = pg._transport
-    if call.name != "allgather_into_tensor" or call.algorithm not in ("cma", "cma_measured") \
-            or not HAS_GIL or pg._size < 2 or pg._closed \
-            or type(getattr(transport, "arena", None)) is not SharedArena \
-            or getattr(transport, "single_copy", None) is None \
-            or type(out) is not np.ndarray or type(inp) is not np.ndarray \
-            or not (out.flags.c_contiguous and inp.flags.c_contiguous and out.flags.writeable) \
-            or out.dtype != inp.dtype or inp.size == 0 or out.size != inp.size * pg._size \
-            or call.algorithm == "cma_measured" and inp.nbytes <= transport.arena.slot_nbytes:
+    ``inp`` into ``out`` that the ordinary builder checked and ran
+    single-copy, if a fused start can run it: two C-contiguous NumPy arrays
+    of one dtype, ``inp`` either the output's own chunk (torch's in-place
+    form) or apart from the output. Else None. (Ranks that are threads of
+    one process get one too: a start within a slot looks once, holding the
+    GIL the others need, and the group finishes the call.)"""
+    if call.name != "allgather_into_tensor" or not _copies_here(pg, call) \
+            or not _plain(out, writes=True) or not _plain(inp) \
+            or out.dtype != inp.dtype or out.size != inp.size * pg._size:
         return None
+    rank, size = pg._rank, pg._size
     flat, source = out.reshape(-1).view(np.uint8), inp.reshape(-1).view(np.uint8)
-    own = flat[pg._rank * source.nbytes:(pg._rank + 1) * source.nbytes]
-    in_place = source.ctypes.data == own.ctypes.data
-    if not in_place and shares_memory(source, flat):
+    if source.ctypes.data != flat.ctypes.data + rank * source.nbytes \
+            and shares_memory(source, flat):
         return None  # (the ordinary path copies such an input first)
-    return FusedCopy(pg, call, out, flat, source)
+    n = inp.size
+    parts = allgather_parts(rank, size, HostBuffer(out.reshape(-1)),
+                            [(q * n, n) for q in range(size)], pg.context.segment(out.itemsize))
+    # The peers read this rank's input where it lies, not the chunk of the
+    # output the start has just copied it into, whose lines sit modified in
+    # this core's cache (forced cma, 2 ranks, out of place: 64 KiB 0.92-0.95x
+    # MPI's busbw against 0.56x, 256 KiB 1.04-1.11x against 0.59x).
+    return FusedCopy.made(pg, call, parts._replace(ranges=[source]), flat, [out], source=source)
+
+
+def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
+    """The :class:`FusedCopy` of ``call`` -- an equal-split ``alltoall_base``,
+    a ``gather`` or a ``scatter`` that the ordinary builder checked and ran
+    single-copy -- over this rank's ``inp`` and ``out`` as
+    :func:`numcoll.fast.moves.plan` takes them (None where this rank passes
+    none; a gather's outputs and a scatter's inputs as one array over the
+    root's blocks), if a fused start can run it: C-contiguous NumPy arrays
+    of one dtype, apart from each other or in the root's in-place form.
+    Else None."""
+    name, rank, size, root = call.name, pg._rank, pg._size, call.root
+    if name not in ("alltoall_base", "gather", "scatter") or not _copies_here(pg, call) \
+            or not (inp is None or _plain(inp)) or not (out is None or _plain(out, writes=True)):
+        return None
+    if inp is not None and out is not None and inp.dtype != out.dtype:
+        return None
+    seg = pg.context.segment((inp if inp is not None else out).itemsize)
+    x, y = (None if a is None else a.reshape(-1) for a in (inp, out))
+    own = None
+    if name == "alltoall_base":
+        if x is None or y is None or x.size != y.size or x.size % size or shares_memory(x, y):
+            return None
+        n = x.size // size
+        chunks = [(q * n, n) for q in range(size)]
+        parts = alltoall_parts(rank, size, HostBuffer(x), chunks, HostBuffer(y), chunks, seg)
+        own = (y[rank * n:(rank + 1) * n], x[rank * n:(rank + 1) * n])
+        outs = [out]
+    elif rank != root:
+        if name == "gather" and x is not None and y is None:
+            parts = gather_parts(rank, size, HostBuffer(x), [], root, seg)
+        elif name == "scatter" and y is not None and x is None:
+            parts = scatter_parts(rank, size, [], HostBuffer(y), root, seg)
+        else:
+            return None
+        outs = [] if name == "gather" else [out]
+    else:
+        part, whole = (x, y) if name == "gather" else (y, x)
+        if part is None or whole is None or whole.size != part.size * size:
+            return None
+        n = part.size
+        mine = whole[root * n:(root + 1) * n]
+        if mine.ctypes.data != part.ctypes.data:
+            if shares_memory(part, whole):
+                return None
+            own = (mine, part) if name == "gather" else (part, mine)
+        blocks = [HostBuffer(whole[q * n:(q + 1) * n]) for q in range(size)]
+        parts = gather_parts(rank, size, HostBuffer(part), blocks, root, seg) \
+            if name == "gather" else scatter_parts(rank, size, blocks, HostBuffer(part), root, seg)
+        outs = [out]
+    return FusedCopy.made(pg, call, parts, (y if y is not None else x).view(np.uint8), outs,
+                          own=own)
+
+
+def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
+    """The :class:`FusedCopy` of ``call``, a ``broadcast`` of ``x`` that the
+    ordinary builder checked and ran single-copy, if a fused start can run
+    it (a C-contiguous, writable NumPy array); else None."""
+    if call.name != "broadcast" or not _copies_here(pg, call) or not _plain(x, writes=True):
+        return None
+    flat = x.reshape(-1)
+    parts = broadcast_parts(pg._rank, pg._size, HostBuffer(flat), call.root,
+                            pg.context.segment(x.itemsize))
+    return FusedCopy.made(pg, call, parts, flat.view(np.uint8), [x])
 
 
 class FusedCopy(FusedCall):
-    """A repeated single-copy allgather of ``source`` (this rank's part, flat
-    bytes) into ``out`` (``flat``: its bytes) as one compiled start."""
+    """A repeated single-copy call, laid out as ``parts``
+    (:class:`~numcoll.algorithms.single_copy.Parts`), as one compiled start.
+    ``x``: the bytes the compiled calls are given (the output, or the
+    input where this rank has none); ``own``: this rank's own block as a
+    ``(destination, source)`` pair the call copies first, or None;
+    ``source``: an allgather's input, whose own chunk the compiled start
+    copies into ``x`` (as :class:`FusedCall` takes it)."""
 
-    __slots__ = ("single_copy", "where", "table", "pids", "segment", "typed", "large",
-                 "own", "tuning", "key", "_claim", "_copy")
+    __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
+                 "key", "_claim", "_copy")
 
-    def __init__(self, pg, call, out, flat, source):
-        super().__init__(pg, call, flat, fused_step.GATHER, -1, [out], source=source)
-        rank, size, nbytes = pg._rank, pg._size, source.nbytes
+    @classmethod
+    def made(cls, pg, call, parts, x, outs, own=None, source=None) -> FusedCopy | None:
+        """A :class:`FusedCopy` (its parameters but ``large``, which this
+        works out: whether this rank copies more than an arena slot holds),
+        or None where ``call`` is ``cma_measured`` and it does not (see the
+        module's docstring)."""
+        large = sum(buf.itemsize * count for *_, buf, _, count in parts.copies) \
+            > pg._transport.arena.slot_nbytes
+        if call.algorithm == "cma_measured" and not large:
+            return None
+        return cls(pg, call, parts, x, outs, own, source, large)
+
+    def __init__(self, pg, call, parts, x, outs, own=None, source=None, large=False):
+        super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
+                         source=source)
+        rank = pg._rank
         self.single_copy = single_copy = pg._transport.single_copy
         # (the plan holds these arrays' addresses: these references keep them alive)
-        # The peers read this rank's input where it lies, not the chunk of the
-        # output the start has just copied it into, whose lines sit modified
-        # in this core's cache (forced cma, 2 ranks, out of place: 64 KiB
-        # 0.92-0.95x MPI's busbw against 0.56x, 256 KiB 1.04-1.11x against 0.59x).
-        self.where, self.table = allgather_plan(flat.ctypes.data, source.ctypes.data, nbytes,
-                                                rank, size)
+        self.parts, self.own = parts, own
+        self.where, self.table = fused_plan(parts)
         self.pids = single_copy.pid_words
         plan = self.plan
         plan[fused_copy.WHERE:fused_copy.WHERE + 2] = self.where.ctypes.data, self.where.nbytes
         plan[fused_copy.COPIES:fused_copy.COPIES + 2] = self.table.ctypes.data, len(self.table)
         plan[fused_copy.PIDS] = self.pids.ctypes.data
-        # What the promoted path runs on: the output in its dtype, as the
-        # ordinary path's allgather does (the same chunks and rounds).
-        self.typed = out.reshape(-1)
-        self.segment = pg.context.segment(out.itemsize)
-        # Larger than a slot: a claim, then the phases without the GIL. (Only
-        # what runs is compiled: loading each costs 5-15 ms the first time.)
-        self.large = nbytes > pg._transport.arena.slot_nbytes
-        self.own = None
-        if self.large:
-            self._claim = fused_copy.entry(fused_copy.claim, flat)
-            self._copy = fused_copy.entry(fused_copy.copy, flat)
-            # This rank's own part is copied before the call, as the ordinary
-            # path packs it before its phases: rank 0 compares the phases'
-            # times of both ways (with the copy in, the fused way's 14.6 ms
-            # against the arena's 10.9 at 64 MiB kept a 13 ms call at 18).
+        # More than a slot to copy (``large``, see made()): a claim, then the
+        # phases without the GIL. (Only what runs is compiled: loading each
+        # costs 5-15 ms the first time.)
+        self.large = large
+        if large:
+            self._claim = fused_copy.entry(fused_copy.claim, x)
+            self._copy = fused_copy.entry(fused_copy.copy, x)
+            # This rank's own block is copied before the call, as the ordinary
+            # path packs before its phases: rank 0 compares the phases' times
+            # of both ways (with the copy in, the fused way's 14.6 ms against
+            # the arena's 10.9 for a 64 MiB allgather kept a 13 ms call at 18).
             if plan[fused_step.OWN]:
                 plan[fused_step.OWN] = 0
-                self.own = (flat[rank * nbytes:(rank + 1) * nbytes], source)
+                self.own = (x[rank * source.nbytes:(rank + 1) * source.nbytes], source)
         else:
-            self._start = fused_copy.entry(fused_copy.start, flat)
-        # Rank 0 of a measured call says, call by call, which way it goes.
+            self._start = fused_copy.entry(fused_copy.start, x)
+        # Rank 0 of a measured call says, call by call, which way it goes, for
+        # calls keyed as the ordinary path keys them (the bytes it publishes).
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
-        self.key = measured_key(call.name, nbytes)
+        self.key = measured_key(call.name, int(self.where.view(np.int64)[5::2].sum()))
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = "cma"
 
@@ -141,13 +234,13 @@ class FusedCopy(FusedCall):
         single_copy = self.single_copy
         if single_copy.refused is not None or single_copy.failed is not None:
             return False
-        if not self.large:
-            return super().run()
         tuning = self.tuning
         if tuning is not None and fused_say(tuning, self.key):
             return False  # (the arena, this time: the ordinary path says so to every rank)
-        if self.own is not None:
+        if self.own is not None:  # (local: no peer reads or writes either end)
             np.copyto(*self.own)
+        if not self.large:
+            return super().run()
         began = time.perf_counter()
         if self._claim(self.address) == fused_step.NOT_TAKEN:
             return False
@@ -171,14 +264,11 @@ class FusedCopy(FusedCall):
 
     def rest(self, comm, work):
         """``run(comm, work)`` of the promoted call: the phases the start did
-        not finish, step by step (or the arena's allgather, where rank 0 said
+        not finish, step by step (or the arena's algorithm, where rank 0 said
         so or a copy was refused)."""
         self.moved()
         if self.pending:
             self.pending = False
-            n = self.typed.size // self.size
-            chunks = [(q * n, n) for q in range(self.size)]
-            allgather_cma_resume(comm, HostBuffer(self.typed), chunks, self.segment,
-                                 STATES[self.words[fused_copy.STATE]], self.step,
-                                 self.call.algorithm == "cma_measured")
+            resume(comm, self.parts, STATES[self.words[fused_copy.STATE]], self.step,
+                   self.call.algorithm == "cma_measured")
         return self.outs

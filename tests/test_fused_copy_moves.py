@@ -1,0 +1,211 @@
+"""Repeated single-copy all_to_all_single, gather, scatter and broadcast as
+one compiled start (numcoll.fast.copy): results right call after call, with
+the root anywhere and in torch's in-place forms, ranks as processes and as
+threads, within and beyond a slot; a start that stops (a late peer) finished
+by the group; rank 0 saying the arena; what keeps the ordinary path."""
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+import numcoll as nc
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif("not __import__('transports').shm_available()")]
+
+N = 3001  # float64 elements a block: odd, so the root's share splits unevenly
+COLLECTIVES = ["alltoall", "gather", "scatter", "broadcast"]
+
+
+@pytest.fixture(autouse=True)
+def small_slots(monkeypatch):
+    # Slots of 32 KiB: a block (24 KiB) fits one, as a start holding the GIL needs.
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "32768")
+
+
+def block(sender, receiver, call, n=N):
+    return (np.arange(n) % 89 + 1000 * sender + 100 * receiver + call + 0.5).astype(np.float64)
+
+
+def fused_copies(pg) -> int:
+    from numcoll.fast.copy import FusedCopy
+
+    return sum(isinstance(s.fused, FusedCopy) for s in pg.repeats._seen.values())
+
+
+def repeated(name, calls, root=1, in_place=False, before=None):
+    """``calls`` calls of collective ``name`` on the same arrays, new values
+    each call, each checked; ``before(i)`` runs before call i. The number of
+    fused single-copy plans this rank made."""
+    pg = nc.get_default_group()
+    r, size = pg.rank(), pg.size()
+    flat = np.zeros(size * N)
+    whole = flat.reshape(size, N)
+    blocks = list(whole) if r == root else None  # (the same arrays every call)
+    mine = blocks[r] if in_place and r == root else np.zeros(N)
+    inp = np.zeros(size * N)
+    for i in range(calls):
+        if before is not None:
+            before(i)
+        if name == "alltoall":
+            inp[:] = np.concatenate([block(r, q, i) for q in range(size)])
+            nc.all_to_all_single(flat, inp)
+            got, want = whole, np.stack([block(q, r, i) for q in range(size)])
+        elif name == "gather":
+            mine[:] = block(r, root, i)
+            nc.gather(mine, blocks, dst=root)
+            got, want = (whole, np.stack([block(q, root, i) for q in range(size)])) \
+                if r == root else (mine, block(r, root, i))
+        elif name == "scatter":
+            if r == root:
+                whole[:] = np.stack([block(root, q, i) for q in range(size)])
+            nc.scatter(mine, blocks, src=root)
+            got, want = mine, block(root, r, i)
+        else:
+            mine[:] = block(r, r, i)
+            nc.broadcast(mine, src=root)
+            got, want = mine, block(root, root, i)
+        assert np.array_equal(got, want), f"{name} call {i} on rank {r}"
+    return fused_copies(pg)
+
+
+def _algorithm(monkeypatch, algorithm="cma"):
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", ",".join(
+        f"{op}:{algorithm}" for op in ("alltoall", "gather", "scatter", "broadcast")))
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+@pytest.mark.parametrize("size,mode", [(2, "process"), (3, "process"), (2, "thread")])
+def test_repeated_calls_run_fused_and_right(monkeypatch, name, size, mode):
+    _algorithm(monkeypatch)
+    got = nc.launch(repeated, size, (name, 25), mode=mode, transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [1] * size
+
+
+@pytest.mark.parametrize("name", ["gather", "scatter"])
+@pytest.mark.parametrize("root", [0, 1])
+def test_the_roots_in_place_forms(monkeypatch, name, root):
+    _algorithm(monkeypatch)
+    got = nc.launch(repeated, 3, (name, 25, root, True), transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [1] * 3
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+@pytest.mark.parametrize("algorithm", ["cma", "cma_measured"])
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_calls_larger_than_a_slot_copy_without_the_gil(monkeypatch, name, algorithm, mode):
+    _algorithm(monkeypatch, algorithm)
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "8192")
+    got = nc.launch(repeated, 2, (name, 25), mode=mode, transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert got == [1, 1]
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_the_measured_choice_within_a_slot_keeps_the_ordinary_path(monkeypatch, name):
+    _algorithm(monkeypatch, "cma_measured")
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", str(1 << 20))
+    got = nc.launch(repeated, 2, (name, 8), transport="shm", timeout=timedelta(seconds=60))
+    assert got == [0, 0]
+
+
+def late_peer(name, calls):
+    import time
+
+    pg = nc.get_default_group()
+
+    def before(i):
+        if pg.rank() == 1 and i % 3 == 2:
+            time.sleep(0.005)  # rank 0's start stops at the where step
+
+    return repeated(name, calls, before=before), pg._transport.single_copy.failed
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_a_late_peer_leaves_the_call_to_the_group(monkeypatch, name):
+    _algorithm(monkeypatch)
+    assert nc.launch(late_peer, 2, (name, 20), transport="shm",
+                     timeout=timedelta(seconds=60)) == [(1, None)] * 2
+
+
+def says_arena_every_other_call(name, calls):
+    """Rank 0 says the arena on every other fused call: that call takes the
+    ordinary path, which says so in its where, and the peers' starts stop
+    there and finish through the arena."""
+    from numcoll.algorithms import single_copy
+    from numcoll.diagnostics import flight_recorder
+    from numcoll.fast import copy
+
+    said = []
+
+    def fused_say(tuning, key):
+        said.append(key)
+        return len(said) % 2 == 0
+
+    copy.fused_say = fused_say
+    single_copy._say = lambda tuning, key: True  # (the ordinary path's say: the arena)
+    pg = nc.get_default_group()
+    fused = repeated(name, calls)
+    entries = [e for e in flight_recorder.dump(pg.rank())["entries"]
+               if e["pg_id"] == pg._pg_id]
+    return fused, [e["algorithm"] for e in entries[-6:]], len(said)
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_rank_0_saying_the_arena_sends_every_rank_there(monkeypatch, name):
+    _algorithm(monkeypatch, "cma_measured")
+    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "8192")
+    got = nc.launch(says_arena_every_other_call, 2, (name, 12), transport="shm",
+                    timeout=timedelta(seconds=60))
+    # (one plan: a call its run declined does not plan the same arrays again)
+    assert got[0] == (1, ["cma", "shared"] * 3, 10)  # rank 0 alone asks, from call 3
+    assert got[1][:2] == (1, ["cma", "shared"] * 3)
+
+
+def split_sizes_on_one_rank(calls):
+    """Rank 1 passes its (equal) split sizes, so its calls take the ordinary
+    path while rank 0's run fused: both publish the same bytes."""
+    pg = nc.get_default_group()
+    r = pg.rank()
+    out, inp = np.zeros(2 * N), np.zeros(2 * N)
+    for i in range(calls):
+        inp[:] = np.concatenate([block(r, q, i) for q in range(2)])
+        splits = [N, N] if r == 1 else None
+        nc.all_to_all_single(out, inp, splits, splits)
+        assert np.array_equal(out, np.concatenate([block(q, r, i) for q in range(2)]))
+    return fused_copies(pg)
+
+
+def test_a_fused_rank_meets_a_rank_on_the_ordinary_path(monkeypatch):
+    _algorithm(monkeypatch)
+    assert nc.launch(split_sizes_on_one_rank, 2, (20,), transport="shm",
+                     timeout=timedelta(seconds=60)) == [1, 0]
+
+
+def wrong_block_size(calls):
+    pg = nc.get_default_group()
+    r = pg.rank()
+    out, inp = np.zeros(2 * N), np.zeros(2 * N)
+    for _ in range(calls):
+        nc.all_to_all_single(out, inp)
+    try:
+        if r == 0:
+            nc.all_to_all_single(out, inp)
+        else:
+            nc.all_to_all_single(out, inp, [N - 1, N + 1], [N - 1, N + 1])
+    except nc.PeerError as exc:
+        return fused_copies(pg), str(exc)
+    return fused_copies(pg), None
+
+
+def test_a_peer_sending_another_size_gets_the_ordinary_error(monkeypatch):
+    _algorithm(monkeypatch)
+    got = nc.launch(wrong_block_size, 2, (5,), transport="shm", timeout=timedelta(seconds=60),
+                    group_timeout=timedelta(seconds=10))
+    assert got[0][0] == got[1][0] == 1
+    for rank, (_, text) in enumerate(got):
+        assert text is not None and f"on rank {rank}: message from rank {1 - rank} has the " \
+            "wrong size" in text, text

@@ -91,13 +91,14 @@ class Config:
     #: 0.15 us, medians of 200 calls, the arena / cma_measured: allgather
     #: 4 MiB 739-740 / 554-630 us (alltoall has its own threshold, below).
     single_copy_min_nbytes: int = 4 << 20
-    #: The threshold for gather, where the root copies most of it: the arena's
-    #: pipeline keeps both sides copying at once (2 ranks: gather of 16 MiB
-    #: took 840 us on the arena, 1126 us single-copy, least times; at 64 MiB
-    #: single-copy was as fast or faster). (Broadcast had it too, until its
-    #: single copy was made from both ends: 2 ranks, 16 MiB 1.13-1.29 ms
-    #: against the arena's 1.52-1.53, 32 MiB 1.85-2.31 against 2.44-3.49.)
-    single_copy_rooted_min_nbytes: int = 64 << 20
+    #: The threshold for gather (by default the general one). It was 64 MiB
+    #: while the root copied every byte of a single-copy gather (2 ranks, 16
+    #: MiB: 1126 us against the arena's 840); since the root and each peer copy
+    #: from both ends at once (as broadcast: 2 ranks, 16 MiB 1.13-1.29 ms
+    #: against the arena's 1.52-1.53), a gather of 8-32 MiB a rank took
+    #: 0.6-0.8x the arena's time: 2 ranks, paired beside Open MPI, busbw
+    #: ratio 0.78-1.00 -> 1.16-1.95 (docs/performance/single-copy.md).
+    single_copy_rooted_min_nbytes: int = 4 << 20
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather; alltoall and scatter keep the general
     #: one, a scatter counting the root's whole list): there every

@@ -357,3 +357,27 @@ def test_exploration_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
     current = f"{now['name']} {(1 << 20) / now['stats']['median'] / 1e9:.3g} GB/s"
     _table_line(again.stdout, saved, "(0001_")
     _table_line(again.stdout, current, "(NOW)")
+
+
+def test_the_algo_column_asks_for_the_bytes_each_collective_chooses_by():
+    """(gather and scatter choose by a rank's block: the bench named single
+    copy for a 4-rank scatter of 1 MiB that ran through the arena.)"""
+    from types import SimpleNamespace
+
+    from numcoll.bench.sweep import algorithm_name, make_plan
+    from numcoll.config import current
+
+    asked = []
+
+    class Context:
+        cfg = current()
+
+        def choose(self, op, requested, nbytes):
+            asked.append((op, nbytes))
+            return SimpleNamespace(name="shared")
+
+    for op in ("gather", "scatter", "alltoall", "allgather", "broadcast"):
+        plan = make_plan(op, [4 << 20], world_size=4)
+        assert algorithm_name(plan, plan.cases[0], context=Context()) == "shared"
+    assert asked == [("gather", 1 << 20), ("scatter", 1 << 20), ("alltoall", 4 << 20),
+                     ("allgather", 4 << 20), ("broadcast", 4 << 20)]

@@ -353,9 +353,12 @@ def algorithm_name(plan: Plan, case: Case, cfg=None, context=None) -> str:
     # Reductions of 16-bit floats travel as float32 unless half_wire="native".
     wire = 4 if plan.op != "broadcast" and is_half(plan.numpy_dtype) and \
         cfg.half_wire == "float32" else plan.numpy_dtype.itemsize
+    # (gather and scatter choose by a rank's block, as the collectives do;
+    # the others by the case's whole count)
+    count = case.count // plan.world_size if plan.op in ("gather", "scatter") else case.count
     if context is not None:
-        return context.choose(plan.op, plan.algorithm, case.count * wire).name
-    return choose(cfg, plan.op, plan.algorithm, case.count * wire, plan.world_size).name
+        return context.choose(plan.op, plan.algorithm, count * wire).name
+    return choose(cfg, plan.op, plan.algorithm, count * wire, plan.world_size).name
 
 
 def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,

@@ -101,11 +101,15 @@ class Config:
     single_copy_rooted_min_nbytes: int = 4 << 20
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather; alltoall and scatter keep the general
-    #: one, a scatter counting the root's whole list): there every
-    #: synchronisation waits for context switches, and readers contend for the
-    #: pages they pin (4 ranks on 2 cores: single-copy took 1.1-2.4x the
-    #: arena's time up to 16 MiB, 0.1-0.6x at 32 MiB).
-    single_copy_crowded_min_nbytes: int = 32 << 20
+    #: one, a scatter counting the root's whole list); by default the general
+    #: one. It was 32 MiB while single copy, forced, took 1.1-2.4x the arena's
+    #: time up to 16 MiB with 4 ranks on 2 cores in the VM's near state; since
+    #: rank 0 measures both ways call by call and a repeated call runs as one
+    #: compiled start, 4 ranks on 2 cores, paired beside Open MPI, busbw ratio
+    #: allgather 8 MiB 0.59-0.69 -> 0.95-1.49, broadcast 4 MiB 0.68-0.75 ->
+    #: 1.58-1.95, 16 MiB 0.75-1.54 -> 3.44-3.61, gather 16 MiB 0.71-0.74 ->
+    #: 1.38-1.53 (docs/performance/single-copy.md).
+    single_copy_crowded_min_nbytes: int = 4 << 20
     #: The threshold for alltoall, which counts a rank's own buffer: ranks
     #: may send each other different amounts, so ranks whose buffers lie on
     #: either side of a threshold choose differently and their call fails

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.timeout(120),
 
 N = 3001  # float64 elements a block: odd, so the root's share splits unevenly
 COLLECTIVES = ["alltoall", "gather", "scatter", "broadcast"]
+ALL = COLLECTIVES + ["allgather"]
 
 
 @pytest.fixture(autouse=True)
@@ -34,45 +35,66 @@ def fused_copies(pg) -> int:
     return sum(isinstance(s.fused, FusedCopy) for s in pg.repeats._seen.values())
 
 
+class Arrays:
+    """The arrays of one repeated call of collective ``name`` on this rank
+    (made once, so that the group recognises the repeat): ``in_place``, the
+    root's block of the list is its own ``tensor`` (gather, scatter), every
+    rank's input its block of the output (allgather)."""
+
+    def __init__(self, name, root, in_place=False, n=N):
+        pg = nc.get_default_group()
+        r, size = pg.rank(), pg.size()
+        self.r, self.size, self.n, self.name, self.root = r, size, n, name, root
+        self.flat = np.zeros(size * n)
+        self.whole = self.flat.reshape(size, n)
+        self.blocks = list(self.whole) if r == root else None
+        self.mine = self.blocks[r] if in_place and r == root else \
+            self.whole[r] if in_place and name == "allgather" else np.zeros(n)
+        self.inp = np.zeros(size * n)
+
+    def call(self, c):
+        """Call ``name`` once with values of call ``c`` and check the result."""
+        name, r, size, root, n = self.name, self.r, self.size, self.root, self.n
+        if name == "alltoall":
+            self.inp[:] = np.concatenate([block(r, q, c, n) for q in range(size)])
+            nc.all_to_all_single(self.flat, self.inp)
+            got, want = self.whole, np.stack([block(q, r, c, n) for q in range(size)])
+        elif name == "allgather":
+            self.mine[:] = block(r, r, c, n)
+            nc.all_gather_into_tensor(self.flat, self.mine)
+            got, want = self.whole, np.stack([block(q, q, c, n) for q in range(size)])
+        elif name == "gather":
+            self.mine[:] = block(r, root, c, n)
+            nc.gather(self.mine, self.blocks, dst=root)
+            got, want = (self.whole, np.stack([block(q, root, c, n) for q in range(size)])) \
+                if r == root else (self.mine, block(r, root, c, n))
+        elif name == "scatter":
+            if r == root:
+                self.whole[:] = np.stack([block(root, q, c, n) for q in range(size)])
+            nc.scatter(self.mine, self.blocks, src=root)
+            got, want = self.mine, block(root, r, c, n)
+        else:
+            self.mine[:] = block(r, r, c, n)
+            nc.broadcast(self.mine, src=root)
+            got, want = self.mine, block(root, root, c, n)
+        assert np.array_equal(got, want), f"{name} (root {root}) call {c} on rank {r}"
+
+
 def repeated(name, calls, root=1, in_place=False, before=None):
     """``calls`` calls of collective ``name`` on the same arrays, new values
     each call, each checked; ``before(i)`` runs before call i. The number of
     fused single-copy plans this rank made."""
-    pg = nc.get_default_group()
-    r, size = pg.rank(), pg.size()
-    flat = np.zeros(size * N)
-    whole = flat.reshape(size, N)
-    blocks = list(whole) if r == root else None  # (the same arrays every call)
-    mine = blocks[r] if in_place and r == root else np.zeros(N)
-    inp = np.zeros(size * N)
+    arrays = Arrays(name, root, in_place)
     for i in range(calls):
         if before is not None:
             before(i)
-        if name == "alltoall":
-            inp[:] = np.concatenate([block(r, q, i) for q in range(size)])
-            nc.all_to_all_single(flat, inp)
-            got, want = whole, np.stack([block(q, r, i) for q in range(size)])
-        elif name == "gather":
-            mine[:] = block(r, root, i)
-            nc.gather(mine, blocks, dst=root)
-            got, want = (whole, np.stack([block(q, root, i) for q in range(size)])) \
-                if r == root else (mine, block(r, root, i))
-        elif name == "scatter":
-            if r == root:
-                whole[:] = np.stack([block(root, q, i) for q in range(size)])
-            nc.scatter(mine, blocks, src=root)
-            got, want = mine, block(root, r, i)
-        else:
-            mine[:] = block(r, r, i)
-            nc.broadcast(mine, src=root)
-            got, want = mine, block(root, root, i)
-        assert np.array_equal(got, want), f"{name} call {i} on rank {r}"
-    return fused_copies(pg)
+        arrays.call(i)
+    return fused_copies(nc.get_default_group())
 
 
 def _algorithm(monkeypatch, algorithm="cma"):
     monkeypatch.setenv("NUMCOLL_ALGORITHM", ",".join(
-        f"{op}:{algorithm}" for op in ("alltoall", "gather", "scatter", "broadcast")))
+        f"{op}:{algorithm}" for op in ALL))
 
 
 @pytest.mark.parametrize("name", COLLECTIVES)
@@ -209,3 +231,29 @@ def test_a_peer_sending_another_size_gets_the_ordinary_error(monkeypatch):
     for rank, (_, text) in enumerate(got):
         assert text is not None and f"on rank {rank}: message from rank {1 - rank} has the " \
             "wrong size" in text, text
+
+
+def random_calls(seed, calls):
+    """``calls`` random collectives (the same sequence on every rank: one
+    seed), each repeated 1-4 times on arrays kept per kind of call -- within
+    and beyond a slot, the root anywhere, in place or apart -- each checked.
+    The number of fused single-copy plans this rank made."""
+    rng = np.random.default_rng(seed)
+    size = nc.get_world_size()
+    kept = {}
+    for i in range(calls):
+        key = (str(rng.choice(ALL)), int(rng.integers(size)), bool(rng.integers(2)),
+               int(rng.choice([N // 3, N, 3 * N])))
+        if key not in kept:
+            kept[key] = Arrays(*key)
+        for repeat in range(int(rng.integers(1, 5))):
+            kept[key].call(10 * i + repeat)
+    return fused_copies(nc.get_default_group())
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_random_repeated_calls_are_right(monkeypatch, size):
+    _algorithm(monkeypatch)
+    got = nc.launch(random_calls, size, (1234 + size, 60), transport="shm",
+                    timeout=timedelta(seconds=90))
+    assert min(got) >= 5, got  # (at most 8 plans are kept a group)

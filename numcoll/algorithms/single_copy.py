@@ -314,7 +314,7 @@ def allgather_parts(rank: int, size: int, buf, chunks, segment_count: int | None
     first, n = chunks[rank]
     return Parts([buf.send_view(first, n)],
                  [(READ, q, 0, buf, *chunks[q]) for q in _peers(rank, size)],
-                 lambda comm: allgather_shared(comm, buf, chunks, segment_count), [])
+                 _arena(allgather_shared, buf, chunks, segment_count), [])
 
 
 def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,
@@ -337,7 +337,7 @@ def broadcast_parts(rank: int, size: int, buf, root: int,
     """:func:`broadcast_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
     pushed = _root_share(buf.count, size)
     kept = buf.count - pushed
-    fallback = lambda comm: broadcast_shared(comm, buf, root, segment_count)  # noqa: E731
+    fallback = _arena(broadcast_shared, buf, root, segment_count)
     if rank == root:
         return Parts([buf.send_view(0, kept)],
                      [(WRITE, q, 0, buf, kept, pushed) for q in _peers(rank, size)],
@@ -364,8 +364,7 @@ def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
 def gather_parts(rank: int, size: int, send_buf, recv_bufs, root: int,
                  segment_count: int | None = None) -> Parts:
     """:func:`gather_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
-    fallback = lambda comm: gather_shared(comm, send_buf, recv_bufs, root,  # noqa: E731
-                                          segment_count)
+    fallback = _arena(gather_shared, send_buf, recv_bufs, root, segment_count)
     if rank != root:
         head = _root_share(send_buf.count, size)
         return Parts([send_buf.send_view(0, head)],
@@ -395,8 +394,7 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
 def scatter_parts(rank: int, size: int, send_bufs, recv_buf, root: int,
                   segment_count: int | None = None) -> Parts:
     """:func:`scatter_cma`'s :class:`Parts` on rank ``rank`` of ``size``."""
-    fallback = lambda comm: scatter_shared(comm, send_bufs, recv_buf, root,  # noqa: E731
-                                           segment_count)
+    fallback = _arena(scatter_shared, send_bufs, recv_buf, root, segment_count)
     if rank != root:
         pushed = _root_share(recv_buf.count, size)
         kept = recv_buf.count - pushed
@@ -407,6 +405,11 @@ def scatter_parts(rank: int, size: int, send_bufs, recv_buf, root: int,
                   for q, b in enumerate(send_bufs)],
                  [(WRITE, q, 0, send_bufs[q], heads[q], send_bufs[q].count - heads[q])
                   for q in _peers(rank, size)], fallback, [])
+
+
+def _arena(algorithm, *args) -> Callable:
+    """A :class:`Parts` fallback: ``algorithm(comm, *args)``, the arena's."""
+    return lambda comm: algorithm(comm, *args)
 
 
 def _peers(rank: int, size: int):
@@ -446,8 +449,8 @@ def alltoall_parts(rank: int, size: int, send_buf, send_chunks, recv_buf, recv_c
     return Parts([send_buf.send_view(first, n) if q != rank else None
                   for q, (first, n) in enumerate(send_chunks)],
                  [(READ, q, rank, recv_buf, *recv_chunks[q]) for q in _peers(rank, size)],
-                 lambda comm: alltoall_shared(comm, send_buf, send_chunks, recv_buf,
-                                              recv_chunks, segment_count), [])
+                 _arena(alltoall_shared, send_buf, send_chunks, recv_buf, recv_chunks,
+                        segment_count), [])
 
 
 # The ``cma_measured`` algorithms: single copy or the arena, call by call, as

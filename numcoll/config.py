@@ -117,6 +117,13 @@ class Config:
     #: where it was when single copy came (not lowered with the others: calls
     #: that worked then still work); an agreed choice for alltoall is not built.
     single_copy_alltoall_min_nbytes: int = 8 << 20
+    #: The threshold for allreduce (``cma_measured``: a reduce-scatter and an
+    #: allgather by single-copy reads, or the arena's ``shared_split``, as
+    #: rank 0 measured them lately). 2 ranks, the round trip 0.13-0.17 us,
+    #: paired beside Open MPI, busbw ratio: 16 MiB 0.63-0.73 (the arena) ->
+    #: 0.88-0.94; at 4 MiB the two were even (0.67-0.81 against 0.75-0.77),
+    #: at 1 MiB the arena was ahead (1.05-1.09 against 0.62-0.74).
+    single_copy_allreduce_min_nbytes: int = 8 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.
@@ -192,7 +199,7 @@ AGREED = ("algorithm", "segment_nbytes", "allreduce_small_nbytes", "broadcast_sm
           "half_wire", "arena_slot_nbytes", "shared_max_nbytes", "shared_split_nbytes",
           "sparse_dense_ratio", "cuda_ipc", "single_copy", "single_copy_min_nbytes",
           "single_copy_rooted_min_nbytes", "single_copy_crowded_min_nbytes",
-          "single_copy_alltoall_min_nbytes")
+          "single_copy_alltoall_min_nbytes", "single_copy_allreduce_min_nbytes")
 
 
 def fingerprint(cfg: Config) -> int:

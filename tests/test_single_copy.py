@@ -41,6 +41,7 @@ def small_threshold(monkeypatch):
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLREDUCE_MIN_NBYTES", "1024")
 
 
 def shm_groups(size):
@@ -64,8 +65,12 @@ def algorithms(pg, last):
 
 
 def every_collective(pg, algorithm=None):
-    """Each moving collective once, checked against NumPy; the number of calls."""
+    """Each moving collective, and allreduce, once, checked against NumPy;
+    the number of calls."""
     r, size, n = pg.rank(), pg.size(), N
+    a = inputs(r, n)  # (sums of quarters: exact in any order)
+    pg.allreduce([a], nc.AllreduceOptions(algorithm=algorithm)).wait()
+    assert np.array_equal(a, sum(inputs(q, n) for q in range(size)))
     x = inputs(r, n)
     out = np.zeros(n * size)
     pg.allgather_into_tensor(out, x, nc.AllgatherOptions(algorithm=algorithm)).wait()
@@ -101,7 +106,7 @@ def every_collective(pg, algorithm=None):
                 nc.AllToAllOptions(algorithm=algorithm)).wait()
     for q in range(size):
         assert np.array_equal(outs[q], inputs(10 * q + r, n))
-    return 7
+    return 8
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
@@ -114,7 +119,7 @@ def test_every_moving_collective_reads_single_copy(size):
             return algorithms(pg, calls)
 
         for got in on_ranks(pgs, body):
-            assert got == (["cma"] * 7 if size > 1 else got)
+            assert got == (["cma"] * 8 if size > 1 else got)
     finally:
         close(pgs)
 
@@ -128,7 +133,7 @@ def test_processes_read_each_other_single_copy():
     for refused, got in nc.launch(body, 3, mode="process", transport="shm",
                                   timeout=timedelta(seconds=60)):
         assert refused is None
-        assert got == ["cma"] * 7
+        assert got == ["cma"] * 8
 
 
 def test_the_choice_by_size_forced_and_refused(monkeypatch):
@@ -183,10 +188,17 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         == "shared"
     assert choose(crowded, "broadcast", None, 1 << 20, many, single_copy_refused=None).name \
         == "shared"
-    # Reductions never read single-copy; a group whose ranks cannot read each
-    # other takes the arena, and forcing cma there says why.
-    assert choose(cfg, "allreduce", None, 1 << 20, 2, single_copy_refused=None).name \
-        == "shared_split"
+    # Allreduce reads single-copy (a reduce-scatter and an allgather by reads)
+    # from its own threshold, the other reductions never; a group whose ranks
+    # cannot read each other takes the arena, and forcing cma there says why.
+    reductions = current(single_copy_min_nbytes=4 << 20, arena_slot_nbytes=1 << 20,
+                         single_copy_allreduce_min_nbytes=8 << 20)
+    for nbytes, name in ((4 << 20, "shared_split"), (8 << 20, "cma_measured")):
+        assert choose(reductions, "allreduce", None, nbytes, 2,
+                      single_copy_refused=None).name == name
+    assert choose(reductions, "allreduce", None, 8 << 20, 2).name == "shared_split"
+    for name in ("reduce", "reduce_scatter"):
+        assert choose(cfg, name, None, 8 << 20, 2, single_copy_refused=None).name == "shared"
     assert choose(cfg, "broadcast", None, 1 << 20, 2, single_copy_refused="no").name == "shared"
     with pytest.raises(ValueError, match="which this group cannot: EPERM here"):
         choose(cfg, "alltoall", "cma", 1 << 20, 2, single_copy_refused="EPERM here")
@@ -334,15 +346,17 @@ def test_rank_0_says_copy_or_arena_and_every_rank_follows(monkeypatch):
             calls = every_collective(pg) + every_collective(pg)
             ways = algorithms(pg, calls)
             every_collective(pg, algorithm="cma")
-            return ways, algorithms(pg, 7)
+            return ways, algorithms(pg, 8)
 
         got = on_ranks(pgs, body)
     finally:
         close(pgs)
-    ways = ["shared", "cma"] * 7
-    assert got == [(ways, ["cma"] * 7)] * 3
-    assert len(said) == 14  # rank 0 alone, once a call, never for the forced cma
-    assert said[0] == ("allgather_into_tensor", (8 * N).bit_length())  # (rank 0's block)
+    ways = ["shared_split", "cma", "shared", "cma", "shared", "cma", "shared", "cma"] * 2
+    assert got == [(ways, ["cma"] * 8)] * 3
+    assert len(said) == 16  # rank 0 alone, once a call, never for the forced cma
+    # (what rank 0 publishes: its allreduce's chunks 1 and 2, its allgather's block)
+    assert said[0] == ("allreduce", (8 * 2 * (N // 3)).bit_length())
+    assert said[1] == ("allgather_into_tensor", (8 * N).bit_length())
 
 
 def test_uneven_alltoall_across_its_threshold_fails_and_says_why(monkeypatch):
@@ -550,3 +564,37 @@ def test_the_single_copy_floor_benchmark_gives_up_on_a_refused_read():
     assert bench._calls(flags, 0, os.getpid(), here.ctypes.data, there.ctypes.data, 64,
                         np.zeros(0, np.uint8), 0, 5, deadline_ns) == 0
     assert time.monotonic_ns() - began < 10 * 10 ** 9  # (not the deadline's 60 s)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("refused_from", [1, 2])
+def test_an_allreduce_refused_in_either_half_is_finished_through_the_arena(size, refused_from):
+    """Refused in its reduce-scatter, the buffers are intact and the arena's
+    shared_split runs the whole call; refused in its allgather, the arena's
+    allgather finishes it from the reduced chunks."""
+    from numcoll.algorithms import CHOICES
+    from numcoll.memory.host import HostBuffer
+    from numcoll.testing import run_ranks
+
+    count = 23
+
+    def rank_fn(comm):
+        if comm.rank == size - 1:
+            real, reads = comm.read_peer, []
+
+            def read_peer(peer, address, out):
+                reads.append(peer)
+                if len(reads) > (refused_from - 1) * (size - 1):  # from this half's reads
+                    comm.single_copy_refused = "EPERM (simulated)"
+                return real(peer, address, out)
+
+            comm.read_peer = read_peer
+        x = inputs(comm.rank, count)
+        CHOICES["allreduce"]["cma"](comm, HostBuffer(x, lambda acc, y: np.add(acc, y, out=acc)),
+                                    4)
+        return x, comm.single_copy_refused
+
+    want = sum(inputs(q, count) for q in range(size))
+    for x, refused in run_ranks(size, rank_fn):
+        assert np.array_equal(x, want)
+        assert refused == "EPERM (simulated)"  # every rank learnt it in the same call

@@ -28,6 +28,7 @@ from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
 from .single_copy import (allgather_cma, allgather_cma_measured, alltoall_cma,
                           alltoall_cma_measured, broadcast_cma, broadcast_cma_measured,
                           gather_cma, gather_cma_measured, scatter_cma, scatter_cma_measured)
+from .single_copy_reduce import allreduce_cma, allreduce_cma_measured
 from .twolevel import (allreduce_twolevel, allreduce_twolevel_lanes, barrier_twolevel,
                        broadcast_twolevel, broadcast_twolevel_lanes, reduce_twolevel,
                        reduce_twolevel_lanes)
@@ -36,6 +37,8 @@ from .twolevel_streams import (allgather_twolevel, allgather_twolevel_lanes,
 
 __all__ = [
     "allgather_cma",
+    "allreduce_cma",
+    "allreduce_cma_measured",
     "allgather_cma_measured",
     "alltoall_cma_measured",
     "broadcast_cma_measured",
@@ -100,6 +103,7 @@ __all__ = [
 CHOICES = {
     "allreduce": {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling,
                   "shared": allreduce_shared, "shared_split": allreduce_shared_split,
+                  "cma": allreduce_cma, "cma_measured": allreduce_cma_measured,
                   "twolevel": allreduce_twolevel, "twolevel_lanes": allreduce_twolevel_lanes,
                   "ipc": allreduce_ipc},
     "broadcast": {"binomial": broadcast_binomial, "chain": broadcast_chain,

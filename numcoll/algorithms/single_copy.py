@@ -47,7 +47,7 @@ inputs are still intact): a refused read costs time, never a wrong result.
 Cost: two synchronisations; every byte is copied once (by its reader, or
 in the rooted collectives partly by the root).
 
-The three phases run as one compiled call (:func:`_run`, through
+The three phases run as one compiled call (:func:`exchange`, through
 :meth:`numcoll.comm.Comm.single_copy_exchange`) while every peer keeps up;
 wherever that call stops -- a late peer, a failed copy, a refusal -- they go
 on step by step here, from that phase.
@@ -74,7 +74,7 @@ from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather
                      scatter_shared)
 from .single_copy_say import _learnt, _say, measured_key
 
-__all__ = ["Parts", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
+__all__ = ["Parts", "exchange", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
            "alltoall_cma", "allgather_parts", "broadcast_parts", "gather_parts", "scatter_parts",
            "alltoall_parts", "fused_plan", "resume",
            "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
@@ -99,7 +99,7 @@ def _address(view) -> int:
 class Parts(NamedTuple):
     """One rank's side of a single-copy call, as an algorithm lays it out:
     what every phase does with which bytes (one source for the ordinary
-    path, :func:`_run`, and a fused start's plan, :func:`fused_plan`)."""
+    path, :func:`exchange`, and a fused start's plan, :func:`fused_plan`)."""
 
     #: What this rank publishes in its *where*: contiguous arrays a peer will
     #: read or write (one entry each), or None (an entry no peer uses).
@@ -113,13 +113,18 @@ class Parts(NamedTuple):
     fallback: Callable
     #: ``(buf, start, count)``: the published ranges peers write into.
     written: list
+    #: The name of ``fallback``'s algorithm (what the flight recorder says ran).
+    arena: str = "shared"
 
 
-def _run(comm, parts: Parts, measured: bool = False) -> None:
+def exchange(comm, parts: Parts, measured: bool = False, then=None) -> bool | None:
     """All three phases of ``parts``: publish its ranges, make its copies,
-    publish *done*. Where a copy was refused, or, ``measured``, rank 0 said
-    in its *where* that the arena is the faster way for this call
-    (:func:`_say`), ``parts.fallback`` runs instead, on every rank.
+    publish *done*; then ``then()``, if given. Where a copy was refused, or,
+    ``measured``, rank 0 said in its *where* that the arena is the faster
+    way for this call (:func:`_say`), ``parts.fallback`` runs instead, on
+    every rank (and ``then`` does not). True (copied), False (a copy was
+    refused), None (rank 0 said the arena); rank 0 of a measured call times
+    it whole, ``then`` included.
 
     One compiled call takes the whole of it while every peer keeps up
     (:meth:`numcoll.comm.Comm.single_copy_exchange`); where it stops, the
@@ -135,9 +140,13 @@ def _run(comm, parts: Parts, measured: bool = False) -> None:
     words, views, table = _where(parts, said)
     got = comm.single_copy_exchange(words.view(np.uint8), table)
     state, step = got if got is not None else (None, None)
-    _finish(comm, parts, _resume(comm, parts.copies, views, state, step, said, words), measured)
+    copied = _resume(comm, parts.copies, views, state, step, said, words)
+    _finish(comm, parts, copied, measured)
+    if copied and then is not None:
+        then()
     if learn:
         _learnt(tuning, key, said, time.perf_counter() - began)
+    return copied
 
 
 def _where(parts: Parts, said: bool) -> tuple[np.ndarray, list, np.ndarray]:
@@ -167,7 +176,7 @@ def _views(copies) -> list:
 
 def fused_plan(parts: Parts) -> tuple[np.ndarray, np.ndarray]:
     """What a fused start (:mod:`numcoll.fast.copy`) of the call ``parts``
-    lays out publishes and copies, made once, exactly as :func:`_run` makes
+    lays out publishes and copies, made once, exactly as :func:`exchange` makes
     them each call: the *where* (bytes; rank 0's say 0, copy) and the copy
     table (int64 rows ``(kind, peer, entry, local address, nbytes)``)."""
     words, _, table = _where(parts, False)
@@ -197,7 +206,7 @@ def _finish(comm, parts: Parts, copied: bool | None, measured: bool) -> None:
     else:
         parts.fallback(comm)
     if measured and copied is not False:  # (a refusal's fallback is recorded as such)
-        comm.ran_instead("shared" if copied is None else "cma")
+        comm.ran_instead(parts.arena if copied is None else "cma")
 
 
 def _resume(comm, copies, views, state: str | None, step: int | None, said: bool,
@@ -306,7 +315,7 @@ def allgather_cma(comm, buf, chunks, segment_count: int | None = None,
     ``allgather_shared``: twice). Source: Open MPI's vader BTL with CMA.
     """
     if comm.size > 1:
-        _run(comm, allgather_parts(comm.rank, comm.size, buf, chunks, segment_count), measured)
+        exchange(comm, allgather_parts(comm.rank, comm.size, buf, chunks, segment_count), measured)
 
 
 def allgather_parts(rank: int, size: int, buf, chunks, segment_count: int | None = None) -> Parts:
@@ -329,7 +338,7 @@ def broadcast_cma(comm, buf, root: int, segment_count: int | None = None,
     by the non-root, S/P by the root (the arena's ``broadcast_shared``: one
     in at the root, one out per rank, per slot)."""
     if comm.size > 1:
-        _run(comm, broadcast_parts(comm.rank, comm.size, buf, root, segment_count), measured)
+        exchange(comm, broadcast_parts(comm.rank, comm.size, buf, root, segment_count), measured)
 
 
 def broadcast_parts(rank: int, size: int, buf, root: int,
@@ -357,8 +366,8 @@ def gather_cma(comm, send_buf, recv_bufs, root: int, segment_count: int | None =
     Cost: two synchronisations; (P-1) S/P copied once, 1/P of each rank's
     part by the root, the rest by its owner."""
     if comm.size > 1:
-        _run(comm, gather_parts(comm.rank, comm.size, send_buf, recv_bufs, root, segment_count),
-             measured)
+        exchange(comm, gather_parts(comm.rank, comm.size, send_buf, recv_bufs, root, segment_count),
+                 measured)
 
 
 def gather_parts(rank: int, size: int, send_buf, recv_bufs, root: int,
@@ -387,8 +396,8 @@ def scatter_cma(comm, send_bufs, recv_buf, root: int, segment_count: int | None 
     Cost: two synchronisations; every non-root's S/P copied once, 1/P of it
     by the root, the rest by the non-root."""
     if comm.size > 1:
-        _run(comm, scatter_parts(comm.rank, comm.size, send_bufs, recv_buf, root, segment_count),
-             measured)
+        parts = scatter_parts(comm.rank, comm.size, send_bufs, recv_buf, root, segment_count)
+        exchange(comm, parts, measured)
 
 
 def scatter_parts(rank: int, size: int, send_bufs, recv_buf, root: int,
@@ -439,8 +448,8 @@ def alltoall_cma(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     ``recv_buf``, which no one reads.
     Cost: two synchronisations; one copy of (P-1)/P S per rank."""
     if comm.size > 1:
-        _run(comm, alltoall_parts(comm.rank, comm.size, send_buf, send_chunks, recv_buf,
-                                  recv_chunks, segment_count), measured)
+        exchange(comm, alltoall_parts(comm.rank, comm.size, send_buf, send_chunks, recv_buf,
+                                      recv_chunks, segment_count), measured)
 
 
 def alltoall_parts(rank: int, size: int, send_buf, send_chunks, recv_buf, recv_chunks,

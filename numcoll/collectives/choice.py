@@ -18,9 +18,11 @@ The automatic choice, in order:
   process, or CUDA IPC; config ``cuda_ipc``): ``ipc``
   (:mod:`numcoll.algorithms.peers`);
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
-  algorithms for the collectives that move data without reducing it, from
+  algorithms for the collectives that move data without reducing it and for
+  allreduce (a reduce-scatter and an allgather by reads), from
   ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for gather,
   ``single_copy_alltoall_min_nbytes`` for alltoall,
+  ``single_copy_allreduce_min_nbytes`` for allreduce,
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
   alltoall and scatter),
   where the ranks may read each other's memory;
@@ -161,8 +163,8 @@ _UNCROWDED = frozenset(("alltoall", "scatter"))
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for gather (the root copies most of it) and for alltoall (whose
-    ranks' buffers may differ: see ``single_copy_alltoall_min_nbytes``), and
+    two for gather, for alltoall (whose ranks' buffers may differ: see
+    ``single_copy_alltoall_min_nbytes``) and for allreduce, and
     the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
     one host, as an shm group's ranks are), but for alltoall and scatter (a
@@ -172,6 +174,8 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
         least = max(least, cfg.single_copy_rooted_min_nbytes)
     elif collective == "alltoall":
         least = max(least, cfg.single_copy_alltoall_min_nbytes)
+    elif collective == "allreduce":
+        least = max(least, cfg.single_copy_allreduce_min_nbytes)
     if size > (os.cpu_count() or 1):
         if collective not in _UNCROWDED:
             least = max(least, cfg.single_copy_crowded_min_nbytes)
@@ -205,9 +209,10 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         on_arena = None  # an arena here is a host's, not the group's
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
-        if on_arena == "shared" and single_copy_refused is None and cfg.single_copy and \
-                "cma" in CHOICES[collective] and nbytes >= _single_copy_min(cfg, collective, size) and \
-                _single_copy_fits(cfg, size):
+        if on_arena in ("shared", "shared_split") and "cma" in CHOICES[collective] \
+                and single_copy_refused is None and cfg.single_copy \
+                and nbytes >= _single_copy_min(cfg, collective, size) \
+                and _single_copy_fits(cfg, size):
             on_arena = "cma_measured"
     if on_arena is not None:
         return on_arena

@@ -567,16 +567,22 @@ def test_the_single_copy_floor_benchmark_gives_up_on_a_refused_read():
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
-@pytest.mark.parametrize("refused_from", [1, 2])
-def test_an_allreduce_refused_in_either_half_is_finished_through_the_arena(size, refused_from):
-    """Refused in its reduce-scatter, the buffers are intact and the arena's
-    shared_split runs the whole call; refused in its allgather, the arena's
-    allgather finishes it from the reduced chunks."""
-    from numcoll.algorithms import CHOICES
+@pytest.mark.parametrize("when", ["first read", "a later piece", "second half"])
+def test_an_allreduce_refused_anywhere_is_finished_through_the_arena(monkeypatch, size, when):
+    """Refused at its first read, or after some pieces were read and reduced
+    into the rank's own chunk, the arena's all-to-all brings every rank what
+    it had not reduced yet; refused in its allgather, the arena's allgather
+    finishes it from the reduced chunks. Results right either way, and every
+    rank learns the refusal in the same call."""
+    from numcoll.algorithms import CHOICES, single_copy_reduce
     from numcoll.memory.host import HostBuffer
     from numcoll.testing import run_ranks
 
-    count = 23
+    monkeypatch.setattr(single_copy_reduce, "_PIECE_NBYTES", 16)  # two float64 a piece
+    count = 41
+    n = count // size  # (the last rank's chunk: no extra element)
+    first_half = (size - 1) * -(-n // 2)
+    after = {"first read": 0, "a later piece": size - 1, "second half": first_half}[when]
 
     def rank_fn(comm):
         if comm.rank == size - 1:
@@ -584,7 +590,7 @@ def test_an_allreduce_refused_in_either_half_is_finished_through_the_arena(size,
 
             def read_peer(peer, address, out):
                 reads.append(peer)
-                if len(reads) > (refused_from - 1) * (size - 1):  # from this half's reads
+                if len(reads) > after:
                     comm.single_copy_refused = "EPERM (simulated)"
                 return real(peer, address, out)
 
@@ -597,4 +603,4 @@ def test_an_allreduce_refused_in_either_half_is_finished_through_the_arena(size,
     want = sum(inputs(q, count) for q in range(size))
     for x, refused in run_ranks(size, rank_fn):
         assert np.array_equal(x, want)
-        assert refused == "EPERM (simulated)"  # every rank learnt it in the same call
+        assert refused == "EPERM (simulated)"

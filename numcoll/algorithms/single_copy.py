@@ -74,7 +74,7 @@ from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather
                      scatter_shared)
 from .single_copy_say import _learnt, _say, measured_key
 
-__all__ = ["Parts", "exchange", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
+__all__ = ["Parts", "exchange", "checked", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
            "alltoall_cma", "allgather_parts", "broadcast_parts", "gather_parts", "scatter_parts",
            "alltoall_parts", "fused_plan", "resume",
            "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
@@ -115,9 +115,13 @@ class Parts(NamedTuple):
     written: list
     #: The name of ``fallback``'s algorithm (what the flight recorder says ran).
     arena: str = "shared"
+    #: ``on_refusal(comm)``: what finishes the call where a copy was refused,
+    #: if not ``fallback`` (a call whose copies already changed its buffers).
+    on_refusal: Callable | None = None
 
 
-def exchange(comm, parts: Parts, measured: bool = False, then=None) -> bool | None:
+def exchange(comm, parts: Parts, measured: bool = False, then=None,
+             copier=None) -> bool | None:
     """All three phases of ``parts``: publish its ranges, make its copies,
     publish *done*; then ``then()``, if given. Where a copy was refused, or,
     ``measured``, rank 0 said in its *where* that the arena is the faster
@@ -128,7 +132,11 @@ def exchange(comm, parts: Parts, measured: bool = False, then=None) -> bool | No
 
     One compiled call takes the whole of it while every peer keeps up
     (:meth:`numcoll.comm.Comm.single_copy_exchange`); where it stops, the
-    phases go on here, step by step, from where it stopped."""
+    phases go on here, step by step, from where it stopped. ``copier``, if
+    given, makes copies of its own between the *where* and the *done*
+    (step by step, no compiled call): ``copier(tables)``, every peer's
+    *where* as rows ``(address, nbytes)`` by rank, returns a refusal's text
+    or None (:func:`checked` checks a row's length)."""
     learn = measured and comm.rank == 0
     if learn:
         tuning = comm.single_copy_tuning()
@@ -138,9 +146,9 @@ def exchange(comm, parts: Parts, measured: bool = False, then=None) -> bool | No
     else:
         said = False
     words, views, table = _where(parts, said)
-    got = comm.single_copy_exchange(words.view(np.uint8), table)
+    got = comm.single_copy_exchange(words.view(np.uint8), table) if copier is None else None
     state, step = got if got is not None else (None, None)
-    copied = _resume(comm, parts.copies, views, state, step, said, words)
+    copied = _resume(comm, parts.copies, views, state, step, said, words, copier)
     _finish(comm, parts, copied, measured)
     if copied and then is not None:
         then()
@@ -203,6 +211,8 @@ def _finish(comm, parts: Parts, copied: bool | None, measured: bool) -> None:
                 buf.recv_done(start, count)
         for buf, start, count in parts.written:
             buf.recv_done(start, count)
+    elif copied is False and parts.on_refusal is not None:
+        parts.on_refusal(comm)
     else:
         parts.fallback(comm)
     if measured and copied is not False:  # (a refusal's fallback is recorded as such)
@@ -210,11 +220,12 @@ def _finish(comm, parts: Parts, copied: bool | None, measured: bool) -> None:
 
 
 def _resume(comm, copies, views, state: str | None, step: int | None, said: bool,
-            words=None) -> bool | None:
+            words=None, copier=None) -> bool | None:
     """The phases from where the compiled call stopped: ``state`` (one of
     :meth:`numcoll.comm.Comm.single_copy_exchange`'s, or None: nothing
-    published yet, ``words`` to publish) at *where* step ``step``. True
-    (every copy made), False (a copy refused), None (rank 0 said: the arena)."""
+    published yet, ``words`` to publish) at *where* step ``step``;
+    ``copier(tables)`` first, if given (:func:`exchange`). True (every copy
+    made), False (a copy refused), None (rank 0 said: the arena)."""
     if state == "arena":
         return None
     if state == "done":
@@ -229,7 +240,7 @@ def _resume(comm, copies, views, state: str | None, step: int | None, said: bool
     tables, said = _tables(comm, step, said)
     if said:
         return None
-    refused = None
+    refused = copier(tables) if copier is not None else None
     for (kind, peer, entry, buf, _, count), view in zip(copies, views):
         refused = refused or _copy(comm, kind, buf, view, count, peer, tables[peer][entry])
     return _done(comm, refused)
@@ -258,16 +269,23 @@ def _tables(comm, step: int, said: bool) -> tuple[list, bool]:
 def _copy(comm, kind: int, buf, view, count: int, peer: int, entry) -> str | None:
     """READ ``peer``'s published range ``entry`` into ``view`` (``count`` of
     ``buf``'s elements), or WRITE ``view`` into it; a refusal's text, or None."""
-    address, nbytes = int(entry[0]), int(entry[1])
-    mine = count * buf.itemsize
-    if nbytes != mine:
-        comm.size_mismatch(peer, f"rank {peer} offers {nbytes} bytes, this rank reads {mine}"
-                           if kind == READ else
-                           f"rank {peer} takes {nbytes} bytes, this rank writes {mine}")
+    address = checked(comm, kind, peer, entry, count * buf.itemsize)
     if not count:
         return None
     copy = comm.read_peer if kind == READ else comm.write_peer
     return copy(peer, address, view.view(np.uint8))
+
+
+def checked(comm, kind: int, peer: int, entry, nbytes: int) -> int:
+    """The address of ``peer``'s published range ``entry`` (a row of its
+    *where*), which this rank reads (READ) or writes ``nbytes`` of; the
+    ordinary path's wrong-size error if its length is another."""
+    address, theirs = int(entry[0]), int(entry[1])
+    if theirs != nbytes:
+        comm.size_mismatch(peer, f"rank {peer} offers {theirs} bytes, this rank reads {nbytes}"
+                           if kind == READ else
+                           f"rank {peer} takes {theirs} bytes, this rank writes {nbytes}")
+    return address
 
 
 def _done(comm, refused: str | None) -> bool:

@@ -119,11 +119,12 @@ class Config:
     single_copy_alltoall_min_nbytes: int = 8 << 20
     #: The threshold for allreduce (``cma_measured``: a reduce-scatter and an
     #: allgather by single-copy reads, or the arena's ``shared_split``, as
-    #: rank 0 measured them lately). 2 ranks, the round trip 0.13-0.17 us,
-    #: paired beside Open MPI, busbw ratio: 16 MiB 0.63-0.73 (the arena) ->
-    #: 0.88-0.94; at 4 MiB the two were even (0.67-0.81 against 0.75-0.77),
-    #: at 1 MiB the arena was ahead (1.05-1.09 against 0.62-0.74).
-    single_copy_allreduce_min_nbytes: int = 8 << 20
+    #: rank 0 measured them lately); by default the general one. 2 ranks, the
+    #: round trip 0.15-0.2 us, paired beside Open MPI, busbw ratio, the arena
+    #: -> cma_measured: 4 MiB 0.67-0.70 -> 0.73-0.89, 6 MiB 0.66-0.71 ->
+    #: 0.81-0.90, 16 MiB 0.63-0.67 -> 0.89 (docs/performance/single-copy.md);
+    #: at 1 MiB the arena was ahead (1.05-1.09 against forced cma's 0.62-0.74).
+    single_copy_allreduce_min_nbytes: int = 4 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.

@@ -2,7 +2,8 @@
 results right call after call, in place and out of place, with ranks as
 processes and as threads; every way a start stops -- a late peer, a copy
 that fails -- finished by the group on the ordinary path; a rank that calls
-something else gets the mismatch error; what keeps the ordinary path."""
+something else gets the mismatch error; what keeps the ordinary path.
+(Rank 0 saying the arena, for the allgather too: tests/test_fused_copy_moves.py.)"""
 
 import time
 from datetime import timedelta
@@ -114,39 +115,6 @@ def test_a_copy_the_start_cannot_make_is_made_by_the_group(monkeypatch):
     monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma")
     assert nc.launch(failing_copies, 2, (20,), transport="shm",
                      timeout=timedelta(seconds=60)) == [(1, None)] * 2
-
-
-def says_arena_every_other_call(calls):
-    """Rank 0 says the arena on every other fused call: that call takes the
-    ordinary path, which says so in its where, and the peers' starts stop
-    there and finish through the arena."""
-    from numcoll.algorithms import single_copy
-    from numcoll.diagnostics import flight_recorder
-    from numcoll.fast import copy
-
-    said = []
-
-    def fused_say(tuning, key):
-        said.append(key)
-        return len(said) % 2 == 0
-
-    copy.fused_say = fused_say
-    single_copy._say = lambda tuning, key: True  # (the ordinary path's say: the arena)
-    pg = nc.get_default_group()
-    fused = allgathers(calls, False)
-    entries = [e for e in flight_recorder.dump(pg.rank())["entries"]
-               if e["pg_id"] == pg._pg_id]
-    return fused, [e["algorithm"] for e in entries[-6:]], len(said)
-
-
-def test_rank_0_saying_the_arena_sends_every_rank_there(monkeypatch):
-    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma_measured")
-    monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "16384")
-    got = nc.launch(says_arena_every_other_call, 2, (12,), transport="shm",
-                    timeout=timedelta(seconds=60))
-    # (one plan: a call its run declined does not plan the same arrays again)
-    assert got[0] == (1, ["cma", "shared"] * 3, 10)  # rank 0 alone asks, from call 3
-    assert got[1][:2] == (1, ["cma", "shared"] * 3)
 
 
 def mismatched(calls):

@@ -176,7 +176,7 @@ def says_arena_every_other_call(name, calls):
     return fused, [e["algorithm"] for e in entries[-6:]], len(said)
 
 
-@pytest.mark.parametrize("name", COLLECTIVES)
+@pytest.mark.parametrize("name", ALL)
 def test_rank_0_saying_the_arena_sends_every_rank_there(monkeypatch, name):
     _algorithm(monkeypatch, "cma_measured")
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "8192")

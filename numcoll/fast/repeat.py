@@ -17,9 +17,10 @@ every plan holds its deadline), and a group's configuration is fixed once it
 is up, so no call checks either. An ndarray's memory cannot move under a view
 the plan holds (``resize`` refuses), so the object's identity pins its memory.
 
-A call that no fused step takes (larger than a slot, several rounds, the
-single-copy algorithms) is kept instead, on the same terms, as a
-:class:`~numcoll.fast.replay.Replay` when its builder can remake its run:
+A call the single-copy algorithms run is planned as one compiled start of
+its own (:mod:`numcoll.fast.copy`). A call that no fused step or start takes
+(larger than a slot, several rounds) is kept instead, on the same terms, as
+a :class:`~numcoll.fast.replay.Replay` when its builder can remake its run:
 the ordinary submit without the argument checks, the arrays held weakly.
 """
 

@@ -74,11 +74,12 @@ from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather
                      scatter_shared)
 from .single_copy_say import _learnt, _say, measured_key
 
-__all__ = ["Parts", "exchange", "checked", "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma",
-           "alltoall_cma", "allgather_parts", "broadcast_parts", "gather_parts", "scatter_parts",
-           "alltoall_parts", "fused_plan", "resume",
-           "allgather_cma_measured", "broadcast_cma_measured", "gather_cma_measured",
-           "scatter_cma_measured", "alltoall_cma_measured", "where_nbytes"]
+__all__ = ["Parts", "exchange", "checked", "published_nbytes", "fused_plan", "resume",
+           "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "alltoall_cma",
+           "allgather_parts", "broadcast_parts", "gather_parts", "scatter_parts",
+           "alltoall_parts", "allgather_cma_measured", "broadcast_cma_measured",
+           "gather_cma_measured", "scatter_cma_measured", "alltoall_cma_measured",
+           "where_nbytes"]
 
 #: Marks a published *where* (b"ncsingle" as a little-endian word).
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
@@ -140,7 +141,7 @@ def exchange(comm, parts: Parts, measured: bool = False, then=None,
     learn = measured and comm.rank == 0
     if learn:
         tuning = comm.single_copy_tuning()
-        key = measured_key(comm.op_name, sum(v.nbytes for v in parts.ranges if v is not None))
+        key = measured_key(comm.op_name, published_nbytes(parts))
         said = _say(tuning, key)
         began = time.perf_counter()
     else:
@@ -155,6 +156,12 @@ def exchange(comm, parts: Parts, measured: bool = False, then=None,
     if learn:
         _learnt(tuning, key, said, time.perf_counter() - began)
     return copied
+
+
+def published_nbytes(parts: Parts) -> int:
+    """The bytes ``parts`` publishes for its peers: what rank 0 keys its
+    times of a measured call by (:func:`.single_copy_say.measured_key`)."""
+    return sum(v.nbytes for v in parts.ranges if v is not None)
 
 
 def _where(parts: Parts, said: bool) -> tuple[np.ndarray, list, np.ndarray]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .partition import chunk_bounds, segments
 from .shared import allgather_shared, allreduce_shared_split, alltoall_shared
 from .single_copy import READ, Parts, _arena, allgather_parts, checked, exchange
 
@@ -60,7 +61,7 @@ def allreduce_cma(comm, buf, segment_count: int | None = None, measured: bool = 
     size, rank, itemsize = comm.size, comm.rank, buf.itemsize
     if size == 1 or buf.count == 0:
         return
-    chunks = _chunks(buf.count, size)
+    chunks = chunk_bounds(buf.count, size)
     first, n = chunks[rank]
     others = [q for q in range(size) if q != rank]  # (rank order: the reduction's)
     piece = max(1, min(n, _PIECE_NBYTES // itemsize))
@@ -70,15 +71,15 @@ def allreduce_cma(comm, buf, segment_count: int | None = None, measured: bool = 
 
     def read_and_reduce(tables) -> str | None:
         at = [checked(comm, READ, q, tables[q][rank], n * itemsize) for q in others]
-        for start in range(0, n, piece):
-            m = min(piece, n - start)
+        for start, m in segments(first, n, piece):
+            offset = (start - first) * itemsize
             for q, address, slot in zip(others, at, slots):
-                refused = comm.read_peer(q, address + start * itemsize, slot[:m].view(np.uint8))
+                refused = comm.read_peer(q, address + offset, slot[:m].view(np.uint8))
                 if refused is not None:
                     return refused
             for slot in slots:
-                buf.reduce_from(first + start, m, slot[:m])
-            reduced[0] = start + m
+                buf.reduce_from(start, m, slot[:m])
+            reduced[0] = start - first + m
         return None
 
     def finish_refused(comm) -> None:
@@ -118,18 +119,6 @@ class _Scratch:
 
     def recv_done(self, start: int, count: int) -> None:
         """The bytes have arrived (nothing to do on the host)."""
-
-
-def _chunks(count: int, size: int) -> list[tuple[int, int]]:
-    """``count`` elements as ``size`` chunks ``(first, n)``, back to back,
-    the first ``count % size`` one element longer."""
-    base, extra = divmod(count, size)
-    chunks, first = [], 0
-    for q in range(size):
-        n = base + (q < extra)
-        chunks.append((first, n))
-        first += n
-    return chunks
 
 
 def _scratch(comm, nbytes: int) -> np.ndarray:

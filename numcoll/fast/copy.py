@@ -48,11 +48,13 @@ from transports.shm.arena import SharedArena
 from transports.shm.single_copy_steps import STATES
 
 from ..algorithms.single_copy import (allgather_parts, alltoall_parts, broadcast_parts,
-                                      fused_plan, gather_parts, resume, scatter_parts)
+                                      fused_plan, gather_parts, published_nbytes, resume,
+                                      scatter_parts)
 from ..algorithms.single_copy_say import fused_learnt, fused_say, measured_key
 from ..collectives import fused_copy, fused_step
 from ..memory.host import HostBuffer
 from ..memory.overlap import shares_memory
+from .moves import plain
 from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_broadcast", "fused_copy_move"]
@@ -67,11 +69,6 @@ def _copies_here(pg, call) -> bool:
         and getattr(transport, "single_copy", None) is not None
 
 
-def _plain(a, writes: bool = False) -> bool:
-    return type(a) is np.ndarray and a.flags.c_contiguous and a.size > 0 \
-        and (not writes or a.flags.writeable)
-
-
 def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, an ``allgather_into_tensor`` of
     ``inp`` into ``out`` that the ordinary builder checked and ran
@@ -81,7 +78,7 @@ def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     one process get one too: a start within a slot looks once, holding the
     GIL the others need, and the group finishes the call.)"""
     if call.name != "allgather_into_tensor" or not _copies_here(pg, call) \
-            or not _plain(out, writes=True) or not _plain(inp) \
+            or inp is None or out is None or not plain(inp, out) \
             or out.dtype != inp.dtype or out.size != inp.size * pg._size:
         return None
     rank, size = pg._rank, pg._size
@@ -110,7 +107,7 @@ def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
     Else None."""
     name, rank, size, root = call.name, pg._rank, pg._size, call.root
     if name not in ("alltoall_base", "gather", "scatter") or not _copies_here(pg, call) \
-            or not (inp is None or _plain(inp)) or not (out is None or _plain(out, writes=True)):
+            or not plain(inp, out):
         return None
     if inp is not None and out is not None and inp.dtype != out.dtype:
         return None
@@ -155,7 +152,7 @@ def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, a ``broadcast`` of ``x`` that the
     ordinary builder checked and ran single-copy, if a fused start can run
     it (a C-contiguous, writable NumPy array); else None."""
-    if call.name != "broadcast" or not _copies_here(pg, call) or not _plain(x, writes=True):
+    if call.name != "broadcast" or not _copies_here(pg, call) or not plain(None, x):
         return None
     flat = x.reshape(-1)
     parts = broadcast_parts(pg._rank, pg._size, HostBuffer(flat), call.root,
@@ -220,7 +217,7 @@ class FusedCopy(FusedCall):
         # calls keyed as the ordinary path keys them (the bytes it publishes).
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
-        self.key = measured_key(call.name, int(self.where.view(np.int64)[5::2].sum()))
+        self.key = measured_key(call.name, published_nbytes(parts))
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = "cma"
 

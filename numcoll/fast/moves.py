@@ -29,7 +29,7 @@ from ..algorithms.shared import _place
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
-__all__ = ["FusedMove", "plan", "span"]
+__all__ = ["FusedMove", "plan", "plain", "span"]
 
 
 class FusedMove(FusedCall):
@@ -88,7 +88,7 @@ def plan(pg, call, inp, out) -> FusedMove | None:
     this rank passes none: a gather's non-root output, a scatter's non-root
     input), if one step of the ``shared`` algorithm moves it; else None."""
     if call.algorithm != "shared" or pg._size < 2 or pg._closed or \
-            not _plain(inp) or not _plain(out) or (out is not None and not out.flags.writeable):
+            not plain(inp, out):
         return None
     if type(pg._transport.arena) is not SharedArena or not HAS_GIL:  # (not a hier host arena)
         return None
@@ -122,6 +122,13 @@ def span(blocks) -> np.ndarray | None:
     if at < 0 or at % b0.itemsize or at + n * len(blocks) > base.nbytes:
         return None
     return base.reshape(-1).view(np.uint8)[at:at + n * len(blocks)].view(b0.dtype)
+
+
+def plain(inp, out) -> bool:
+    """Whether a fused plan can take this rank's ``inp`` and ``out`` (None
+    where it passes none): C-contiguous, non-empty NumPy arrays, ``out``
+    writable."""
+    return _plain(inp) and _plain(out) and (out is None or out.flags.writeable)
 
 
 def _plain(a) -> bool:

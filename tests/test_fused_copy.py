@@ -63,14 +63,6 @@ def test_repeated_allgathers_run_fused_and_right(monkeypatch, size, mode, in_pla
     assert got == [1] * size
 
 
-def test_the_measured_choice_keeps_the_ordinary_path(monkeypatch):
-    """(cma_measured: an arena call on the ordinary path would leave every
-    fused peer waiting past its spin phase.)"""
-    monkeypatch.setenv("NUMCOLL_ALGORITHM", "allgather:cma_measured")
-    assert nc.launch(allgathers, 2, (8, False), transport="shm",
-                     timeout=timedelta(seconds=60)) == [0, 0]
-
-
 @pytest.mark.parametrize("algorithm", ["cma", "cma_measured"])
 @pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("in_place", [False, True])

@@ -126,12 +126,62 @@ def test_calls_larger_than_a_slot_copy_without_the_gil(monkeypatch, name, algori
     assert got == [1, 1]
 
 
-@pytest.mark.parametrize("name", COLLECTIVES)
-def test_the_measured_choice_within_a_slot_keeps_the_ordinary_path(monkeypatch, name):
+def measured_within_a_slot(name, calls):
+    """The number of fused single-copy plans this rank made, and how many
+    times of its fused starts it gave rank 0's say."""
+    from numcoll.fast import copy
+
+    learnt = []
+    kept = copy.fused_learnt
+    copy.fused_learnt = lambda *args: (learnt.append(args), kept(*args))
+    # (each call after a barrier: a start whose peer is later than its wait
+    # is finished by the group, untimed, and this test's checks between calls
+    # take longer on one rank than the other)
+    return repeated(name, calls, before=lambda i: nc.barrier()), len(learnt)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_measured_choice_within_a_slot_runs_fused_and_rank_0_times_it(monkeypatch, name):
     _algorithm(monkeypatch, "cma_measured")
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", str(1 << 20))
-    got = nc.launch(repeated, 2, (name, 8), transport="shm", timeout=timedelta(seconds=60))
-    assert got == [0, 0]
+    got = nc.launch(measured_within_a_slot, 2, (name, 40), transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert [fused for fused, _ in got] == [1, 1]
+    assert got[0][1] >= 1 and got[1][1] == 0  # (rank 0 alone times them)
+
+
+def spin_budget(name):
+    """A fused start within a slot: its wait for the peers, the wait of a
+    fused arena step (the arena's spin phase; where this process may run on
+    fewer CPUs than the group has ranks, yielding polls), and the bytes this
+    rank copies."""
+    from numcoll.fast.copy import FusedCopy
+    from numcoll.fast.step import CROWDED_WAIT_NS
+
+    repeated(name, 3)
+    pg = nc.get_default_group()
+    (fused,) = [s.fused for s in pg.repeats._seen.values() if isinstance(s.fused, FusedCopy)]
+    copied = sum(buf.itemsize * count for *_, buf, _, count in fused.parts.copies)
+    return fused.large, fused.spin_ns, pg._transport.arena.layout()[4] or CROWDED_WAIT_NS, \
+        copied
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_start_within_a_slot_waits_as_long_as_the_peers_copy(monkeypatch, name):
+    # (a start that gave up after the arena's 5 us spin phase would be
+    # finished through the group's Python: 2 ranks, a 1 MiB alltoall took
+    # 200-240 us a call where 512 KiB took 40)
+    from numcoll.fast.copy import WAIT_NS_PER_BYTE
+
+    _algorithm(monkeypatch)
+    for large, spin_ns, step_wait_ns, copied in nc.launch(
+            spin_budget, 2, (name,), transport="shm", timeout=timedelta(seconds=60)):
+        assert not large and copied > 0
+        assert spin_ns == step_wait_ns + copied * WAIT_NS_PER_BYTE
+    # Threads of one process wait for nothing: their peers need the GIL.
+    for _, spin_ns, *_ in nc.launch(spin_budget, 2, (name,), mode="thread", transport="shm",
+                                    timeout=timedelta(seconds=60)):
+        assert spin_ns == 0
 
 
 def late_peer(name, calls):
@@ -151,6 +201,41 @@ def test_a_late_peer_leaves_the_call_to_the_group(monkeypatch, name):
     _algorithm(monkeypatch)
     assert nc.launch(late_peer, 2, (name, 20), transport="shm",
                      timeout=timedelta(seconds=60)) == [(1, None)] * 2
+
+
+def a_peer_a_little_late(name, calls):
+    """Rank 1 comes to every call about 0.3 ms after rank 0 (as a root that
+    makes its data first): the number of this rank's fused plans, and of its
+    calls the group finished (promoted)."""
+    import time
+
+    from numcoll.fast import copy
+
+    promoted = []
+    rest = copy.FusedCopy.rest
+    copy.FusedCopy.rest = lambda self, comm, work: (promoted.append(1), rest(self, comm, work))[1]
+    pg = nc.get_default_group()
+
+    def before(i):
+        nc.barrier()
+        if pg.rank() == 1:
+            until = time.perf_counter() + 3e-4
+            while time.perf_counter() < until:
+                pass
+
+    return repeated(name, calls, before=before), len(promoted)
+
+
+@pytest.mark.parametrize("name", COLLECTIVES)
+def test_a_peer_a_little_late_is_waited_for_in_compiled_code(monkeypatch, name):
+    # (before, every such call was promoted and finished through the group's
+    # Python; now the start goes on waiting, without the GIL, within the
+    # arena's yield phase of 2 ms)
+    _algorithm(monkeypatch)
+    got = nc.launch(a_peer_a_little_late, 2, (name, 30), transport="shm",
+                    timeout=timedelta(seconds=60))
+    assert [fused for fused, _ in got] == [1, 1]
+    assert got[0][1] < 10, got  # (of 28 fused calls: a loaded machine may deschedule a rank)
 
 
 def says_arena_every_other_call(name, calls):

@@ -29,13 +29,13 @@ import numpy as np
 from numba import carray, njit, typeof, types
 
 from transports.shm.ring import _memcpy
-from transports.shm.single_copy_steps import DONE, DONE_OPEN, _exchange
+from transports.shm.single_copy_steps import BEGIN, DONE, DONE_OPEN, _exchange
 
 from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STEP, OWN, RANK,
                          REGION, REGION_NBYTES, SIZE, SOURCE, SPIN, STAMP, STEPS, STRIDE, YIELD,
                          _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
 
-__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "entry"]
+__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "wait", "entry"]
 
 #: The plan's words (:mod:`.fused_step`'s, with words 20-25, which a move's
 #: plan uses, for these): the *where* to publish (address, bytes), the copy
@@ -47,24 +47,26 @@ _NO_DEADLINE = 1 << 62
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _phases(plan, x, spin_ns, polls_ns):
+def _phases(plan, x, spin_ns, polls_ns, begin):
     """This rank's own part into ``x`` (OWN), then the *where* step, the
     copies and the *done* step of the call the plan claimed, each wait
     ``spin_ns`` busy then ``polls_ns`` yielding at most; the *done* step
-    claimed once published. The state it ended in (DONE or where it
-    stopped), also kept in the plan's STATE word."""
+    claimed once published. ``begin``: BEGIN, or the state of an earlier
+    call whose wait this one goes on with (WHERE_OPEN, DONE_OPEN). The
+    state it ended in (DONE or where it stopped), also kept in the plan's
+    STATE word."""
     step, seq = plan[NOW_STEP], plan[NOW_SEQ]
     rank, size, nbytes = plan[RANK], plan[SIZE], plan[NBYTES]
     region = carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],))
     where = carray(_pointer(plan[WHERE], np.uint8), (plan[WHERE + 1],))
     copies = carray(_pointer(plan[COPIES], np.int64), (plan[COPIES + 1], 5))
     pids = carray(_pointer(plan[PIDS], np.int64), (size,))
-    if plan[OWN]:
+    if plan[OWN] and begin == BEGIN:
         _memcpy(x, rank * nbytes, carray(_pointer(plan[SOURCE], np.uint8), (nbytes,)), 0,
                 nbytes)
     state = _exchange(region, region[:plan[CTRL_NBYTES]].view(np.int64), rank, size, step,
                       plan[FIRST:FIRST + 2], plan[STRIDE], seq, plan[STAMP], plan[STAMP + 1],
-                      where, copies, pids, spin_ns, polls_ns, _NO_DEADLINE)
+                      where, copies, pids, spin_ns, polls_ns, _NO_DEADLINE, begin)
     if state == DONE or state == DONE_OPEN:  # the *done* step is published: claimed too
         carray(_pointer(plan[STEPS], np.int64), (1,))[0] = step + 2
     plan[STATE] = state
@@ -85,7 +87,7 @@ def start(plan_address, x, spin_ns):
         return NOT_TAKEN
     _lane_open(plan, plan[NOW_SEQ])
     spin, polls = (spin_ns, 0) if plan[SPIN] > 0 else (0, spin_ns)
-    if _phases(plan, x, spin, polls) != DONE:
+    if _phases(plan, x, spin, polls, BEGIN) != DONE:
         return plan[STATE]
     _lane_close(plan)
     return _ended(plan, -1)
@@ -109,16 +111,30 @@ def copy(plan_address, x):
     without the GIL, each wait the plan's spin and yield phases. Returns -1
     done (the lane row closed), else the state it stopped in."""
     plan = _plan_at(plan_address)
-    if _phases(plan, x, plan[SPIN], plan[YIELD]) != DONE:
+    if _phases(plan, x, plan[SPIN], plan[YIELD], BEGIN) != DONE:
+        return plan[STATE]
+    _lane_close(plan)
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def wait(plan_address, x):
+    """The rest of a :func:`start` that stopped waiting for a peer (its
+    STATE: WHERE_OPEN or DONE_OPEN) and that the group now holds: the same
+    wait, gone on with without the GIL, each the plan's spin and yield
+    phases, then what follows it. Returns -1 done (the lane row closed),
+    else the state it stopped in."""
+    plan = _plan_at(plan_address)
+    if _phases(plan, x, plan[SPIN], plan[YIELD], plan[STATE]) != DONE:
         return plan[STATE]
     _lane_close(plan)
     return -1
 
 
 def entry(function, x):
-    """The compiled :func:`start`, :func:`claim` or :func:`copy` for outputs
+    """The compiled :func:`start`, :func:`claim`, :func:`copy` or :func:`wait` for outputs
     of ``x``'s type, as its bare entry point (called without the
     dispatcher's typing of the arguments, as :func:`.fused_step.entry`)."""
     i64 = types.int64
     return function.compile({start: (i64, typeof(x), i64), claim: (i64,),
-                             copy: (i64, typeof(x))}[function])
+                             copy: (i64, typeof(x)), wait: (i64, typeof(x))}[function])

@@ -29,13 +29,19 @@ fused call whose peers were late -- the phases in a second compiled call
 that lets go of the GIL and waits the arena's spin and yield phases (a
 slot's copy is the most any fused step makes holding it).
 
-``cma_measured`` is planned only for such calls: there rank 0 says, call by
-call, whether the call copies or goes through the arena (it asks first: an
-arena call takes the ordinary path, whose *where* carries the say, and the
-peers' starts stop there and finish through the arena). For smaller calls
-that costs more than it saves -- tried, an allgather with the choice forced
-at 64 KiB while rank 0 said the arena: 245 µs a call against the ordinary
-path's 50-60 -- and the automatic choice never takes single copy there.
+A start within a slot waits for its peers longer than a fused arena step
+does: the arena's spin phase and about a microsecond per KiB it copies
+(:data:`WAIT_NS_PER_BYTE`: the peers copy about as much), and a start that
+still stopped waiting goes on waiting in compiled code, without the GIL,
+once the group holds it (:meth:`FusedCopy.hold`). Before, such a start was
+finished through the group's Python, 100-200 us: 2 ranks, forced cma, a
+1 MiB alltoall took 200-240 us a call where 512 KiB took 40.
+
+``cma_measured`` (rank 0 says, call by call, whether the call copies or
+goes through the arena) is planned too: rank 0 asks first, and an arena
+call takes the ordinary path, whose *where* carries the say; the peers'
+starts stop there and finish through the arena. Rank 0 keeps the time of
+each fused start that copied, so it compares the two ways as they run.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import time
 import numpy as np
 
 from transports.shm.arena import SharedArena
-from transports.shm.single_copy_steps import STATES
+from transports.shm.single_copy_steps import DONE_OPEN, STATES, WHERE_OPEN
 
 from ..algorithms.single_copy import (allgather_parts, alltoall_parts, broadcast_parts,
                                       fused_plan, gather_parts, published_nbytes, resume,
@@ -58,6 +64,11 @@ from .moves import plain
 from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_broadcast", "fused_copy_move"]
+
+#: How much longer a start within a slot waits for its peers, per byte this
+#: rank copies (ns): a peer copying as much as it does at 1 GB/s, several
+#: times slower than this VM's kernel copies in its slowest state.
+WAIT_NS_PER_BYTE = 1
 
 
 def _copies_here(pg, call) -> bool:
@@ -170,7 +181,7 @@ class FusedCopy(FusedCall):
     copies into ``x`` (as :class:`FusedCall` takes it)."""
 
     __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
-                 "key", "_claim", "_copy")
+                 "key", "_claim", "_copy", "_wait")
 
     @classmethod
     def made(cls, pg, call, parts, x, outs, own=None, source=None) -> FusedCopy | None:
@@ -178,13 +189,12 @@ class FusedCopy(FusedCall):
         works out: whether this rank copies more than an arena slot holds),
         or None where ``call`` is ``cma_measured`` and it does not (see the
         module's docstring)."""
-        large = sum(buf.itemsize * count for *_, buf, _, count in parts.copies) \
-            > pg._transport.arena.slot_nbytes
-        if call.algorithm == "cma_measured" and not large:
-            return None
-        return cls(pg, call, parts, x, outs, own, source, large)
+        copied = sum(buf.itemsize * count for *_, buf, _, count in parts.copies)
+        large = copied > pg._transport.arena.slot_nbytes
+        return cls(pg, call, parts, x, outs, own, source, large, copied)
 
-    def __init__(self, pg, call, parts, x, outs, own=None, source=None, large=False):
+    def __init__(self, pg, call, parts, x, outs, own=None, source=None, large=False,
+                 copied=0):
         super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
                          source=source)
         rank = pg._rank
@@ -201,6 +211,7 @@ class FusedCopy(FusedCall):
         # phases without the GIL. (Only what runs is compiled: loading each
         # costs 5-15 ms the first time.)
         self.large = large
+        self._wait = None  # (compiled the first time a start stops waiting: hold())
         if large:
             self._claim = fused_copy.entry(fused_copy.claim, x)
             self._copy = fused_copy.entry(fused_copy.copy, x)
@@ -213,6 +224,13 @@ class FusedCopy(FusedCall):
                 self.own = (x[rank * source.nbytes:(rank + 1) * source.nbytes], source)
         else:
             self._start = fused_copy.entry(fused_copy.start, x)
+            # The *done* wait outlasts the peers' copies, which take about as
+            # long as this rank's: a start that gave up after the arena's
+            # spin phase (5 us) would be finished by the group, through its
+            # Python (2 ranks, forced cma, 1 MiB alltoall: 200-240 us a call,
+            # 39-43 at 512 KiB, where the copies alone take 30-60).
+            if self.spin_ns:
+                self.spin_ns += copied * WAIT_NS_PER_BYTE
         # Rank 0 of a measured call says, call by call, which way it goes, for
         # calls keyed as the ordinary path keys them (the bytes it publishes).
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
@@ -236,27 +254,43 @@ class FusedCopy(FusedCall):
             return False  # (the arena, this time: the ordinary path says so to every rank)
         if self.own is not None:  # (local: no peer reads or writes either end)
             np.copyto(*self.own)
-        if not self.large:
+        if not self.large and tuning is None:
             return super().run()
-        began = time.perf_counter()
-        if self._claim(self.address) == fused_step.NOT_TAKEN:
-            return False
-        with self.pg._lock:  # (held, as a fused call whose peers were late)
-            self._hold(0)
-            self.running = True
-        got = self._copy(self.address, self.x)
-        self.end(got)
-        if tuning is not None and got == -1:
+        began, before = time.perf_counter(), self.work
+        if not self.large:  # (FusedCall.run, timed)
+            got = self._start(self.address, self.x, self.spin_ns)
+            if got == fused_step.NOT_TAKEN:
+                return False
+            if got != -1:
+                self.hold(got)
+        else:
+            if self._claim(self.address) == fused_step.NOT_TAKEN:
+                return False
+            with self.pg._lock:  # (held, as a fused call whose peers were late)
+                self._hold(0)
+                self.running = True
+            self.end(self._copy(self.address, self.x))
+        work = self.work
+        if tuning is not None and (work is None or work is before):  # (copied, not promoted)
             fused_learnt(tuning, self.key, time.perf_counter() - began)
         return True
 
     def hold(self, got: int) -> bool:
         """A start that stopped (``got``: its state, or DONE_HELD): the group
-        holds it, promotes it and finishes it from there (:meth:`rest`)."""
+        holds it. One that stopped waiting for a peer goes on waiting, in
+        compiled code without the GIL, as a call larger than a slot waits;
+        what is left after that (a peer later still, a copy refused, rank 0
+        saying the arena) is promoted and finished from there (:meth:`rest`).
+        (A rooted call's peers wait for a root that makes its data first: each
+        start of theirs was promoted, 100-200 us a call, before this.)"""
         with self.pg._lock:
             self._hold(got)
             self.running = True
-        self.end(-2 if self.pending else -1)
+        if self.pending and got in (WHERE_OPEN, DONE_OPEN):
+            if self._wait is None:
+                self._wait = fused_copy.entry(fused_copy.wait, self.x)
+            got = self._wait(self.address, self.x)
+        self.end(got if self.pending else -1)
         return True
 
     def rest(self, comm, work):

@@ -30,8 +30,8 @@ from numba.extending import intrinsic
 from .arena import HEADER_NBYTES, _put, _wait
 from .ring import _monotonic_ns
 
-__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "ARENA", "STATES",
-           "WHERE_HEADER_NBYTES", "exchange"]
+__all__ = ["READ", "WRITE", "DONE", "WHERE_OPEN", "COPIES_OPEN", "DONE_OPEN", "ARENA", "BEGIN",
+           "STATES", "WHERE_HEADER_NBYTES", "exchange"]
 
 #: A copy row's kind: read the peer's range into the local one, or write it.
 READ, WRITE = 0, 1
@@ -42,6 +42,8 @@ READ, WRITE = 0, 1
 #: Or: rank 0's *where* said that this call goes through the arena (nothing
 #: copied, no *done* step taken).
 DONE, WHERE_OPEN, COPIES_OPEN, DONE_OPEN, ARENA = 0, 1, 2, 3, 4
+#: :func:`_exchange` from its first phase (not going on with an earlier call's wait).
+BEGIN = -1
 #: :func:`exchange`'s answers for those, by name (callers above the transport
 #: layer compare names, not this module's numbers).
 STATES = ("done", "where", "copies", "verdict", "arena")
@@ -145,11 +147,17 @@ def _waited(ctrl, size, step, seq, s0, s1, spin_ns, yield_ns, deadline_ns):
 
 @njit(nogil=True, cache=True)
 def _exchange(region, ctrl, rank, size, step, firsts, stride, seq, s0, s1, where, copies,
-              pids, spin_ns, yield_ns, deadline_ns):
-    """See :func:`exchange`."""
+              pids, spin_ns, yield_ns, deadline_ns, begin=BEGIN):
+    """See :func:`exchange`. ``begin``: BEGIN, or the state (WHERE_OPEN,
+    DONE_OPEN) of an earlier call of this one on the same call and *where*
+    ``step``, whose wait it goes on with (this rank's step is published)."""
+    if begin == DONE_OPEN:
+        return _done(region, ctrl, rank, size, step + 1, firsts, stride, seq, s0, s1, spin_ns,
+                     yield_ns, deadline_ns, False)
     first = firsts[step & 1]
-    _put(region, ctrl, rank, step, first + rank * stride, seq, s0, s1, where, where.size,
-         where.size)
+    if begin != WHERE_OPEN:
+        _put(region, ctrl, rank, step, first + rank * stride, seq, s0, s1, where, where.size,
+             where.size)
     if not _waited(ctrl, size, step, seq, s0, s1, spin_ns, yield_ns, deadline_ns):
         return WHERE_OPEN
     magic = where[:8].view(np.int64)[0]
@@ -168,9 +176,18 @@ def _exchange(region, ctrl, rank, size, step, firsts, stride, seq, s0, s1, where
         remote = region[at:at + 8].view(np.int64)[0]
         if not _copy(kind, pids[peer], local, remote, nbytes, iov):
             return COPIES_OPEN
-    step += 1
+    return _done(region, ctrl, rank, size, step + 1, firsts, stride, seq, s0, s1, spin_ns,
+                 yield_ns, deadline_ns, True)
+
+
+@njit(nogil=True, cache=True)
+def _done(region, ctrl, rank, size, step, firsts, stride, seq, s0, s1, spin_ns, yield_ns,
+          deadline_ns, publish):
+    """The *done* ``step``: published empty (``publish``: this rank's copies
+    were made; else it was, by an earlier call), then waited for."""
     first = firsts[step & 1]
-    _put(region, ctrl, rank, step, first + rank * stride, seq, s0, s1, where, 0, 0)
+    if publish:
+        _put(region, ctrl, rank, step, first + rank * stride, seq, s0, s1, region[:0], 0, 0)
     if not _waited(ctrl, size, step, seq, s0, s1, spin_ns, yield_ns, deadline_ns):
         return DONE_OPEN
     for q in range(size):

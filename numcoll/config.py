@@ -76,7 +76,8 @@ class Config:
     #: whose one synchronisation and cache-resident slots beat the
     #: single-copy path's two synchronisations and page pinning (the kernel
     #: reads at ~12 GB/s here, cached or not). Measured on 2 ranks, 2 cores,
-    #: the same algorithm call after call (docs/performance/single-copy.md):
+    #: the same algorithm call after call, when every single-copy call took
+    #: its ordinary path (docs/performance/single-copy.md):
     #: the arena faster at 1 MiB (min 245 vs 428 us allgather), a tie at
     #: 4 MiB, single-copy 2.2-2.6x faster at 16 MiB. At 8 MiB, the two
     #: alternated in one launch: single copy 9-17 % faster for allgather,
@@ -85,20 +86,23 @@ class Config:
     #: cache line's round trip 0.3 us: the arena then copies at ~2 GB/s;
     #: docs/performance/open-mpi.md, the far state). What is chosen from here
     #: is ``cma_measured``: single copy or the arena, call by call, as rank 0
-    #: measured them lately, so the threshold need only keep clear of the calls
-    #: one fused arena step moves (never chosen there: see
-    #: numcoll.collectives.choice._single_copy_min). 2 ranks, the round trip
-    #: 0.15 us, medians of 200 calls, the arena / cma_measured: allgather
-    #: 4 MiB 739-740 / 554-630 us (alltoall has its own threshold, below).
-    single_copy_min_nbytes: int = 4 << 20
-    #: The threshold for gather (by default the general one). It was 64 MiB
-    #: while the root copied every byte of a single-copy gather (2 ranks, 16
-    #: MiB: 1126 us against the arena's 840); since the root and each peer copy
-    #: from both ends at once (as broadcast: 2 ranks, 16 MiB 1.13-1.29 ms
-    #: against the arena's 1.52-1.53), a gather of 8-32 MiB a rank took
-    #: 0.6-0.8x the arena's time: 2 ranks, paired beside Open MPI, busbw
-    #: ratio 0.78-1.00 -> 1.16-1.95 (docs/performance/single-copy.md).
-    single_copy_rooted_min_nbytes: int = 4 << 20
+    #: measured them lately. It was 4 MiB, above the calls one fused arena
+    #: step moves, while a repeated measured call within a slot kept single
+    #: copy's ordinary path; now such a call is a compiled start of its own
+    #: (numcoll.fast.copy). 2 ranks, the round trip 0.15-0.2 us, paired beside
+    #: Open MPI, busbw ratio, the tree before / after: allgather 1 MiB
+    #: 0.75 / 0.97 (in place 0.42 / 0.88), 2 MiB 0.75 / 0.99; broadcast 1 MiB
+    #: 1.04 / 2.15, 2 MiB 0.83 / 1.93; scatter 2 MiB 0.88 / 0.96; at 256 KiB
+    #: single copy was no faster (docs/performance/single-copy.md).
+    single_copy_min_nbytes: int = 1 << 20
+    #: The threshold for gather, a rank's block (by default the general one).
+    #: It was 64 MiB while the root copied every byte of a single-copy gather
+    #: (2 ranks, 16 MiB: 1126 us against the arena's 840); since the root and
+    #: each peer copy from both ends at once, 4 MiB, and 1 MiB since a repeated
+    #: measured call within a slot runs as a compiled start: 2 ranks, paired
+    #: beside Open MPI, busbw ratio, 2 MiB (1 MiB a rank) 1.17-1.19 ->
+    #: 1.34-1.37, 4 MiB 0.91 -> 1.31 (docs/performance/single-copy.md).
+    single_copy_rooted_min_nbytes: int = 1 << 20
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather; alltoall and scatter keep the general
     #: one, a scatter counting the root's whole list); by default the general

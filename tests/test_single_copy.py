@@ -16,7 +16,7 @@ import pytest
 
 import numcoll as nc
 from numcoll.collectives.choice import choose
-from numcoll.config import current
+from numcoll.config import Config, current
 from transports.shm import single_copy
 
 import benchmark_scripts
@@ -152,12 +152,19 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         == "shared"
     assert choose(defaults, "alltoall", None, 8 << 20, 2, single_copy_refused=None).name \
         == "cma_measured"
-    # Never where one fused arena step moves a repeated call (slots of 4 KiB,
-    # the fixture): an allgather of a slot a rank, a broadcast of a slot.
+    # Within a fused arena step's reach too (slots of 4 KiB, the fixture: an
+    # allgather of a slot a rank, a broadcast of a slot), as a repeated
+    # measured call within a slot is a compiled start of its own.
     for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):
-        assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name == "shared"
-        assert choose(cfg, name, None, fused + 1, 2, single_copy_refused=None).name \
+        assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name \
             == "cma_measured"
+    # The defaults: from 1 MiB (a rank's block for gather), 2 ranks.
+    plain = Config()
+    for name in ("allgather", "broadcast", "scatter", "gather"):
+        assert choose(plain, name, None, 1 << 20, 2, single_copy_refused=None).name \
+            == "cma_measured"
+        assert choose(plain, name, None, (1 << 20) - 64, 2, single_copy_refused=None).name \
+            == "shared"
     # Gather: the rooted threshold (broadcast copies from both ends: the general one).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
     assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"

@@ -181,18 +181,7 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
             least = max(least, cfg.single_copy_crowded_min_nbytes)
         elif collective == "scatter":
             least = -(-least // size)
-    # Never where the arena moves a repeated call in one fused step (a few us
-    # of Python, where single copy's path takes tens): an allgather's output
-    # of a slot a rank, a broadcast of a slot. (Not alltoall's: its ranks may
-    # send different amounts, and a floor in the slot's range would part them;
-    # the default threshold is above its fused calls on 2-8 ranks.)
-    fused = _FUSED_SLOTS.get(collective, lambda size: 0)(size) * cfg.arena_slot_nbytes
-    return max(least, fused + 1)
-
-
-#: How many arena slots the largest call of a collective that one fused step
-#: moves fills, for a group of ``size`` (see _single_copy_min).
-_FUSED_SLOTS = {"allgather": lambda size: size, "broadcast": lambda size: 1}
+    return least
 
 
 def _single_copy_fits(cfg: Config, size: int) -> bool:

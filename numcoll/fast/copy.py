@@ -184,11 +184,10 @@ class FusedCopy(FusedCall):
                  "key", "_claim", "_copy", "_wait")
 
     @classmethod
-    def made(cls, pg, call, parts, x, outs, own=None, source=None) -> FusedCopy | None:
-        """A :class:`FusedCopy` (its parameters but ``large``, which this
-        works out: whether this rank copies more than an arena slot holds),
-        or None where ``call`` is ``cma_measured`` and it does not (see the
-        module's docstring)."""
+    def made(cls, pg, call, parts, x, outs, own=None, source=None) -> FusedCopy:
+        """A :class:`FusedCopy` of its parameters but ``large`` and
+        ``copied``, which this works out: the bytes this rank copies, and
+        whether they are more than an arena slot holds."""
         copied = sum(buf.itemsize * count for *_, buf, _, count in parts.copies)
         large = copied > pg._transport.arena.slot_nbytes
         return cls(pg, call, parts, x, outs, own, source, large, copied)

@@ -92,17 +92,21 @@ class Config:
     #: (numcoll.fast.copy). 2 ranks, the round trip 0.15-0.2 us, paired beside
     #: Open MPI, busbw ratio, the tree before / after: allgather 1 MiB
     #: 0.75 / 0.97 (in place 0.42 / 0.88), 2 MiB 0.75 / 0.99; broadcast 1 MiB
-    #: 1.04 / 2.15, 2 MiB 0.83 / 1.93; scatter 2 MiB 0.88 / 0.96; at 256 KiB
-    #: single copy was no faster (docs/performance/single-copy.md).
-    single_copy_min_nbytes: int = 1 << 20
+    #: 1.04 / 2.15, 2 MiB 0.83 / 1.93; scatter 2 MiB 0.88 / 0.96. From 512 KiB
+    #: rather than 1 MiB: allgather 512 KiB 0.54-0.60 / 0.85-0.89, broadcast
+    #: 512 KiB 0.95 / 1.55, scatter 1 MiB (512 KiB a rank) 0.58 / 1.22; at
+    #: 256 KiB a call that does not repeat lost more than a repeated one gained
+    #: (docs/performance/single-copy.md).
+    single_copy_min_nbytes: int = 512 << 10
     #: The threshold for gather, a rank's block (by default the general one).
     #: It was 64 MiB while the root copied every byte of a single-copy gather
     #: (2 ranks, 16 MiB: 1126 us against the arena's 840); since the root and
-    #: each peer copy from both ends at once, 4 MiB, and 1 MiB since a repeated
-    #: measured call within a slot runs as a compiled start: 2 ranks, paired
-    #: beside Open MPI, busbw ratio, 2 MiB (1 MiB a rank) 1.17-1.19 ->
-    #: 1.34-1.37, 4 MiB 0.91 -> 1.31 (docs/performance/single-copy.md).
-    single_copy_rooted_min_nbytes: int = 1 << 20
+    #: each peer copy from both ends at once, 4 MiB, and 512 KiB since a
+    #: repeated measured call within a slot runs as a compiled start: 2 ranks,
+    #: paired beside Open MPI, busbw ratio, the bench's sizes (the root's whole
+    #: output) 1 MiB 0.93 -> 1.50, 2 MiB 1.17-1.19 -> 1.34-1.37, 4 MiB 0.91 ->
+    #: 1.31 (docs/performance/single-copy.md).
+    single_copy_rooted_min_nbytes: int = 512 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather; alltoall and scatter keep the general
     #: one, a scatter counting the root's whole list); by default the general

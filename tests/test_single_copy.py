@@ -158,12 +158,12 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):
         assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name \
             == "cma_measured"
-    # The defaults: from 1 MiB (a rank's block for gather), 2 ranks.
+    # The defaults: from 512 KiB (a rank's block for gather), 2 ranks.
     plain = Config()
     for name in ("allgather", "broadcast", "scatter", "gather"):
-        assert choose(plain, name, None, 1 << 20, 2, single_copy_refused=None).name \
+        assert choose(plain, name, None, 512 << 10, 2, single_copy_refused=None).name \
             == "cma_measured"
-        assert choose(plain, name, None, (1 << 20) - 64, 2, single_copy_refused=None).name \
+        assert choose(plain, name, None, (512 << 10) - 64, 2, single_copy_refused=None).name \
             == "shared"
     # Gather: the rooted threshold (broadcast copies from both ends: the general one).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
@@ -184,12 +184,12 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
             == "cma_measured"
         assert choose(crowded, name, None, least // (2 * many), many,
                       single_copy_refused=None).name == "shared"
-    # (a crowded scatter counts the root's whole list: a share of an eighth of
-    # the threshold is enough on 8 ranks, not on 4)
+    # (a crowded scatter counts the root's whole list, against twice the
+    # threshold: a share of a quarter of it is enough on 8 ranks, not on 4)
     crowds = (max(many, 8), min(max(many, 4), 7))
-    assert choose(crowded, "scatter", None, least // 8, crowds[0], single_copy_refused=None) \
+    assert choose(crowded, "scatter", None, least // 4, crowds[0], single_copy_refused=None) \
         .name == "cma_measured"
-    assert choose(crowded, "scatter", None, least // 8, crowds[1], single_copy_refused=None) \
+    assert choose(crowded, "scatter", None, least // 4, crowds[1], single_copy_refused=None) \
         .name == "shared"
     assert choose(crowded, "alltoall", None, least // 2, many, single_copy_refused=None).name \
         == "shared"

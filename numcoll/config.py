@@ -108,16 +108,22 @@ class Config:
     #: 1.31 (docs/performance/single-copy.md).
     single_copy_rooted_min_nbytes: int = 512 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
-    #: (allgather, broadcast, gather; alltoall and scatter keep the general
-    #: one, a scatter counting the root's whole list); by default the general
-    #: one. It was 32 MiB while single copy, forced, took 1.1-2.4x the arena's
+    #: (allgather, broadcast, gather -- a rank's block; alltoall and scatter
+    #: keep the general one, a scatter counting the root's whole list against
+    #: twice it). 4 ranks on 2 cores, paired beside Open MPI, busbw ratio,
+    #: 4 MiB -> 512 KiB alternated, two runs each: allgather 1 MiB
+    #: 0.85-0.86 -> 0.93-0.96 (in place 0.68-0.86 -> 0.94-1.32), 2 MiB
+    #: 0.82-0.86 -> 1.08-1.26, broadcast 1 MiB 0.66-0.81 -> 1.02-1.07, gather
+    #: 4 MiB 0.71-0.82 -> 0.91-1.12; at 512 KiB 4 ranks gained too, but 8 ranks
+    #: lost (allgather 1.24-1.26 -> 0.93-0.94, broadcast 0.95 -> 0.72), hence
+    #: 1 MiB. It was 32 MiB while single copy, forced, took 1.1-2.4x the arena's
     #: time up to 16 MiB with 4 ranks on 2 cores in the VM's near state; since
     #: rank 0 measures both ways call by call and a repeated call runs as one
     #: compiled start, 4 ranks on 2 cores, paired beside Open MPI, busbw ratio
     #: allgather 8 MiB 0.59-0.69 -> 0.95-1.49, broadcast 4 MiB 0.68-0.75 ->
     #: 1.58-1.95, 16 MiB 0.75-1.54 -> 3.44-3.61, gather 16 MiB 0.71-0.74 ->
-    #: 1.38-1.53 (docs/performance/single-copy.md).
-    single_copy_crowded_min_nbytes: int = 4 << 20
+    #: 1.38-1.53; then 4 MiB (docs/performance/single-copy.md).
+    single_copy_crowded_min_nbytes: int = 1 << 20
     #: The threshold for alltoall, which counts a rank's own buffer: ranks
     #: may send each other different amounts, so ranks whose buffers lie on
     #: either side of a threshold choose differently and their call fails

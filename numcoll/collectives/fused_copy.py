@@ -105,16 +105,23 @@ def claim(plan_address):
     return 0
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _held(plan, x, begin):
+    """:func:`_phases` from ``begin`` for a call the group holds, each wait
+    the plan's spin and yield phases: -1 done (the lane row closed), else
+    the state it stopped in."""
+    if _phases(plan, x, plan[SPIN], plan[YIELD], begin) != DONE:
+        return plan[STATE]
+    _lane_close(plan)
+    return -1
+
+
 @njit(nogil=True, cache=True)
 def copy(plan_address, x):
     """The phases of a call :func:`claim` claimed (and the group now holds),
     without the GIL, each wait the plan's spin and yield phases. Returns -1
     done (the lane row closed), else the state it stopped in."""
-    plan = _plan_at(plan_address)
-    if _phases(plan, x, plan[SPIN], plan[YIELD], BEGIN) != DONE:
-        return plan[STATE]
-    _lane_close(plan)
-    return -1
+    return _held(_plan_at(plan_address), x, BEGIN)
 
 
 @njit(nogil=True, cache=True)
@@ -125,10 +132,7 @@ def wait(plan_address, x):
     phases, then what follows it. Returns -1 done (the lane row closed),
     else the state it stopped in."""
     plan = _plan_at(plan_address)
-    if _phases(plan, x, plan[SPIN], plan[YIELD], plan[STATE]) != DONE:
-        return plan[STATE]
-    _lane_close(plan)
-    return -1
+    return _held(plan, x, plan[STATE])
 
 
 def entry(function, x):

@@ -104,7 +104,7 @@ def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     # output the start has just copied it into, whose lines sit modified in
     # this core's cache (forced cma, 2 ranks, out of place: 64 KiB 0.92-0.95x
     # MPI's busbw against 0.56x, 256 KiB 1.04-1.11x against 0.59x).
-    return FusedCopy.made(pg, call, parts._replace(ranges=[source]), flat, [out], source=source)
+    return FusedCopy(pg, call, parts._replace(ranges=[source]), flat, [out], source=source)
 
 
 def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
@@ -155,8 +155,8 @@ def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
         parts = gather_parts(rank, size, HostBuffer(part), blocks, root, seg) \
             if name == "gather" else scatter_parts(rank, size, blocks, HostBuffer(part), root, seg)
         outs = [out]
-    return FusedCopy.made(pg, call, parts, (y if y is not None else x).view(np.uint8), outs,
-                          own=own)
+    return FusedCopy(pg, call, parts, (y if y is not None else x).view(np.uint8), outs,
+                     own=own)
 
 
 def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
@@ -168,7 +168,7 @@ def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
     flat = x.reshape(-1)
     parts = broadcast_parts(pg._rank, pg._size, HostBuffer(flat), call.root,
                             pg.context.segment(x.itemsize))
-    return FusedCopy.made(pg, call, parts, flat.view(np.uint8), [x])
+    return FusedCopy(pg, call, parts, flat.view(np.uint8), [x])
 
 
 class FusedCopy(FusedCall):
@@ -183,17 +183,7 @@ class FusedCopy(FusedCall):
     __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
                  "key", "_claim", "_copy", "_wait")
 
-    @classmethod
-    def made(cls, pg, call, parts, x, outs, own=None, source=None) -> FusedCopy:
-        """A :class:`FusedCopy` of its parameters but ``large`` and
-        ``copied``, which this works out: the bytes this rank copies, and
-        whether they are more than an arena slot holds."""
-        copied = sum(buf.itemsize * count for *_, buf, _, count in parts.copies)
-        large = copied > pg._transport.arena.slot_nbytes
-        return cls(pg, call, parts, x, outs, own, source, large, copied)
-
-    def __init__(self, pg, call, parts, x, outs, own=None, source=None, large=False,
-                 copied=0):
+    def __init__(self, pg, call, parts, x, outs, own=None, source=None):
         super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
                          source=source)
         rank = pg._rank
@@ -206,10 +196,11 @@ class FusedCopy(FusedCall):
         plan[fused_copy.WHERE:fused_copy.WHERE + 2] = self.where.ctypes.data, self.where.nbytes
         plan[fused_copy.COPIES:fused_copy.COPIES + 2] = self.table.ctypes.data, len(self.table)
         plan[fused_copy.PIDS] = self.pids.ctypes.data
-        # More than a slot to copy (``large``, see made()): a claim, then the
-        # phases without the GIL. (Only what runs is compiled: loading each
-        # costs 5-15 ms the first time.)
-        self.large = large
+        # More than a slot to copy (``large``): a claim, then the phases
+        # without the GIL. (Only what runs is compiled: loading each costs
+        # 5-15 ms the first time.)
+        copied = sum(buf.itemsize * count for *_, buf, _, count in parts.copies)
+        self.large = large = copied > pg._transport.arena.slot_nbytes
         self._wait = None  # (compiled the first time a start stops waiting: hold())
         if large:
             self._claim = fused_copy.entry(fused_copy.claim, x)
@@ -256,12 +247,9 @@ class FusedCopy(FusedCall):
         if not self.large and tuning is None:
             return super().run()
         began, before = time.perf_counter(), self.work
-        if not self.large:  # (FusedCall.run, timed)
-            got = self._start(self.address, self.x, self.spin_ns)
-            if got == fused_step.NOT_TAKEN:
+        if not self.large:
+            if not super().run():  # (timed: rank 0 keeps the copy's time)
                 return False
-            if got != -1:
-                self.hold(got)
         else:
             if self._claim(self.address) == fused_step.NOT_TAKEN:
                 return False

@@ -87,6 +87,13 @@ def _calls(flags, me, peer_pid, local, remote, nbytes, junk, first, iters, deadl
     return iters
 
 
+def _shown(us: float) -> str:
+    """``us`` to one decimal, or to three significant figures below 1 µs:
+    the synchronisations alone can take a few hundredths of a microsecond,
+    which one decimal would print as 0.0."""
+    return f"{us:.1f}" if us >= 1 else f"{us:.3g}"
+
+
 def floor_us(nbytes: int, touch: int, iters: int, cpus: tuple[int, int]) -> float:
     """Microseconds per single-copy step of an in-place allgather of
     ``nbytes`` (each process reads the other's half) between the two
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for nbytes in [0] + sizes:
             iters = max(MIN_ITERS, (256 << 20) // max(nbytes, 64 << 10))
-            figures = " / ".join(f"{floor_us(nbytes, t, iters, cpus):.1f}" for t in touches)
+            figures = " / ".join(_shown(floor_us(nbytes, t, iters, cpus)) for t in touches)
             cells.append(f"{format_nbytes(nbytes) if nbytes else 'none'} {figures}")
         shown = "?" if trip is None else f"{trip:.3f}"
         print(f"round trip {shown} us | " + " | ".join(cells), flush=True)

@@ -269,6 +269,16 @@ class Comm:
         algorithm then finishes the call another way)."""
         return self._single_copy(self.transport.single_copy.read, peer, address, out, "recv")
 
+    def read_sum_peers(self, peers, addresses, mine, scratch, piece: int, start: int) -> int:
+        """:meth:`read_peer` of every one of ``peers``' ranges (at
+        ``addresses``), a piece of ``piece`` elements at a time into
+        ``scratch``, each piece added into ``mine`` at once, in one compiled
+        call from element ``start``. Returns the elements of ``mine`` summed:
+        where that is fewer, a read failed or copies are off (the caller goes
+        on with :meth:`read_peer`, which says why)."""
+        self.started = True
+        return self.transport.single_copy.read_sum(peers, addresses, mine, scratch, piece, start)
+
     def write_peer(self, peer: int, address: int, data) -> str | None:
         """:meth:`read_peer`'s other direction: copy ``data`` (uint8,
         C-contiguous) to ``address`` in ``peer``'s memory, a range ``peer``

@@ -116,7 +116,7 @@ class ReduceKernel:
         Wall time :func:`compile_op` spent compiling or loading from the disk cache.
     """
 
-    __slots__ = ("op", "dtype", "compile_seconds", "unchecked", "_entry", "_view")
+    __slots__ = ("op", "dtype", "compile_seconds", "unchecked", "plain_sum", "_entry", "_view")
 
     def __init__(self, op, dtype, entry, view, compile_seconds):
         self.op = op
@@ -129,6 +129,11 @@ class ReduceKernel:
         #: equal length and this dtype): numcoll's own work buffers. None for
         #: 16-bit floats, whose bits must be viewed as uint16 first.
         self.unchecked = entry if view is None else None
+        #: True where the kernel is ``acc[i] += x[i]`` and nothing else (SUM, or
+        #: AVG before its division, of ints, floats and complex but 16-bit
+        #: floats and bool): compiled code elsewhere may add in its place.
+        self.plain_sum = (op is ReduceOp.SUM or op is ReduceOp.AVG) and view is None \
+            and np.dtype(dtype).kind in "iufc"
 
     def __repr__(self):
         return f"<ReduceKernel {self.op!r} {dtype_name(self.dtype)}>"

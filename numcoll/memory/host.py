@@ -43,6 +43,12 @@ class HostBuffer:
         # contiguous, of its dtype), and checks their alignment below.
         self._trusted = getattr(reduce, "unchecked", None) or reduce
 
+    @property
+    def plain_sum(self) -> bool:
+        """Whether this buffer's reduction is ``acc[i] += x[i]`` alone (its
+        kernel's ``plain_sum``): compiled code may add into its elements."""
+        return getattr(self._reduce, "plain_sum", False)
+
     def send_view(self, start: int, count: int) -> np.ndarray:
         return self.array[start:start + count]
 

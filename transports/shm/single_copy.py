@@ -262,6 +262,18 @@ class SingleCopy:
                 raise TransportError(message, peer)
             done += n
 
+    def read_sum(self, peers: np.ndarray, addresses: np.ndarray, mine: np.ndarray,
+                 scratch: np.ndarray, piece: int, start: int) -> int:
+        """Read ``peers``' ranges at ``addresses`` a piece at a time, adding each
+        piece into ``mine`` from element ``start``, in one compiled call
+        (:func:`.single_copy_steps.read_sum`). Returns the elements summed;
+        fewer than ``mine.size`` where a read failed or copies are off on
+        this group: the caller goes on with :meth:`read`, which says why."""
+        if self.refused is not None or self.failed is not None:
+            return start
+        return single_copy_steps.read_sum(self._pid_words, peers, addresses, mine, scratch,
+                                          piece, start)
+
     def exchange(self, arena, seq: int, stamp: bytes, where: np.ndarray, copies: np.ndarray,
                  deadline: float | None) -> tuple[str, int] | None:
         """A single-copy call's *where* step, copies and *done* step in one

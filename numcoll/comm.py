@@ -269,6 +269,14 @@ class Comm:
         algorithm then finishes the call another way)."""
         return self._single_copy(self.transport.single_copy.read, peer, address, out, "recv")
 
+    def single_copy_usable(self) -> bool:
+        """Whether this group's ranks may read each other's memory now: its
+        transport offers single-copy reads and no call has found one refused
+        (what every rank knows alike: :meth:`refuse_single_copy`)."""
+        single_copy = getattr(self.transport, "single_copy", None)
+        return single_copy is not None and single_copy.refused is None \
+            and single_copy.failed is None
+
     def read_sum_peers(self, peers, addresses, mine, scratch, piece: int, start: int) -> int:
         """:meth:`read_peer` of every one of ``peers``' ranges (at
         ``addresses``), a piece of ``piece`` elements at a time into

@@ -124,13 +124,24 @@ class Config:
     #: 1.58-1.95, 16 MiB 0.75-1.54 -> 3.44-3.61, gather 16 MiB 0.71-0.74 ->
     #: 1.38-1.53; then 4 MiB (docs/performance/single-copy.md).
     single_copy_crowded_min_nbytes: int = 1 << 20
-    #: The threshold for alltoall, which counts a rank's own buffer: ranks
-    #: may send each other different amounts, so ranks whose buffers lie on
-    #: either side of a threshold choose differently and their call fails
-    #: with a mismatch error (force one algorithm for such calls). It stays
-    #: where it was when single copy came (not lowered with the others: calls
-    #: that worked then still work); an agreed choice for alltoall is not built.
+    #: The threshold for an alltoall without split sizes (and the list form),
+    #: which counts a rank's own buffer: every rank of such a call holds as
+    #: much (torch's rules), so they choose alike. An alltoall with split
+    #: sizes never takes it: its ranks may send each other different amounts,
+    #: and ranks whose buffers lay either side of it chose differently and
+    #: failed; it goes through the arena, and reads its rest single-copy from
+    #: ``single_copy_alltoall_rest_min_nbytes``. (A rank that passes split
+    #: sizes where its peer passes none, from this size, fails the call with a
+    #: mismatch error that says so: pass them on every rank or on none.)
     single_copy_alltoall_min_nbytes: int = 8 << 20
+    #: The arena's alltoall (the automatic choice for one with split sizes,
+    #: and below ``single_copy_alltoall_min_nbytes``): its ranks agree after
+    #: the first round -- every rank has read every rank's header then -- to
+    #: read what is left of every block single-copy where the largest block's
+    #: rest is at least this many bytes, the largest threshold any rank
+    #: offers counting (:func:`numcoll.algorithms.shared.alltoall_shared`).
+    #: 0: whenever a block takes more than one round.
+    single_copy_alltoall_rest_min_nbytes: int = 0
     #: The threshold for allreduce (``cma_measured``: a reduce-scatter and an
     #: allgather by single-copy reads, or the arena's ``shared_split``, as
     #: rank 0 measured them lately); by default the general one. 2 ranks, the
@@ -242,6 +253,7 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "single_copy": (0, 1), "single_copy_min_nbytes": (0, None),
            "single_copy_rooted_min_nbytes": (0, None),
            "single_copy_crowded_min_nbytes": (0, None),
+           "single_copy_alltoall_rest_min_nbytes": (0, None),
            "single_copy_alltoall_min_nbytes": (0, None)}
 
 

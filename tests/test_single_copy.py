@@ -64,6 +64,12 @@ def algorithms(pg, last):
     return [e["algorithm"] for e in entries[-last:]]
 
 
+#: What every_collective's calls ran, automatically, on groups whose ranks
+#: read each other: single copy, but the alltoall with split sizes, through
+#: the arena with the rest of its blocks read single-copy (4 KiB slots).
+MOVED = ["cma"] * 6 + ["shared+cma", "cma"]
+
+
 def every_collective(pg, algorithm=None):
     """Each moving collective, and allreduce, once, checked against NumPy;
     the number of calls."""
@@ -119,7 +125,7 @@ def test_every_moving_collective_reads_single_copy(size):
             return algorithms(pg, calls)
 
         for got in on_ranks(pgs, body):
-            assert got == (["cma"] * 8 if size > 1 else got)
+            assert got == (MOVED if size > 1 else got)
     finally:
         close(pgs)
 
@@ -133,7 +139,7 @@ def test_processes_read_each_other_single_copy():
     for refused, got in nc.launch(body, 3, mode="process", transport="shm",
                                   timeout=timedelta(seconds=60)):
         assert refused is None
-        assert got == ["cma"] * 8
+        assert got == MOVED
 
 
 def test_the_choice_by_size_forced_and_refused(monkeypatch):
@@ -142,16 +148,28 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     assert choose(cfg, "allgather", None, 16384, 2, single_copy_refused=None).name \
         == "cma_measured"
     assert choose(cfg, "allgather", None, 512, 2, single_copy_refused=None).name == "shared"
-    # Alltoall keeps its own threshold (its ranks' buffers may differ: a
-    # threshold between them would part them), not lowered with the others.
+    # Alltoall keeps its own threshold (an alltoall without split sizes: its
+    # ranks hold as much, by torch's rules); with split sizes, the arena's at
+    # every size (its ranks' buffers may differ: a threshold between them
+    # would part them), its ranks agreeing after the first round whether the
+    # rest is read single-copy.
     defaults = current(single_copy_min_nbytes=4 << 20, single_copy_alltoall_min_nbytes=8 << 20,
-                       arena_slot_nbytes=1 << 20)
+                       arena_slot_nbytes=1 << 20, single_copy_alltoall_rest_min_nbytes=1 << 20)
     assert choose(defaults, "allgather", None, 6 << 20, 2, single_copy_refused=None).name \
         == "cma_measured"
-    assert choose(defaults, "alltoall", None, 6 << 20, 2, single_copy_refused=None).name \
-        == "shared"
+    chosen = choose(defaults, "alltoall", None, 6 << 20, 2, single_copy_refused=None)
+    assert chosen.name == "shared" and chosen.run.keywords == {"rest_nbytes": 1 << 20}
     assert choose(defaults, "alltoall", None, 8 << 20, 2, single_copy_refused=None).name \
         == "cma_measured"
+    for nbytes in (6 << 20, 8 << 20, 1 << 30):
+        chosen = choose(defaults, "alltoall", None, nbytes, 2, single_copy_refused=None,
+                        uneven=True)
+        assert chosen.name == "shared" and chosen.run.keywords == {"rest_nbytes": 1 << 20}
+    # (forced, or where the ranks cannot read each other: the arena alone)
+    assert not hasattr(choose(defaults, "alltoall", "shared", 1 << 30, 2,
+                              single_copy_refused=None, uneven=True).run, "keywords")
+    assert not hasattr(choose(defaults, "alltoall", None, 1 << 30, 2,
+                              single_copy_refused="no", uneven=True).run, "keywords")
     # Within a fused arena step's reach too (slots of 4 KiB, the fixture: an
     # allgather of a slot a rank, a broadcast of a slot), as a repeated
     # measured call within a slot is a compiled start of its own.
@@ -358,46 +376,43 @@ def test_rank_0_says_copy_or_arena_and_every_rank_follows(monkeypatch):
         got = on_ranks(pgs, body)
     finally:
         close(pgs)
-    ways = ["shared_split", "cma", "shared", "cma", "shared", "cma", "shared", "cma"] * 2
+    # (the alltoall with split sizes is not measured: the arena's, its rest
+    # read single-copy)
+    ways = ["shared_split", "cma", "shared", "cma", "shared", "cma", "shared+cma", "shared",
+            "cma", "shared", "cma", "shared", "cma", "shared", "shared+cma", "cma"]
     assert got == [(ways, ["cma"] * 8)] * 3
-    assert len(said) == 16  # rank 0 alone, once a call, never for the forced cma
+    assert len(said) == 14  # rank 0 alone, once a call, never for the forced cma
     # (what rank 0 publishes: its allreduce's chunks 1 and 2, its allgather's block)
     assert said[0] == ("allreduce", (8 * 2 * (N // 3)).bit_length())
     assert said[1] == ("allgather_into_tensor", (8 * N).bit_length())
 
 
-def test_uneven_alltoall_across_its_threshold_fails_and_says_why(monkeypatch):
-    """An alltoall chooses by each rank's own buffer: ranks that send each
-    other different amounts, their buffers either side of the threshold,
-    choose differently. That fails on both (nothing exchanged), and the error
-    says why and what to do; forcing one algorithm makes the call work."""
+@pytest.mark.parametrize("threshold, way", [(16000, "shared"), (4000, "shared+cma")])
+def test_an_uneven_alltoall_across_its_threshold_agrees(monkeypatch, threshold, way):
+    """Ranks that send each other different amounts, their buffers either
+    side of the alltoall threshold (rank 0 sends 24000 B, rank 1 12000; with
+    a threshold on each rank's own buffer they chose differently and the
+    call failed), agree after the first round whether the rest is read
+    single-copy: from the largest block's rest (all of rank 0's 1500 float64,
+    12000 B: it needs more than a round, so its data starts a round late)
+    against the rest threshold, the same on both. Results right either way."""
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "16000")
-    m = 1500  # rank 0 sends 2 x 1500 float64 (24000 B), rank 1 2 x 750 (12000 B)
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_REST_MIN_NBYTES", str(threshold))
+    m = 1500
 
-    def uneven(pg, **options):
+    def body(pg):
         mine = m if pg.rank() == 0 else m // 2
         send = np.full((2 * mine, 1), float(pg.rank()))
         recv = np.zeros((m + m // 2, 1))
-        pg.alltoall_base(recv, send, [m, m // 2], [mine, mine],
-                         nc.AllToAllOptions(timeout=timedelta(seconds=10), **options)).wait()
-        return recv[:, 0].tolist()
+        pg.alltoall_base(recv, send, [m, m // 2], [mine, mine]).wait()
+        return recv[:, 0].tolist(), algorithms(pg, 1)
 
-    def body(pg):
-        with pytest.raises(nc.CollectiveMismatchError,
-                           match="chooses its algorithm by the size of each rank's own"):
-            uneven(pg)
-        return True
-
-    def on_a_new_group(fn):  # (a mismatch poisons its group)
-        pgs = shm_groups(2)
-        try:
-            return on_ranks(pgs, fn)
-        finally:
-            close(pgs)
-
-    assert on_a_new_group(body) == [True, True]
-    got = on_a_new_group(lambda pg: uneven(pg, algorithm="shared"))
-    assert got[0] == [0.0] * m + [1.0] * (m // 2) and got[1] == [0.0] * m + [1.0] * (m // 2)
+    pgs = shm_groups(2)
+    try:
+        got = on_ranks(pgs, body)
+    finally:
+        close(pgs)
+    assert got == [([0.0] * m + [1.0] * (m // 2), [way])] * 2
 
 
 def test_rank_0_takes_the_faster_way_and_looks_at_the_other_now_and_then():
@@ -593,15 +608,7 @@ def test_an_allreduce_refused_anywhere_is_finished_through_the_arena(monkeypatch
 
     def rank_fn(comm):
         if comm.rank == size - 1:
-            real, reads = comm.read_peer, []
-
-            def read_peer(peer, address, out):
-                reads.append(peer)
-                if len(reads) > after:
-                    comm.single_copy_refused = "EPERM (simulated)"
-                return real(peer, address, out)
-
-            comm.read_peer = read_peer
+            comm.refuse_reads_after(after)
         x = inputs(comm.rank, count)
         CHOICES["allreduce"]["cma"](comm, HostBuffer(x, lambda acc, y: np.add(acc, y, out=acc)),
                                     4)
@@ -611,3 +618,36 @@ def test_an_allreduce_refused_anywhere_is_finished_through_the_arena(monkeypatch
     for x, refused in run_ranks(size, rank_fn):
         assert np.array_equal(x, want)
         assert refused == "EPERM (simulated)"
+
+
+def test_split_sizes_on_one_rank_only_from_the_alltoall_threshold_fail_and_say_why(
+        monkeypatch):
+    """Rank 0 passes split sizes (equal ones), rank 1 none: below the alltoall
+    threshold both take the arena and agree; from it, rank 1 reads
+    single-copy and rank 0 keeps the arena, and the call fails on both
+    (nothing exchanged) with an error that says to pass split sizes on every
+    rank or on none."""
+    m = 1500  # 2 x 1500 float64 (24000 B) on each rank
+
+    def body(pg):
+        send = np.full((2 * m, 1), float(pg.rank()))
+        recv = np.zeros((2 * m, 1))
+        splits = [m, m] if pg.rank() == 0 else None
+        pg.alltoall_base(recv, send, splits, splits,
+                         nc.AllToAllOptions(timeout=timedelta(seconds=10))).wait()
+        return recv[:, 0].tolist()
+
+    def fails(pg):
+        with pytest.raises(nc.CollectiveMismatchError,
+                           match="pass split sizes on every rank, or on none"):
+            body(pg)
+        return True
+
+    for threshold, fn, want in ((32000, body, [[0.0] * m + [1.0] * m] * 2),
+                                (16000, fails, [True, True])):
+        monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", str(threshold))
+        pgs = shm_groups(2)  # (a mismatch poisons its group)
+        try:
+            assert on_ranks(pgs, fn) == want
+        finally:
+            close(pgs)

@@ -73,6 +73,8 @@ from ..comm import WHERE_HEADER_NBYTES as _WHERE_HEADER_NBYTES
 from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
                      scatter_shared)
 from .single_copy_say import _learnt, _say, measured_key
+from .verdict import done_step as _done
+from .verdict import verdict as _verdict
 
 __all__ = ["Parts", "exchange", "checked", "published_nbytes", "fused_plan", "resume",
            "allgather_cma", "broadcast_cma", "gather_cma", "scatter_cma", "alltoall_cma",
@@ -83,8 +85,6 @@ __all__ = ["Parts", "exchange", "checked", "published_nbytes", "fused_plan", "re
 
 #: Marks a published *where* (b"ncsingle" as a little-endian word).
 _MAGIC = int.from_bytes(b"ncsinglc", "little")
-#: A *done* step carries a refusal's text, at most this many bytes.
-_REASON_NBYTES = 256
 
 
 def where_nbytes(entries: int) -> int:
@@ -293,38 +293,6 @@ def checked(comm, kind: int, peer: int, entry, nbytes: int) -> int:
                            if kind == READ else
                            f"rank {peer} takes {theirs} bytes, this rank writes {nbytes}")
     return address
-
-
-def _done(comm, refused: str | None) -> bool:
-    """Phase 3: publish this rank's verdict; :func:`_verdict`."""
-    text = np.zeros(_REASON_NBYTES, np.uint8)
-    if refused is not None:
-        raw = refused.encode()[:_REASON_NBYTES - 1] or b"?"
-        text[:len(raw)] = np.frombuffer(raw, np.uint8)
-        step = comm.shared_step(text)
-    else:
-        step = comm.shared_step(text[:0])
-    return _verdict(comm, step, refused)
-
-
-def _verdict(comm, step: int, refused: str | None) -> bool:
-    """True if every rank's *done* (``step``) says its copies succeeded.
-    Otherwise every rank marks its copies failed, for the first refusal's
-    reason (the same text on every rank), and returns False."""
-    reasons = []
-    for q in range(comm.size):
-        if q == comm.rank:
-            reasons.append(refused)
-            continue
-        n = comm.published_nbytes(step, q)
-        if n:
-            reasons.append(bytes(comm.shared_view(step, q, 0, n)).rstrip(b"\0").decode(
-                errors="replace"))
-    first = next((r for r in reasons if r), None)
-    if first is None:
-        return True
-    comm.refuse_single_copy(first)
-    return False
 
 
 def allgather_cma(comm, buf, chunks, segment_count: int | None = None,

@@ -26,7 +26,13 @@ The automatic choice, in order:
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
   alltoall and scatter),
   where the ranks may read each other's memory;
-  the ``shared`` algorithms otherwise;
+  the ``shared`` algorithms otherwise. An alltoall with split sizes
+  (``uneven``) is the arena's at every size: its ranks may send each other
+  different amounts, and a threshold on a rank's own buffer would part ranks
+  whose buffers lie either side of it. Where the ranks may read each other,
+  the arena's alltoall agrees after its first round whether the rest of
+  its blocks is read single-copy (``single_copy_alltoall_rest_min_nbytes``;
+  :func:`numcoll.algorithms.shared.alltoall_shared`);
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
 """
@@ -34,9 +40,11 @@ The automatic choice, in order:
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable, NamedTuple
 
 from ..algorithms import ARENA, CHOICES, DEVICE_PEERS, SHARED, SINGLE_COPY, TWO_LEVEL
+from ..algorithms.shared import alltoall_head_nbytes
 from ..algorithms.single_copy import where_nbytes
 from ..config import Config, forced_algorithm
 
@@ -71,7 +79,7 @@ NO_SINGLE_COPY = "its transport offers no single-copy reads (the shm transport d
 def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
            size: int, shared: bool = True, topology=None,
            device_peers: str | None = "host arrays",
-           single_copy_refused: str | None = NO_SINGLE_COPY) -> Choice:
+           single_copy_refused: str | None = NO_SINGLE_COPY, uneven: bool = False) -> Choice:
     """The algorithm for ``collective`` (a key of :data:`numcoll.algorithms.CHOICES`)
     on ``nbytes`` bytes over ``size`` ranks. ``shared=False``: not one of the
     arena's (for a collective run inside another call, whose arena turn was
@@ -80,14 +88,16 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     knows which ranks share a host. ``device_peers``: None for device arrays
     whose ranks can address each other's device memory, else why not.
     ``single_copy_refused``: why this group's ranks cannot read each other's
-    memory, None where they can."""
+    memory, None where they can. ``uneven``: an alltoall whose ranks may send
+    each other different amounts (split sizes given)."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
     name = requested or forced_algorithm(cfg, collective)
-    if name is None or (not shared and requested is None and name in ARENA):
+    automatic = name is None or (not shared and requested is None and name in ARENA)
+    if automatic:
         name = _automatic(cfg, collective, nbytes, size, shared, topology,
-                          single_copy_refused)
+                          single_copy_refused, uneven)
         if collective in _DEVICE_PEER_FAMILIES and device_peers is None and size > 1 \
                 and _hosts(topology) == 1 and cfg.cuda_ipc == "auto":
             name = _DEVICE_PEER_FAMILIES[collective]
@@ -96,6 +106,12 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     except KeyError:
         raise ValueError(f"{collective}: unknown algorithm {name!r}; choose one of "
                          f"{sorted(options)}") from None
+    if automatic and collective == "alltoall" and name == "shared" and size > 1 \
+            and single_copy_refused is None and cfg.single_copy and _hosts(topology) == 1:
+        # The arena's alltoall, whose ranks agree after its first round to
+        # read the rest of large blocks single-copy (alltoall_shared).
+        choice = Choice(name, partial(options[name],
+                                      rest_nbytes=cfg.single_copy_alltoall_rest_min_nbytes))
     if name in SINGLE_COPY and size > 1:
         why = single_copy_refused or (None if cfg.single_copy else
                                       "single_copy is 0 (NUMCOLL_SINGLE_COPY)")
@@ -167,7 +183,7 @@ _UNCROWDED = frozenset(("alltoall", "scatter"))
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for gather, for alltoall (whose ranks' buffers may differ: see
+    two for gather, for alltoall (without split sizes: see
     ``single_copy_alltoall_min_nbytes``) and for allreduce, and
     the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
@@ -195,7 +211,8 @@ def _single_copy_fits(cfg: Config, size: int) -> bool:
 
 
 def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: bool,
-               topology, single_copy_refused: str | None = NO_SINGLE_COPY) -> str:
+               topology, single_copy_refused: str | None = NO_SINGLE_COPY,
+               uneven: bool = False) -> str:
     if topology is not None and len(topology.hosts) > 1:
         if shared and topology.two_level and collective in TWO_LEVEL_FAMILIES:
             return TWO_LEVEL_DEFAULT if TWO_LEVEL_DEFAULT in CHOICES[collective] \
@@ -203,7 +220,12 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         on_arena = None  # an arena here is a host's, not the group's
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
+        # (Not an alltoall with split sizes: its ranks' buffers may differ, and
+        # ranks whose buffers lie either side of a threshold would part; the
+        # arena's alltoall agrees after its first round whether to read the
+        # rest single-copy: choose().)
         if on_arena in ("shared", "shared_split") and "cma" in CHOICES[collective] \
+                and not uneven \
                 and single_copy_refused is None and cfg.single_copy \
                 and nbytes >= _single_copy_min(cfg, collective, size) \
                 and _single_copy_fits(cfg, size):
@@ -229,8 +251,8 @@ def _shared(cfg: Config, collective: str, nbytes: int, size: int) -> str | None:
     if collective == "allreduce":
         return "shared_split" if nbytes >= cfg.shared_split_nbytes else "shared"
     if collective in ("reduce_scatter", "scatter", "alltoall") and \
-            cfg.arena_slot_nbytes < 16 * size + 8 * (size + 8):
-        return None  # a round holds an element for every rank (and alltoall's table)
+            cfg.arena_slot_nbytes < 16 * size + max(8 * (size + 8), alltoall_head_nbytes(size)):
+        return None  # a round holds an element for every rank (and alltoall's header)
     return "shared" if "shared" in CHOICES[collective] else None
 
 

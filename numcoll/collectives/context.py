@@ -140,13 +140,13 @@ class GroupContext:
         return red
 
     def choose(self, collective: str, requested, nbytes: int, shared: bool = True,
-               device: bool = False) -> Choice:
+               device: bool = False, uneven: bool = False) -> Choice:
         """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`);
-        ``device``: the arrays are CUDA arrays."""
+        ``device``: the arrays are CUDA arrays; ``uneven``: an alltoall with split sizes."""
         single_copy = self.single_copy
         return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology,
                       self.device_peers() if device else "host arrays",
-                      NO_SINGLE_COPY if single_copy is None else single_copy.refused)
+                      NO_SINGLE_COPY if single_copy is None else single_copy.refused, uneven)
 
     def device_peers(self) -> str | None:
         """None if the ranks can address each other's device memory (threads of

@@ -101,7 +101,10 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
             (found := shared_arrays.alltoall_base(ctx, out, inp, send_chunks, recv_chunks,
                                                   [output], aliased, opts)):
         return found
-    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out])
+    # With split sizes, ranks may send each other different amounts: their
+    # choice must not hang on a rank's own size (see choice.choose).
+    uneven = input_split_sizes is not None or output_split_sizes is not None
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out], uneven)
     plan = (xp, algorithm, seg, send_chunks, recv_chunks, rank, aliased)
     run = xp.wrap(_alltoall_base_run(plan, out, inp, output))
     if output_split_sizes is None and input_split_sizes is None and not xp.is_device \
@@ -134,18 +137,18 @@ def _alltoall_base_remake(plan, output, input):
     return _alltoall_base_run(plan, output, input, output)
 
 
-def _alltoall_plan(ctx, name, opts, inputs, outputs):
+def _alltoall_plan(ctx, name, opts, inputs, outputs, uneven: bool = False):
     """The algorithm, segment and call of alltoall(_base) (cached)."""
     key = (name, inputs[0].dtype, shapes(inputs), shapes(outputs),
-           is_device_array(inputs[0]), opts.algorithm, opts.timeout)
+           is_device_array(inputs[0]), opts.algorithm, opts.timeout, uneven)
     return cached(ctx, key, opts, name, _build_alltoall_plan, ctx, name, opts, inputs,
-                  outputs)
+                  outputs, uneven)
 
 
-def _build_alltoall_plan(ctx, name, opts, inputs, outputs):
+def _build_alltoall_plan(ctx, name, opts, inputs, outputs, uneven):
     dtype = inputs[0].dtype
     algorithm = ctx.choose("alltoall", opts.algorithm, nbytes_of(inputs),
-                           device=is_device_array(inputs[0]))
+                           device=is_device_array(inputs[0]), uneven=uneven)
     # Ranks may send each other different amounts (alltoall_base's splits), so
     # no element count is stamped: each message's size is checked exactly instead.
     call = Call(name, ctx.timeout_for(opts, name), dtype, 0, algorithm=algorithm.name,

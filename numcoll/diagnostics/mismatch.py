@@ -32,18 +32,24 @@ def both_calls(call: Call, seq: int | None, stamp: bytes, their_seq: int | None)
 
 def settings_hint(stamp: bytes, theirs: bytes) -> str:
     """What to do when two stamps differ in their settings fingerprint, or
-    are alltoalls that chose different algorithms under the same settings."""
+    name different algorithms for one call under the same settings."""
     a, b = stamp_settings(stamp), stamp_settings(theirs)
     if a is None or b is None:
         return ""
     if a == b:
         mine, other = stamp_call(stamp), stamp_call(theirs)
-        if mine[0] == other[0] and mine[0].startswith("alltoall") and mine[1] != other[1]:
-            return (". An alltoall chooses its algorithm by the size of each rank's own "
-                    "buffer, so ranks that send each other different amounts can choose "
-                    "differently (NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES): force one on every "
-                    "rank (AllToAllOptions(algorithm=...), or "
-                    "NUMCOLL_ALGORITHM=alltoall:shared)")
+        # (all but the algorithm alike: the stamp's fifth byte, call.py's _STAMP)
+        if mine[1] != other[1] and stamp[:4] + stamp[5:] == theirs[:4] + theirs[5:]:
+            if mine[0].startswith("alltoall"):
+                return (". Under the same settings the ranks chose different algorithms for "
+                        "this alltoall: an alltoall with split sizes on some ranks and none "
+                        "on others chooses differently from "
+                        "NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES on (pass split sizes on "
+                        "every rank, or on none), as does one that passes an algorithm "
+                        "(opts.algorithm) on some ranks only")
+            return (". Under the same settings the ranks chose different algorithms for "
+                    "this call: some passed an algorithm for it (opts.algorithm) and "
+                    "others did not, or another; pass the same on every rank")
         return ""
     names = ", ".join(f"NUMCOLL_{name.upper()}" for name in AGREED)
     return (f". The ranks' settings differ (fingerprints {a:04x} and {b:04x}): every rank "

@@ -25,7 +25,7 @@ import numpy as np
 from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
-from ..algorithms.shared import _place
+from ..algorithms.shared import _place, alltoall_head_nbytes
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
@@ -179,13 +179,16 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
         return FusedMove(pg, call, x, y, moves, (size - 2) * stride + b, [out])
     if name == "alltoall_base":
         b = x.size // size
-        head = -(-8 * (size + 1) // 64) * 64  # as alltoall_shared's table
+        head = alltoall_head_nbytes(size)
         peer = per_round(size - 1, head)
         if x.size != y.size or b % itemsize or not 0 < b // itemsize <= peer:
             return None
         stride, count = peer * itemsize, b // itemsize
+        # (alltoall_shared's header: one round, the counts, no rest read
+        # single-copy and data in round 0 -- a fused step makes its one round)
         moves = [(WORD, rank, 1, 0, 8)] + [(WORD, rank, count, 8 * (1 + q), 8)
                                            for q in range(size)]
+        moves += [(WORD, rank, 0, 8 * (2 * size + 1), 8), (WORD, rank, 0, 8 * (2 * size + 2), 8)]
         moves += [(PACK, rank, q * b, head + _place(q, rank) * stride, b) for q in others]
         moves += [(LOCAL, rank, rank * b, rank * b, b)]
         moves += [(CHECK, q, 0, 0, 1) for q in others]

@@ -85,6 +85,8 @@ class FakeComm:
         #: Why single-copy reads are refused (None: they succeed): set it to
         #: test an algorithm's fallback; :meth:`refuse_single_copy` sets it too.
         self.single_copy_refused: str | None = None
+        self._reads_left: int | None = None  # (refuse_reads_after)
+        self._refusal = ""
         self.tuning: dict = {}
         #: What the algorithm said ran instead of itself (:meth:`ran_instead`), if anything.
         self.ran: str | None = None
@@ -164,10 +166,20 @@ class FakeComm:
         """Comm.read_peer: the ranks are threads of this process, so a peer's
         address is this process's; a refusal's text if :attr:`single_copy_refused`."""
         assert 0 <= peer < self.size and peer != self.rank, f"rank {self.rank} reads {peer}"
+        if self._reads_left is not None:
+            if self._reads_left == 0:
+                self.single_copy_refused = self._refusal
+            self._reads_left -= 1
         if self.single_copy_refused is not None:
             return self.single_copy_refused
         ctypes.memmove(out.ctypes.data, address, out.nbytes)
         return None
+
+    def refuse_reads_after(self, n: int, reason: str = "EPERM (simulated)") -> None:
+        """Let this rank's next ``n`` reads succeed and refuse every later one
+        (setting :attr:`single_copy_refused` then): a refusal in the middle
+        of a call."""
+        self._reads_left, self._refusal = n, reason
 
     def write_peer(self, peer: int, address: int, data: np.ndarray) -> str | None:
         """Comm.write_peer: as :meth:`read_peer`, the other way."""
@@ -185,6 +197,10 @@ class FakeComm:
     def single_copy_tuning(self) -> dict:
         """Comm.single_copy_tuning: this rank's own dict (only rank 0 uses it)."""
         return self.tuning
+
+    def single_copy_usable(self) -> bool:
+        """Comm.single_copy_usable: until :attr:`single_copy_refused` is set."""
+        return self.single_copy_refused is None
 
     def refuse_single_copy(self, reason: str) -> None:
         """Comm.refuse_single_copy: later reads are refused."""

@@ -274,8 +274,7 @@ class Comm:
         transport offers single-copy reads and no call has found one refused
         (what every rank knows alike: :meth:`refuse_single_copy`)."""
         single_copy = getattr(self.transport, "single_copy", None)
-        return single_copy is not None and single_copy.refused is None \
-            and single_copy.failed is None
+        return single_copy is not None and single_copy.usable
 
     def read_sum_peers(self, peers, addresses, mine, scratch, piece: int, start: int) -> int:
         """:meth:`read_peer` of every one of ``peers``' ranges (at

@@ -102,7 +102,7 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
                                                   [output], aliased, opts)):
         return found
     # With split sizes, ranks may send each other different amounts: their
-    # choice must not hang on a rank's own size (see choice.choose).
+    # choice must not depend on a rank's own size (see choice.choose).
     uneven = input_split_sizes is not None or output_split_sizes is not None
     algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out], uneven)
     plan = (xp, algorithm, seg, send_chunks, recv_chunks, rank, aliased)

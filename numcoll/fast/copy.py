@@ -237,7 +237,7 @@ class FusedCopy(FusedCall):
         the ordinary path takes it: copies are off on this group (that path
         says why), or rank 0 says the arena this time."""
         single_copy = self.single_copy
-        if single_copy.refused is not None or single_copy.failed is not None:
+        if not single_copy.usable:
             return False
         tuning = self.tuning
         if tuning is not None and fused_say(tuning, self.key):

@@ -269,7 +269,7 @@ class SingleCopy:
         (:func:`.single_copy_steps.read_sum`). Returns the elements summed;
         fewer than ``mine.size`` where a read failed or copies are off on
         this group: the caller goes on with :meth:`read`, which says why."""
-        if self.refused is not None or self.failed is not None:
+        if not self.usable:
             return start
         return single_copy_steps.read_sum(self._pid_words, peers, addresses, mine, scratch,
                                           piece, start)
@@ -280,12 +280,19 @@ class SingleCopy:
         compiled call (:func:`.single_copy_steps.exchange`: ``(state,
         step)``), or None -- nothing published -- where copies are off on
         this group (the caller takes every phase step by step, and learns why)."""
-        if self.refused is not None or self.failed is not None:
+        if not self.usable:
             return None
         stamps = _stamp_cache.get(stamp) or _stamp_words(stamp)
         deadline_ns = 1 << 62 if deadline is None else int(deadline * 1e9)
         return single_copy_steps.exchange(arena, seq, stamps, where, copies, self._pid_words,
                                           deadline_ns)
+
+    @property
+    def usable(self) -> bool:
+        """Whether the ranks may read each other now: agreed at set-up
+        (``refused`` None) and no call has found a read refused since
+        (``failed`` None). Every rank of the group sees the same answer."""
+        return self.refused is None and self.failed is None
 
     def refuse(self, reason: str) -> bool:
         """A read was refused in a call (every rank calls this in the same call,

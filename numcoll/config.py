@@ -124,24 +124,31 @@ class Config:
     #: 1.58-1.95, 16 MiB 0.75-1.54 -> 3.44-3.61, gather 16 MiB 0.71-0.74 ->
     #: 1.38-1.53; then 4 MiB (docs/performance/single-copy.md).
     single_copy_crowded_min_nbytes: int = 1 << 20
-    #: The threshold for an alltoall without split sizes (and the list form),
-    #: which counts a rank's own buffer: every rank of such a call holds as
-    #: much (torch's rules), so they choose alike. An alltoall with split
-    #: sizes never takes it: its ranks may send each other different amounts,
-    #: and ranks whose buffers lay either side of it chose differently and
-    #: failed; it goes through the arena, and reads its rest single-copy from
-    #: ``single_copy_alltoall_rest_min_nbytes``. (A rank that passes split
-    #: sizes where its peer passes none, from this size, fails the call with a
-    #: mismatch error that says so: pass them on every rank or on none.)
+    #: The threshold for the list form of alltoall (``all_to_all``), which
+    #: counts a rank's own buffer: every rank of such a call holds as much
+    #: (torch's rules), so they choose alike. ``all_to_all_single`` never
+    #: takes it, with split sizes or without: a peer may pass them where this
+    #: rank passes none, and ranks may send each other different amounts, so
+    #: ranks that chose by their own buffers' sizes could part. It goes
+    #: through the arena's alltoall, whose ranks agree inside it whether to
+    #: read the blocks single-copy (``single_copy_alltoall_rest_min_nbytes``).
     single_copy_alltoall_min_nbytes: int = 8 << 20
-    #: The arena's alltoall (the automatic choice for one with split sizes,
-    #: and below ``single_copy_alltoall_min_nbytes``): its ranks agree after
-    #: the first round -- every rank has read every rank's header then -- to
-    #: read what is left of every block single-copy where the largest block's
-    #: rest is at least this many bytes, the largest threshold any rank
-    #: offers counting (:func:`numcoll.algorithms.shared.alltoall_shared`).
-    #: 0: whenever a block takes more than one round.
-    single_copy_alltoall_rest_min_nbytes: int = 0
+    #: The arena's alltoall (the automatic choice for ``all_to_all_single``,
+    #: and for the list form below ``single_copy_alltoall_min_nbytes``): a
+    #: rank whose largest block is at least this many bytes offers its blocks
+    #: to be read whole (its data starts a round late; 0: where it needs more
+    #: than one round), and after the first round, when every rank has read
+    #: every rank's header, all of them read what is left of every block
+    #: single-copy where every rank offers it and the largest block's rest is
+    #: at least the largest threshold offered
+    #: (:func:`numcoll.algorithms.shared_alltoall.alltoall_shared`). A
+    #: repeated call whose blocks are read whole runs as one compiled start.
+    #: 128 KiB: 2 ranks, paired beside Open MPI, busbw ratio, a rank's whole
+    #: buffer, 0 -> 128 KiB: 256 KiB 0.62-0.63 -> 0.86, 1 MiB 0.56-0.61 ->
+    #: 0.87, 4 MiB 0.58-0.68 -> 0.84; 4 ranks on 2 cores 512 KiB 0.54 -> 0.82,
+    #: 2 MiB 0.43 -> 0.92; at 64 KiB blocks (4 ranks, 256 KiB) the two tie
+    #: (docs/performance/single-copy.md).
+    single_copy_alltoall_rest_min_nbytes: int = 128 << 10
     #: The threshold for allreduce (``cma_measured``: a reduce-scatter and an
     #: allgather by single-copy reads, or the arena's ``shared_split``, as
     #: rank 0 measured them lately); by default the general one. 2 ranks, the

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from numcoll.memory.host import HostBuffer
-from numcoll.algorithms.shared import alltoall_head_nbytes, alltoall_shared
+from numcoll.algorithms.shared_alltoall import alltoall_head_nbytes, alltoall_shared
 from numcoll.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -361,7 +361,9 @@ def test_exploration_suites_quick_mode_and_bandwidth_in_tables(tmp_path):
 
 def test_the_algo_column_asks_for_the_bytes_each_collective_chooses_by():
     """(gather and scatter choose by a rank's block: the bench named single
-    copy for a 4-rank scatter of 1 MiB that ran through the arena.)"""
+    copy for a 4-rank scatter of 1 MiB that ran through the arena; its
+    alltoall is all_to_all_single, chosen as one whose ranks may send each
+    other different amounts.)"""
     from types import SimpleNamespace
 
     from numcoll.bench.sweep import algorithm_name, make_plan
@@ -372,12 +374,13 @@ def test_the_algo_column_asks_for_the_bytes_each_collective_chooses_by():
     class Context:
         cfg = current()
 
-        def choose(self, op, requested, nbytes):
-            asked.append((op, nbytes))
+        def choose(self, op, requested, nbytes, uneven=False):
+            asked.append((op, nbytes, uneven))
             return SimpleNamespace(name="shared")
 
     for op in ("gather", "scatter", "alltoall", "allgather", "broadcast"):
         plan = make_plan(op, [4 << 20], world_size=4)
         assert algorithm_name(plan, plan.cases[0], context=Context()) == "shared"
-    assert asked == [("gather", 1 << 20), ("scatter", 1 << 20), ("alltoall", 4 << 20),
-                     ("allgather", 4 << 20), ("broadcast", 4 << 20)]
+    assert asked == [("gather", 1 << 20, False), ("scatter", 1 << 20, False),
+                     ("alltoall", 4 << 20, True), ("allgather", 4 << 20, False),
+                     ("broadcast", 4 << 20, False)]

@@ -39,6 +39,7 @@ def small_threshold(monkeypatch):
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "4096")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_REST_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLREDUCE_MIN_NBYTES", "1024")
@@ -620,34 +621,28 @@ def test_an_allreduce_refused_anywhere_is_finished_through_the_arena(monkeypatch
         assert refused == "EPERM (simulated)"
 
 
-def test_split_sizes_on_one_rank_only_from_the_alltoall_threshold_fail_and_say_why(
-        monkeypatch):
-    """Rank 0 passes split sizes (equal ones), rank 1 none: below the alltoall
-    threshold both take the arena and agree; from it, rank 1 reads
-    single-copy and rank 0 keeps the arena, and the call fails on both
-    (nothing exchanged) with an error that says to pass split sizes on every
-    rank or on none."""
-    m = 1500  # 2 x 1500 float64 (24000 B) on each rank
+def test_split_sizes_on_one_rank_only_agree_at_every_size(monkeypatch):
+    """Rank 0 passes split sizes (its own block of another length), rank 1
+    none: every all_to_all_single takes the arena's alltoall, whose ranks
+    agree after round 0 whether to read the blocks single-copy, so the two
+    cannot part, whatever the threshold: below it through the rounds, from
+    it read whole."""
+    m, k = 1500, 700  # float64: rank 0 keeps k for itself, each sends the other m
 
     def body(pg):
-        send = np.full((2 * m, 1), float(pg.rank()))
-        recv = np.zeros((2 * m, 1))
-        splits = [m, m] if pg.rank() == 0 else None
+        mine = k if pg.rank() == 0 else m
+        send = np.full((mine + m, 1), float(pg.rank()))
+        recv = np.zeros((mine + m, 1))
+        splits = [k, m] if pg.rank() == 0 else None
         pg.alltoall_base(recv, send, splits, splits,
                          nc.AllToAllOptions(timeout=timedelta(seconds=10))).wait()
         return recv[:, 0].tolist()
 
-    def fails(pg):
-        with pytest.raises(nc.CollectiveMismatchError,
-                           match="pass split sizes on every rank, or on none"):
-            body(pg)
-        return True
-
-    for threshold, fn, want in ((32000, body, [[0.0] * m + [1.0] * m] * 2),
-                                (16000, fails, [True, True])):
-        monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", str(threshold))
-        pgs = shm_groups(2)  # (a mismatch poisons its group)
+    want = [[0.0] * k + [1.0] * m, [0.0] * m + [1.0] * m]
+    for threshold in (1, 8 * m, 8 * m + 1, 1 << 30):
+        monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_REST_MIN_NBYTES", str(threshold))
+        pgs = shm_groups(2)
         try:
-            assert on_ranks(pgs, fn) == want
+            assert on_ranks(pgs, body) == want
         finally:
             close(pgs)

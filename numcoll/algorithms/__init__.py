@@ -23,8 +23,9 @@ from .reduce import reduce_binomial, reduce_ring
 from .reduce_scatter import reduce_scatter_ring
 from .rooted import gather_direct, scatter_direct
 from .shared import (allgather_shared, allreduce_shared, allreduce_shared_split,
-                     alltoall_shared, barrier_shared, broadcast_shared, gather_shared,
-                     reduce_scatter_shared, reduce_shared, scatter_shared)
+                     barrier_shared, broadcast_shared, gather_shared, reduce_scatter_shared,
+                     reduce_shared, scatter_shared)
+from .shared_alltoall import alltoall_shared
 from .single_copy import (allgather_cma, allgather_cma_measured, alltoall_cma,
                           alltoall_cma_measured, broadcast_cma, broadcast_cma_measured,
                           gather_cma, gather_cma_measured, scatter_cma, scatter_cma_measured)

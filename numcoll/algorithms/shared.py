@@ -24,11 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 from .partition import chunk_bounds, segments
-from .verdict import done_step
-
 __all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
            "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
-           "scatter_shared", "alltoall_shared", "alltoall_head_nbytes", "barrier_shared"]
+           "scatter_shared", "barrier_shared"]
 
 
 def _bytes(a) -> np.ndarray:
@@ -83,9 +81,17 @@ def _per_round(comm, itemsize: int, segment_count: int | None, parts: int = 1,
     """Elements per round of each of ``parts`` pieces: what fits the arena's
     slot (less ``reserved_nbytes``), and at most ``segment_count`` (so tests
     can force many rounds)."""
-    fits = (comm.arena_slot_nbytes - reserved_nbytes) // (parts * itemsize)
+    return round_elements(comm.arena_slot_nbytes, itemsize, segment_count, parts,
+                          reserved_nbytes)
+
+
+def round_elements(slot_nbytes: int, itemsize: int, segment_count: int | None, parts: int = 1,
+                   reserved_nbytes: int = 0) -> int:
+    """:func:`_per_round` for a slot of ``slot_nbytes`` (what a fused plan,
+    which has no Comm, lays out alike)."""
+    fits = (slot_nbytes - reserved_nbytes) // (parts * itemsize)
     if fits < 1:
-        raise ValueError(f"the shared arena's {comm.arena_slot_nbytes}-byte slot cannot hold "
+        raise ValueError(f"the shared arena's {slot_nbytes}-byte slot cannot hold "
                          f"{parts} elements of {itemsize} bytes")
     return fits if segment_count is None else max(1, min(fits, segment_count))
 
@@ -321,166 +327,6 @@ def _place(q: int, writer: int) -> int:
     """Where, in pieces, rank ``writer``'s slot holds its piece for rank ``q``
     (``q != writer``): the P-1 peers in rank order, no hole for the writer."""
     return q - (q > writer)
-
-
-def alltoall_head_nbytes(size: int) -> int:
-    """Bytes of the header that starts each rank's slot in
-    :func:`alltoall_shared` (64-byte aligned): the rounds this rank needs,
-    what it sends each rank, where each of its blocks lies, from what size
-    it lets the rest be read single-copy (0: it does not), and whether its
-    data starts a round late (it offered reads: round 0 carries its header
-    alone)."""
-    return -(-8 * (2 * size + 3) // 64) * 64
-
-
-def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
-                    segment_count: int | None = None, rest_nbytes: int | None = None) -> None:
-    """All-to-all through the shared arena: per round every rank publishes a
-    piece of its block for every other rank (at most (C - H)/(P-1) bytes each,
-    at a fixed stride, at :func:`_place`) and copies its own piece out of every
-    other rank's slot (this rank's own block is copied by the caller).
-
-    Ranks send each other different amounts, so each slot starts with a
-    header of H bytes (:func:`alltoall_head_nbytes`): the rounds this rank
-    needs and what it sends to each rank in all. Round 0 agrees on the number
-    of rounds (the most any rank needs), and a block of another size than
-    the receiver expects fails as a wrong-size message. Cost per round: one
-    synchronisation; each rank copies P-1 pieces in and P-1 out.
-
-    ``rest_nbytes`` (the automatic choice, on a group whose ranks may read
-    each other's memory): round 0's header also says where each of this
-    rank's blocks lies and from what size it lets them be read, and a rank
-    that needs more than one round sends no data in round 0 (its pieces start
-    a round late). After round 0 every rank has read every rank's header, so
-    every rank decides alike whether what is left of every block is read
-    single-copy (:func:`_rest_agreed`, :func:`_rest_by_reads`), whatever each
-    rank's own buffers hold: ranks that chose by their own buffer's size
-    could part (one sending 9 MiB, its peer 1 MiB, either side of a
-    threshold). Where they do not read, the rounds go on, each rank's pieces
-    in its own rounds (a late rank's a round later).
-    """
-    size, rank, itemsize = comm.size, comm.rank, send_buf.itemsize
-    if size == 1:
-        return
-    head = alltoall_head_nbytes(size)
-    per_peer = _per_round(comm, itemsize, segment_count, parts=size - 1,
-                          reserved_nbytes=head)
-    stride = per_peer * itemsize
-    others = [q for q in range(size) if q != rank]
-    longest = max([send_chunks[q][1] for q in others] + [recv_chunks[q][1] for q in others])
-    mine = -(-longest // per_peer)
-    offer = _rest_offer(comm, send_buf, send_chunks, rest_nbytes)
-    late = int(bool(offer[size]) and mine > 1)  # (round 0: this rank's header alone)
-    rounds = mine + late
-    lates = {}  # every peer's lateness (its pieces start that round), by rank
-    headers = {}  # every peer's round-0 header, by rank
-    j = 0
-    while j == 0 or j < rounds:
-        slot = comm.next_slot()
-        table = slot[:head].view(np.int64)
-        table[0] = mine + late
-        table[1:size + 1] = [n for _, n in send_chunks]
-        table[size + 1:2 * size + 2] = offer
-        table[2 * size + 2] = late
-        if j >= late:
-            offset = (j - late) * per_peer
-            for q in others:
-                first, n = send_chunks[q]
-                k = max(0, min(per_peer, n - offset))
-                if k:
-                    at = head + _place(q, rank) * stride
-                    np.copyto(slot[at:at + k * itemsize],
-                              _bytes(send_buf.send_view(first + offset, k)))
-        step = comm.shared_step(None, head + (size - 1) * stride)
-        for p in others:
-            first, n = recv_chunks[p]
-            if j == 0:
-                theirs = headers[p] = comm.shared_view(step, p, 0, head).view(np.int64)
-                rounds = max(rounds, int(theirs[0]))
-                lates[p] = int(theirs[2 * size + 2])
-                if theirs[1 + rank] != n:
-                    comm.size_mismatch(p, f"rank {p} sends this rank {int(theirs[1 + rank])} "
-                                          f"elements, this rank expects {n}")
-            if j < lates[p]:
-                continue
-            offset = (j - lates[p]) * per_peer
-            k = max(0, min(per_peer, n - offset))
-            if k:
-                _copy_in(recv_buf, first + offset, k,
-                         comm.shared_view(step, p, head + _place(rank, p) * stride,
-                                          k * itemsize))
-        j += 1
-        # (round 0's headers are read before the next step: valid until then)
-        if j == 1 and rounds > 1 and offer[size] \
-                and _rest_agreed(comm, headers, lates, send_chunks, offer, late, per_peer,
-                                 itemsize) \
-                and _rest_by_reads(comm, recv_buf, recv_chunks, headers, lates, per_peer):
-            return
-
-
-def _rest_offer(comm, send_buf, send_chunks, rest_nbytes: int | None) -> list:
-    """This rank's header words after its counts: where each of its blocks
-    lies (its own addresses), then ``rest_nbytes + 1``; all 0 where it offers
-    no reads (``rest_nbytes`` None: not the automatic choice; reads refused
-    on the group; buffers that are not host arrays)."""
-    size = comm.size
-    none = [0] * (size + 1)
-    if rest_nbytes is None or not comm.single_copy_usable():
-        return none
-    words = []
-    for first, n in send_chunks:
-        view = send_buf.send_view(first, n)
-        if not isinstance(view, np.ndarray):
-            return none
-        words.append(view.__array_interface__["data"][0] if n else 0)
-    return words + [rest_nbytes + 1]
-
-
-def _rest_agreed(comm, headers: dict, lates: dict, send_chunks, offer: list, late: int,
-                 per_peer: int, itemsize: int) -> bool:
-    """Whether what is left of every block after round 0 is read
-    single-copy, from round 0's headers (``headers`` and ``lates``: every
-    peer's; this rank's ``send_chunks``, ``offer`` and ``late``): every rank
-    offers it, and the largest block's rest (a late rank's whole block) is at
-    least the largest threshold offered. Every rank reads the same words:
-    the same answer."""
-    size, rank = comm.size, comm.rank
-    offers = [offer[size]] + [int(theirs[2 * size + 1]) for theirs in headers.values()]
-    if not min(offers):
-        return False
-    largest = max(n - (0 if late else per_peer)
-                  for q, (_, n) in enumerate(send_chunks) if q != rank)
-    for p, theirs in headers.items():
-        sent = (0 if lates[p] else per_peer)
-        largest = max(largest, max(int(theirs[1 + q]) - sent for q in range(size) if q != p))
-    return largest * itemsize >= max(1, max(offers) - 1)
-
-
-def _rest_by_reads(comm, recv_buf, recv_chunks, headers: dict, lates: dict,
-                   per_peer: int) -> bool:
-    """What is left of every block this rank receives after round 0 (all of a
-    late sender's), read where its sender keeps it
-    (:meth:`~numcoll.comm.Comm.read_peer`; every sender's buffers stay as
-    they are until the *done* step that follows: :func:`.verdict.done_step`).
-    True where every rank's reads succeeded; False where one was refused:
-    every rank then goes on with the arena's rounds, which write the whole
-    rest again."""
-    size, rank, itemsize = comm.size, comm.rank, recv_buf.itemsize
-    refused, read = None, []
-    for p, theirs in headers.items():
-        first, n = recv_chunks[p]
-        start = 0 if lates[p] else min(n, per_peer)
-        if n > start and refused is None:
-            view = recv_buf.recv_view(first + start, n - start)
-            refused = comm.read_peer(p, int(theirs[size + 1 + rank]) + start * itemsize,
-                                     _bytes(view))
-            read.append((first + start, n - start))
-    if not done_step(comm, refused):
-        return False
-    for at, n in read:
-        recv_buf.recv_done(at, n)
-    comm.ran_instead("shared+cma")
-    return True
 
 
 def barrier_shared(comm) -> None:

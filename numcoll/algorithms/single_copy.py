@@ -70,8 +70,8 @@ import numpy as np
 from ..comm import COPY_READ as READ
 from ..comm import COPY_WRITE as WRITE
 from ..comm import WHERE_HEADER_NBYTES as _WHERE_HEADER_NBYTES
-from .shared import (allgather_shared, alltoall_shared, broadcast_shared, gather_shared,
-                     scatter_shared)
+from .shared import allgather_shared, broadcast_shared, gather_shared, scatter_shared
+from .shared_alltoall import alltoall_shared
 from .single_copy_say import _learnt, _say, measured_key
 from .verdict import done_step as _done
 from .verdict import verdict as _verdict
@@ -119,6 +119,12 @@ class Parts(NamedTuple):
     #: ``on_refusal(comm)``: what finishes the call where a copy was refused,
     #: if not ``fallback`` (a call whose copies already changed its buffers).
     on_refusal: Callable | None = None
+    #: A fused start's *where* (int64 words), where an algorithm lays out its
+    #: own (the arena's alltoall: its round 0's header); None: from ``ranges``.
+    where: np.ndarray | None = None
+    #: ``resume(comm, state, step)``: the rest of a fused start that stopped
+    #: (as :func:`resume`'s arguments), where the algorithm finishes it itself.
+    resume: Callable | None = None
 
 
 def exchange(comm, parts: Parts, measured: bool = False, then=None,
@@ -195,7 +201,7 @@ def fused_plan(parts: Parts) -> tuple[np.ndarray, np.ndarray]:
     them each call: the *where* (bytes; rank 0's say 0, copy) and the copy
     table (int64 rows ``(kind, peer, entry, local address, nbytes)``)."""
     words, _, table = _where(parts, False)
-    return words.view(np.uint8), table
+    return (words if parts.where is None else parts.where).view(np.uint8), table
 
 
 def resume(comm, parts: Parts, state: str, step: int, measured: bool) -> None:
@@ -203,7 +209,10 @@ def resume(comm, parts: Parts, state: str, step: int, measured: bool) -> None:
     (:mod:`numcoll.collectives.fused_copy`) took as far as ``state``
     (:meth:`numcoll.comm.Comm.single_copy_exchange`'s states; its *where*
     step ``step``): the copies, *done* and verdict step by step, or, where
-    rank 0 said so (``measured``) or a copy was refused, the fallback."""
+    rank 0 said so (``measured``) or a copy was refused, the fallback;
+    or the algorithm's own ``parts.resume``."""
+    if parts.resume is not None:
+        return parts.resume(comm, state, step)
     _finish(comm, parts, _resume(comm, parts.copies, _views(parts.copies), state, step, False),
             measured)
 

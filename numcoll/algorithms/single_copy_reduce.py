@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from .partition import chunk_bounds, segments
-from .shared import allgather_shared, allreduce_shared_split, alltoall_shared
+from .shared import allgather_shared, allreduce_shared_split
+from .shared_alltoall import alltoall_shared
 from .single_copy import READ, Parts, _arena, allgather_parts, checked, exchange
 
 __all__ = ["allreduce_cma", "allreduce_cma_measured"]

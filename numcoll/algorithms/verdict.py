@@ -1,7 +1,7 @@
 """The *done* step of a call whose ranks read (or write) each other's memory:
 every rank publishes whether its copies succeeded, and every rank learns, in
 the same step, whether all did (:mod:`.single_copy`, and the single-copy rest
-of the arena's alltoall, :func:`.shared.alltoall_shared`).
+of the arena's alltoall, :func:`.shared_alltoall.alltoall_shared`).
 
 A rank publishes *done* only after its last copy returned, so once the step
 is complete no peer reads or writes this rank's buffers any more: the call

@@ -356,9 +356,12 @@ def algorithm_name(plan: Plan, case: Case, cfg=None, context=None) -> str:
     # (gather and scatter choose by a rank's block, as the collectives do;
     # the others by the case's whole count)
     count = case.count // plan.world_size if plan.op in ("gather", "scatter") else case.count
+    # (the bench's alltoall is all_to_all_single: chosen as one with split sizes)
+    uneven = plan.op == "alltoall"
     if context is not None:
-        return context.choose(plan.op, plan.algorithm, count * wire).name
-    return choose(cfg, plan.op, plan.algorithm, count * wire, plan.world_size).name
+        return context.choose(plan.op, plan.algorithm, count * wire, uneven=uneven).name
+    return choose(cfg, plan.op, plan.algorithm, count * wire, plan.world_size,
+                  uneven=uneven).name
 
 
 def summarize(plan: Plan, rank_times: Sequence[Sequence[np.ndarray]], *,

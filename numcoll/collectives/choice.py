@@ -32,7 +32,7 @@ The automatic choice, in order:
   whose buffers lie either side of it. Where the ranks may read each other,
   the arena's alltoall agrees after its first round whether the rest of
   its blocks is read single-copy (``single_copy_alltoall_rest_min_nbytes``;
-  :func:`numcoll.algorithms.shared.alltoall_shared`);
+  :func:`numcoll.algorithms.shared_alltoall.alltoall_shared`);
 - else by size: recursive doubling, binomial trees for small messages; the
   ring, the chain for large ones.
 """
@@ -44,7 +44,7 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 from ..algorithms import ARENA, CHOICES, DEVICE_PEERS, SHARED, SINGLE_COPY, TWO_LEVEL
-from ..algorithms.shared import alltoall_head_nbytes
+from ..algorithms.shared_alltoall import alltoall_head_nbytes
 from ..algorithms.single_copy import where_nbytes
 from ..config import Config, forced_algorithm
 

@@ -101,15 +101,18 @@ def alltoall_base(ctx: GroupContext, output, input, output_split_sizes=None,
             (found := shared_arrays.alltoall_base(ctx, out, inp, send_chunks, recv_chunks,
                                                   [output], aliased, opts)):
         return found
-    # With split sizes, ranks may send each other different amounts: their
-    # choice must not depend on a rank's own size (see choice.choose).
-    uneven = input_split_sizes is not None or output_split_sizes is not None
-    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out], uneven)
+    # Ranks may send each other different amounts -- and a peer may pass split
+    # sizes where this rank passes none -- so the choice must not depend on
+    # a rank's own size: every rank's is the arena's alltoall, whose ranks
+    # agree inside it whether to read the blocks single-copy (choice.choose).
+    algorithm, seg, call = _alltoall_plan(ctx, name, opts, [inp], [out], uneven=True)
     plan = (xp, algorithm, seg, send_chunks, recv_chunks, rank, aliased)
     run = xp.wrap(_alltoall_base_run(plan, out, inp, output))
     if output_split_sizes is None and input_split_sizes is None and not xp.is_device \
             and output is out and input is inp:
         run.remake = (_alltoall_base_remake, plan)  # (see .context: a repeat's remake)
+        # (what a repeat's fused start offers, as the algorithm does: numcoll.fast.copy)
+        run.rest_nbytes = getattr(algorithm.run, "keywords", {}).get("rest_nbytes")
     return call, run
 
 

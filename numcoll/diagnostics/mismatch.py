@@ -40,13 +40,6 @@ def settings_hint(stamp: bytes, theirs: bytes) -> str:
         mine, other = stamp_call(stamp), stamp_call(theirs)
         # (all but the algorithm alike: the stamp's fifth byte, call.py's _STAMP)
         if mine[1] != other[1] and stamp[:4] + stamp[5:] == theirs[:4] + theirs[5:]:
-            if mine[0].startswith("alltoall"):
-                return (". Under the same settings the ranks chose different algorithms for "
-                        "this alltoall: an alltoall with split sizes on some ranks and none "
-                        "on others chooses differently from "
-                        "NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES on (pass split sizes on "
-                        "every rank, or on none), as does one that passes an algorithm "
-                        "(opts.algorithm) on some ranks only")
             return (". Under the same settings the ranks chose different algorithms for "
                     "this call: some passed an algorithm for it (opts.algorithm) and "
                     "others did not, or another; pass the same on every rank")

@@ -53,9 +53,12 @@ import numpy as np
 from transports.shm.arena import SharedArena
 from transports.shm.single_copy_steps import DONE_OPEN, STATES, WHERE_OPEN
 
-from ..algorithms.single_copy import (allgather_parts, alltoall_parts, broadcast_parts,
-                                      fused_plan, gather_parts, published_nbytes, resume,
-                                      scatter_parts)
+from ..algorithms.shared import round_elements
+from ..algorithms.shared_alltoall import (READ_WHOLE, alltoall_head_nbytes, alltoall_header,
+                                          alltoall_resume, alltoall_shared)
+from ..algorithms.single_copy import (READ, Parts, allgather_parts, alltoall_parts,
+                                      broadcast_parts, fused_plan, gather_parts,
+                                      published_nbytes, resume, scatter_parts)
 from ..algorithms.single_copy_say import fused_learnt, fused_say, measured_key
 from ..collectives import fused_copy, fused_step
 from ..memory.host import HostBuffer
@@ -63,7 +66,8 @@ from ..memory.overlap import shares_memory
 from .moves import plain
 from .step import HAS_GIL, FusedCall
 
-__all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_broadcast", "fused_copy_move"]
+__all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_alltoall", "fused_copy_broadcast",
+           "fused_copy_move"]
 
 #: How much longer a start within a slot waits for its peers, per byte this
 #: rank copies (ns): a peer copying as much as it does at 1 GB/s, several
@@ -71,11 +75,12 @@ __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_broadcast", "fused_c
 WAIT_NS_PER_BYTE = 1
 
 
-def _copies_here(pg, call) -> bool:
-    """Whether ``call`` (as the ordinary builder made it) runs single-copy on
-    a group whose ranks read each other where a fused start can run."""
+def _copies_here(pg, call, algorithms=("cma", "cma_measured")) -> bool:
+    """Whether ``call`` (as the ordinary builder made it) runs single-copy
+    (its algorithm one of ``algorithms``) on a group whose ranks read each
+    other where a fused start can run."""
     transport = pg._transport
-    return call.algorithm in ("cma", "cma_measured") and HAS_GIL and pg._size >= 2 \
+    return call.algorithm in algorithms and HAS_GIL and pg._size >= 2 \
         and not pg._closed and type(getattr(transport, "arena", None)) is SharedArena \
         and getattr(transport, "single_copy", None) is not None
 
@@ -159,6 +164,43 @@ def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
                      own=own)
 
 
+def fused_copy_alltoall(pg, call, inp, out, rest_nbytes: int | None) -> FusedCopy | None:
+    """The :class:`FusedCopy` of ``call``, an equal-split ``alltoall_base``
+    that the ordinary builder checked and runs through the arena's
+    ``alltoall_shared`` offering reads from ``rest_nbytes`` (the automatic
+    choice; None: it offers none), if this rank offers its blocks to be read
+    whole there (:func:`~numcoll.algorithms.shared_alltoall.alltoall_header`)
+    and a fused start can run it: two C-contiguous NumPy arrays of one
+    dtype, apart. Its compiled phases are that algorithm's round 0 (its
+    header as the *where*), reads and *done* step; where a peer's header
+    says otherwise, the algorithm goes on from round 0
+    (:func:`~numcoll.algorithms.shared_alltoall.alltoall_resume`). Else None."""
+    rank, size = pg._rank, pg._size
+    if call.name != "alltoall_base" or rest_nbytes is None \
+            or not _copies_here(pg, call, ("shared",)) or not plain(inp, out) \
+            or inp.dtype != out.dtype or not pg._transport.single_copy.usable:
+        return None
+    x, y = inp.reshape(-1), out.reshape(-1)
+    if x.size != y.size or x.size % size or shares_memory(x, y):
+        return None
+    n, itemsize, seg = x.size // size, x.itemsize, pg.context.segment(x.itemsize)
+    chunks = [(q * n, n) for q in range(size)]
+    send, recv = HostBuffer(x), HostBuffer(y)
+    per_peer = round_elements(pg._transport.arena.slot_nbytes, itemsize, seg, size - 1,
+                              alltoall_head_nbytes(size))
+    offer = [x[a:a + m].ctypes.data if m else 0 for a, m in chunks] + [rest_nbytes + 1]
+    header = alltoall_header(rank, size, chunks, chunks, itemsize, per_peer, offer)
+    if header[0] != READ_WHOLE:
+        return None  # (its data goes in round 0: a fused arena step's, moves.plan)
+    parts = Parts([], [(READ, q, rank, recv, *chunks[q]) for q in range(size) if q != rank],
+                  lambda comm: alltoall_shared(comm, send, chunks, recv, chunks, seg), [],
+                  where=header,
+                  resume=lambda comm, state, step: alltoall_resume(
+                      comm, send, chunks, recv, chunks, seg, rest_nbytes, state, step))
+    own = (y[rank * n:(rank + 1) * n], x[rank * n:(rank + 1) * n])
+    return FusedCopy(pg, call, parts, y.view(np.uint8), [out], own=own, ran="shared+cma")
+
+
 def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, a ``broadcast`` of ``x`` that the
     ordinary builder checked and ran single-copy, if a fused start can run
@@ -178,12 +220,13 @@ class FusedCopy(FusedCall):
     input where this rank has none); ``own``: this rank's own block as a
     ``(destination, source)`` pair the call copies first, or None;
     ``source``: an allgather's input, whose own chunk the compiled start
-    copies into ``x`` (as :class:`FusedCall` takes it)."""
+    copies into ``x`` (as :class:`FusedCall` takes it); ``ran``: the
+    algorithm a start that completes says ran (the flight recorder's)."""
 
     __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
                  "key", "_claim", "_copy", "_wait")
 
-    def __init__(self, pg, call, parts, x, outs, own=None, source=None):
+    def __init__(self, pg, call, parts, x, outs, own=None, source=None, ran="cma"):
         super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
                          source=source)
         rank = pg._rank
@@ -227,7 +270,7 @@ class FusedCopy(FusedCall):
             else None
         self.key = measured_key(call.name, published_nbytes(parts))
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
-            self.lane.algorithm = "cma"
+            self.lane.algorithm = ran
 
     def _entries(self, x) -> tuple:
         return None, None, None  # (set in __init__: the start is this class's own)

@@ -25,7 +25,8 @@ import numpy as np
 from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
-from ..algorithms.shared import _place, alltoall_head_nbytes
+from ..algorithms.shared import _place
+from ..algorithms.shared_alltoall import IN_ROUNDS, alltoall_head_nbytes
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
@@ -75,10 +76,12 @@ class FusedMove(FusedCall):
                     continue
                 theirs = int(self.region[base + at:base + at + 8].view(np.int64)[0])
                 if theirs != want:
-                    what = "needs" if at == 0 else "sends this rank"
-                    comm.size_mismatch(q, f"rank {q} {what} {theirs} "
-                                          f"{'rounds' if at == 0 else 'elements'}, this rank "
-                                          f"expects {int(want)}")
+                    if at == 8 * (4 + 2 * self.pg._size):
+                        comm.size_mismatch(q, f"rank {q} needs {theirs} rounds, this rank "
+                                              f"expects {int(want)}")
+                    itemsize = self.call.dtype.itemsize  # (the words count bytes)
+                    comm.size_mismatch(q, f"rank {q} sends this rank {theirs // itemsize} "
+                                          f"elements, this rank expects {want // itemsize}")
 
 
 def plan(pg, call, inp, out) -> FusedMove | None:
@@ -184,15 +187,16 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
         if x.size != y.size or b % itemsize or not 0 < b // itemsize <= peer:
             return None
         stride, count = peer * itemsize, b // itemsize
-        # (alltoall_shared's header: one round, the counts, no rest read
-        # single-copy and data in round 0 -- a fused step makes its one round)
-        moves = [(WORD, rank, 1, 0, 8)] + [(WORD, rank, count, 8 * (1 + q), 8)
-                                           for q in range(size)]
-        moves += [(WORD, rank, 0, 8 * (2 * size + 1), 8), (WORD, rank, 0, 8 * (2 * size + 2), 8)]
+        # (alltoall_header's words, every one written, as a peer's compiled
+        # start reads them: data in round 0, no block offered to be read, one
+        # round, the bytes for each rank -- a fused step makes its one round)
+        rounds = 8 * (4 + 2 * size)
+        words = [IN_ROUNDS, size, 0, 0] + [0, b] * size + [1, 0, 0]
+        moves = [(WORD, rank, w, 8 * i, 8) for i, w in enumerate(words)]
         moves += [(PACK, rank, q * b, head + _place(q, rank) * stride, b) for q in others]
         moves += [(LOCAL, rank, rank * b, rank * b, b)]
-        moves += [(CHECK, q, 0, 0, 1) for q in others]
-        moves += [(CHECK, q, 8 * (1 + rank), 0, count) for q in others]
+        moves += [(CHECK, q, rounds, 0, 1) for q in others]
+        moves += [(CHECK, q, 8 * (5 + 2 * rank), 0, b) for q in others]
         moves += [(UNPACK, q, head + _place(rank, q) * stride, q * b, b) for q in others]
         return FusedMove(pg, call, x, y, moves, head + (size - 1) * stride, [out])
     if name == "reduce_scatter_tensor":

@@ -35,7 +35,8 @@ from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
 from . import moves
-from .copy import fused_copy_allgather, fused_copy_broadcast, fused_copy_move
+from .copy import (fused_copy_allgather, fused_copy_alltoall, fused_copy_broadcast,
+                   fused_copy_move)
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
 
@@ -246,7 +247,10 @@ class Repeats:
             return  # planned for these very arrays, which its run declined this time
         if not self._twice(key, arrays[0]):
             return
-        fused = (moves.plan(self.pg, call, inp, out)
+        # (an alltoall whose blocks are read whole first: moves.plan would send
+        # them in round 0, through the arena)
+        fused = (fused_copy_alltoall(self.pg, call, inp, out, getattr(run, "rest_nbytes", None))
+                 or moves.plan(self.pg, call, inp, out)
                  or fused_copy_move(self.pg, call, inp, out)) if fuse else None
         if fused is not None:
             self._keep(key, None, None, fused)

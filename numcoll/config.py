@@ -156,7 +156,11 @@ class Config:
     #: -> cma_measured: 4 MiB 0.67-0.70 -> 0.73-0.89, 6 MiB 0.66-0.71 ->
     #: 0.81-0.90, 16 MiB 0.63-0.67 -> 0.89 (docs/performance/single-copy.md);
     #: at 1 MiB the arena was ahead (1.05-1.09 against forced cma's 0.62-0.74).
-    single_copy_allreduce_min_nbytes: int = 4 << 20
+    #: 1 MiB since a repeated one runs as one compiled call (numcoll.fast.sum):
+    #: 4 MiB -> 1 MiB, the same hour, 2 ranks 1 MiB 0.82-0.84 -> 0.92, 2 MiB
+    #: 0.69-0.71 -> 1.00, 4 MiB 0.80 -> 1.20; 4 ranks on 2 cores 1 MiB 0.61 ->
+    #: 0.90, 4 MiB 0.88 -> 1.13.
+    single_copy_allreduce_min_nbytes: int = 1 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data
     #: that was sent before the crash still arrive.

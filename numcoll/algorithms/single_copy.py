@@ -204,17 +204,21 @@ def fused_plan(parts: Parts) -> tuple[np.ndarray, np.ndarray]:
     return (words if parts.where is None else parts.where).view(np.uint8), table
 
 
-def resume(comm, parts: Parts, state: str, step: int, measured: bool) -> None:
+def resume(comm, parts: Parts, state: str, step: int, measured: bool,
+           copier=None) -> bool | None:
     """The rest of the call ``parts`` lays out, whose phases a fused start
     (:mod:`numcoll.collectives.fused_copy`) took as far as ``state``
     (:meth:`numcoll.comm.Comm.single_copy_exchange`'s states; its *where*
-    step ``step``): the copies, *done* and verdict step by step, or, where
-    rank 0 said so (``measured``) or a copy was refused, the fallback;
-    or the algorithm's own ``parts.resume``."""
+    step ``step``): the copies (``copier``'s first, as :func:`exchange`'s),
+    *done* and verdict step by step, or, where rank 0 said so (``measured``)
+    or a copy was refused, the fallback; or the algorithm's own
+    ``parts.resume``. :func:`exchange`'s answer (``then`` not run)."""
     if parts.resume is not None:
         return parts.resume(comm, state, step)
-    _finish(comm, parts, _resume(comm, parts.copies, _views(parts.copies), state, step, False),
-            measured)
+    copied = _resume(comm, parts.copies, _views(parts.copies), state, step, False,
+                     copier=copier)
+    _finish(comm, parts, copied, measured)
+    return copied
 
 
 def _finish(comm, parts: Parts, copied: bool | None, measured: bool) -> None:

@@ -17,9 +17,9 @@ import numpy as np
 from .partition import chunk_bounds, segments
 from .shared import allgather_shared, allreduce_shared_split
 from .shared_alltoall import alltoall_shared
-from .single_copy import READ, Parts, _arena, allgather_parts, checked, exchange
+from .single_copy import READ, Parts, _arena, allgather_parts, checked, exchange, resume
 
-__all__ = ["allreduce_cma", "allreduce_cma_measured"]
+__all__ = ["CmaAllreduce", "allreduce_cma", "allreduce_cma_measured"]
 
 #: Bytes of a piece: the peers' piece is read into scratch and reduced into
 #: this rank's chunk at once, while it is still in the cache (2 ranks, 8 MiB
@@ -62,56 +62,100 @@ def allreduce_cma(comm, buf, segment_count: int | None = None, measured: bool = 
     slot and (P-1)/P S out). Source: Open MPI's vader BTL with CMA under a
     reduce-scatter/allgather allreduce (Rabenseifner's).
     """
-    size, rank, itemsize = comm.size, comm.rank, buf.itemsize
-    if size == 1 or buf.count == 0:
+    if comm.size == 1 or buf.count == 0:
         return
-    chunks = chunk_bounds(buf.count, size)
-    first, n = chunks[rank]
-    others = [q for q in range(size) if q != rank]  # (rank order: the reduction's)
-    piece = max(1, min(n, _PIECE_NBYTES // itemsize))
-    scratch = _scratch(comm, (size - 1) * piece * itemsize).view(buf.dtype)
-    slots = [scratch[k * piece:(k + 1) * piece] for k in range(size - 1)]
-    reduced = [0]  # elements of chunk r reduced so far
-    summed = getattr(buf, "plain_sum", False)
-    mine = buf.recv_view(first, n) if summed else None
-    summed = summed and mine.flags.aligned
+    CmaAllreduce(comm.rank, comm.size, buf, segment_count,
+                 comm.single_copy_tuning()).run(comm, measured)
 
-    def read_and_reduce(tables) -> str | None:
+
+class CmaAllreduce:
+    """Rank ``rank``'s side of :func:`allreduce_cma` over ``buf`` (of
+    ``size`` ranks, at least one element): both phases' :class:`Parts`,
+    what its reduce-scatter reads and sums, and how far it got -- one source
+    for the ordinary path (:meth:`run`) and a repeated call's compiled start
+    (:class:`numcoll.fast.sum.FusedAllreduce`), which finishes a start that
+    stopped here (:meth:`resume`). ``kept``: the dict the single-copy
+    algorithms keep with the group (the scratch lives there)."""
+
+    def __init__(self, rank: int, size: int, buf, segment_count: int | None, kept: dict):
+        self.rank, self.size, self.buf = rank, size, buf
+        itemsize = buf.itemsize
+        self.chunks = chunks = chunk_bounds(buf.count, size)
+        self.first, self.n = first, n = chunks[rank]
+        self.others = [q for q in range(size) if q != rank]  # (rank order: the reduction's)
+        self.piece = piece = max(1, min(n, _PIECE_NBYTES // itemsize))
+        self.scratch = scratch = _scratch(kept, (size - 1) * piece * itemsize).view(buf.dtype)
+        self.slots = [scratch[k * piece:(k + 1) * piece] for k in range(size - 1)]
+        #: Elements of chunk ``rank`` reduced so far (the peers' parts added).
+        self.reduced = 0
+        summed = getattr(buf, "plain_sum", False)
+        self.mine = mine = buf.recv_view(first, n) if summed else None
+        #: Whether a plain sum reads and adds in one compiled call (read_sum).
+        self.summed = summed and mine.flags.aligned
+        self.segment_count = segment_count
+        self.reduce_scatter = Parts(
+            [buf.send_view(*chunk) if q != rank else None for q, chunk in enumerate(chunks)],
+            [], _arena(allreduce_shared_split, buf, segment_count), [], "shared_split",
+            self.finish_refused)
+        self.allgather = allgather_parts(rank, size, buf, chunks, segment_count)
+
+    def run(self, comm, measured: bool) -> None:
+        """The whole call on the ordinary path."""
+        exchange(comm, self.reduce_scatter, measured,
+                 then=lambda: exchange(comm, self.allgather),
+                 copier=lambda tables: self.read_and_reduce(comm, tables))
+
+    def resume(self, comm, phase: int, state: str, step: int, measured: bool) -> None:
+        """The rest of a call whose compiled start stopped in ``phase`` (1:
+        the reduce-scatter, ``reduced`` elements summed; 2: the allgather) at
+        ``state`` (:func:`.single_copy.resume`'s), that phase's *where* at
+        ``step``."""
+        if phase == 2:  # (``measured``: the flight recorder hears it copied)
+            resume(comm, self.allgather, state, step, measured)
+        elif resume(comm, self.reduce_scatter, state, step, measured,
+                    copier=lambda tables: self.read_and_reduce(comm, tables)):
+            exchange(comm, self.allgather)
+
+    def read_and_reduce(self, comm, tables) -> str | None:
+        """Read chunk ``rank`` of every peer (``tables``: their *where*s) from
+        element ``reduced`` on, a piece at a time, and add it into this
+        rank's chunk; a refusal's text, or None."""
+        buf, rank, first, n, piece = self.buf, self.rank, self.first, self.n, self.piece
+        itemsize, others = buf.itemsize, self.others
         at = [checked(comm, READ, q, tables[q][rank], n * itemsize) for q in others]
-        if summed:
+        if self.summed:
             # A sum's pieces in one compiled call: Python run between the reads
             # evicts the lines they bring (2 ranks, forced cma, alternated in
             # one launch: 4 MiB 1058-1412 -> 906-917 us a call, 16 MiB
             # 5.3-7.1 -> 4.3-5.3 ms). What it could not read is read below,
             # which says why.
-            reduced[0] = comm.read_sum_peers(np.array(others, np.int64), np.array(at, np.int64),
-                                             mine, scratch, piece, 0)
-        for start, m in segments(first + reduced[0], n - reduced[0], piece):
+            self.reduced = comm.read_sum_peers(np.array(others, np.int64),
+                                               np.array(at, np.int64), self.mine,
+                                               self.scratch, piece, self.reduced)
+        for start, m in segments(first + self.reduced, n - self.reduced, piece):
             offset = (start - first) * itemsize
-            for q, address, slot in zip(others, at, slots):
+            for q, address, slot in zip(others, at, self.slots):
                 refused = comm.read_peer(q, address + offset, slot[:m].view(np.uint8))
                 if refused is not None:
                     return refused
-            for slot in slots:
+            for slot in self.slots:
                 buf.reduce_from(start, m, slot[:m])
-            reduced[0] = start - first + m
+            self.reduced = start - first + m
         return None
 
-    def finish_refused(comm) -> None:
+    def finish_refused(self, comm) -> None:
+        """A read of the reduce-scatter was refused: every rank's chunks but
+        its own are intact and its own is reduced up to ``reduced``; an arena
+        all-to-all brings the rest of it from every peer, and the arena's
+        allgather ends the call."""
+        buf, size, first, n = self.buf, self.size, self.first, self.n
         raw = _Scratch(np.empty(size * n, buf.dtype))
-        alltoall_shared(comm, buf, chunks, raw, [(q * n, n) for q in range(size)],
-                        segment_count)
-        done = reduced[0]
-        for q in others:
+        alltoall_shared(comm, buf, self.chunks, raw, [(q * n, n) for q in range(size)],
+                        self.segment_count)
+        done = self.reduced
+        for q in self.others:
             buf.reduce_from(first + done, n - done, raw.array[q * n + done:(q + 1) * n])
-        allgather_shared(comm, buf, chunks, segment_count)
-
-    reduce_scatter = Parts(
-        [buf.send_view(*chunk) if q != rank else None for q, chunk in enumerate(chunks)], [],
-        _arena(allreduce_shared_split, buf, segment_count), [], "shared_split", finish_refused)
-    exchange(comm, reduce_scatter, measured,
-             then=lambda: exchange(comm, allgather_parts(rank, size, buf, chunks, segment_count)),
-             copier=read_and_reduce)
+        allgather_shared(comm, buf, self.chunks, self.segment_count)
 
 
 def allreduce_cma_measured(comm, buf, segment_count: int | None = None) -> None:
@@ -136,9 +180,8 @@ class _Scratch:
         """The bytes have arrived (nothing to do on the host)."""
 
 
-def _scratch(comm, nbytes: int) -> np.ndarray:
-    """``nbytes`` of this group's scratch (kept, grown to whole pages)."""
-    kept = comm.single_copy_tuning()
+def _scratch(kept: dict, nbytes: int) -> np.ndarray:
+    """``nbytes`` of this group's scratch (kept in ``kept``, grown to whole pages)."""
     scratch = kept.get(_SCRATCH)
     if scratch is None or scratch.nbytes < nbytes:
         scratch = kept[_SCRATCH] = np.empty(-(-nbytes // 4096) * 4096, np.uint8)

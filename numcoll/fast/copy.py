@@ -67,7 +67,7 @@ from .moves import plain
 from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_alltoall", "fused_copy_broadcast",
-           "fused_copy_move"]
+           "fused_copy_move", "run_held"]
 
 #: How much longer a start within a slot waits for its peers, per byte this
 #: rank copies (ns): a peer copying as much as it does at 1 GB/s, several
@@ -213,6 +213,21 @@ def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
     return FusedCopy(pg, call, parts, flat.view(np.uint8), [x])
 
 
+def run_held(fused) -> bool:
+    """A fused call whose copies are too long to make holding the GIL: its
+    compiled claim (``fused._claim``), then -- the group holding the call, as
+    a fused call whose peers were late -- its compiled phases without the GIL
+    (``fused._copy``), and its end. False (nothing done) where the claim was
+    refused: the ordinary path takes the call."""
+    if fused._claim(fused.address) == fused_step.NOT_TAKEN:
+        return False
+    with fused.pg._lock:
+        fused._hold(0)
+        fused.running = True
+    fused.end(fused._copy(fused.address, fused.x))
+    return True
+
+
 class FusedCopy(FusedCall):
     """A repeated single-copy call, laid out as ``parts``
     (:class:`~numcoll.algorithms.single_copy.Parts`), as one compiled start.
@@ -293,13 +308,8 @@ class FusedCopy(FusedCall):
         if not self.large:
             if not super().run():  # (timed: rank 0 keeps the copy's time)
                 return False
-        else:
-            if self._claim(self.address) == fused_step.NOT_TAKEN:
-                return False
-            with self.pg._lock:  # (held, as a fused call whose peers were late)
-                self._hold(0)
-                self.running = True
-            self.end(self._copy(self.address, self.x))
+        elif not run_held(self):
+            return False
         work = self.work
         if tuning is not None and (work is None or work is before):  # (copied, not promoted)
             fused_learnt(tuning, self.key, time.perf_counter() - began)

@@ -39,6 +39,7 @@ from .copy import (fused_copy_allgather, fused_copy_alltoall, fused_copy_broadca
                    fused_copy_move)
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
+from .sum import fused_allreduce
 
 __all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
 
@@ -164,7 +165,10 @@ class Repeats:
                 or not x.flags.writeable:
             return bool(self._replays) and self._replayed(id(x), (x,), op)
         fused = seen.fused  # (FusedCall.run, inlined: a frame is 0.04 us of 1.3)
-        got = fused._start(fused.address, fused.x, fused.spin_ns)
+        start = fused._start
+        if start is None:  # (a single-copy allreduce: its own run, numcoll.fast.sum)
+            return fused.run()
+        got = start(fused.address, fused.x, fused.spin_ns)
         return got == -1 or got != fused_step.NOT_TAKEN and fused.hold(got)
 
     def reduce(self, x, op, root: int) -> bool:
@@ -272,7 +276,8 @@ class Repeats:
                 and _form(x) == (seen.shape, seen.strides, seen.dtype):
             return  # planned for this very call, which its run declined this time
         if self._twice(key, x):
-            fused = fused_call(self.pg, call, x) or fused_copy_broadcast(self.pg, call, x)
+            fused = fused_call(self.pg, call, x) or fused_copy_broadcast(self.pg, call, x) \
+                or fused_allreduce(self.pg, call, x, run)
             if fused is not None:
                 self._keep(key, x, op, fused)
             else:

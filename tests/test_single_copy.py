@@ -196,20 +196,21 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         == "shared"
     assert choose(crowded, "allgather", None, 1 << 30, many, single_copy_refused=None).name \
         == "cma_measured"
-    # ... but for alltoall and scatter, whose single copy wins there too.
+    # ... but for alltoall, scatter and gather, whose single copy wins there too.
     least = crowded.single_copy_min_nbytes
-    for name in ("alltoall", "scatter"):
+    for name in ("alltoall", "scatter", "gather"):
         assert choose(crowded, name, None, 1 << 20, many, single_copy_refused=None).name \
             == "cma_measured"
         assert choose(crowded, name, None, least // (2 * many), many,
                       single_copy_refused=None).name == "shared"
-    # (a crowded scatter counts the root's whole list, against twice the
-    # threshold: a share of a quarter of it is enough on 8 ranks, not on 4)
+    # (a crowded scatter or gather counts the root's whole list, against twice
+    # the threshold: a share of a quarter of it is enough on 8 ranks, not on 4)
     crowds = (max(many, 8), min(max(many, 4), 7))
-    assert choose(crowded, "scatter", None, least // 4, crowds[0], single_copy_refused=None) \
-        .name == "cma_measured"
-    assert choose(crowded, "scatter", None, least // 4, crowds[1], single_copy_refused=None) \
-        .name == "shared"
+    for name in ("scatter", "gather"):
+        assert choose(crowded, name, None, least // 4, crowds[0],
+                      single_copy_refused=None).name == "cma_measured"
+        assert choose(crowded, name, None, least // 4, crowds[1],
+                      single_copy_refused=None).name == "shared"
     assert choose(crowded, "alltoall", None, least // 2, many, single_copy_refused=None).name \
         == "shared"
     assert choose(crowded, "broadcast", None, 1 << 20, many, single_copy_refused=None).name \

@@ -177,8 +177,12 @@ def check_forced(cfg: Config) -> None:
 #: And twice the general threshold: 4 ranks, the round trip 0.15-0.2 us, paired
 #: beside Open MPI, a list of 512 KiB took the arena 75-131 us and single copy
 #: 110-187 (busbw ratio 0.40-0.77 against 0.31-0.67); from 1 MiB single copy
-#: was ahead (1 MiB 0.50 -> 0.98, 2 MiB 0.43 -> 1.00).
-_UNCROWDED = frozenset(("alltoall", "scatter"))
+#: was ahead (1 MiB 0.50 -> 0.98, 2 MiB 0.43 -> 1.00). Gather alike (the root
+#: alone reads, each peer writes its part): forced, paired beside Open MPI,
+#: single copy / the arena, 4 ranks, the root's output 1 MiB 1.42 / 0.66,
+#: 2 MiB 1.34 / 0.66, 256 KiB 0.59 / 0.55; 8 ranks 1 MiB 1.00 / 0.80, 2 MiB
+#: 1.44 / 0.93, 4 MiB 1.70 / 0.75. It counts the root's whole output.
+_UNCROWDED = frozenset(("alltoall", "scatter", "gather"))
 
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
@@ -187,9 +191,9 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     ``single_copy_alltoall_min_nbytes``) and for allreduce, and
     the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
-    one host, as an shm group's ranks are), but for alltoall and scatter (a
-    scatter's share then counts ``size`` times -- the root's whole list --
-    against twice the general threshold)."""
+    one host, as an shm group's ranks are), but for alltoall, scatter and
+    gather (a scatter's or gather's block then counts ``size`` times -- the
+    root's whole list -- against twice its threshold)."""
     least = cfg.single_copy_min_nbytes
     if collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
@@ -200,7 +204,7 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     if size > (os.cpu_count() or 1):
         if collective not in _UNCROWDED:
             least = max(least, cfg.single_copy_crowded_min_nbytes)
-        elif collective == "scatter":
+        elif collective in ("scatter", "gather"):
             least = -(-2 * least // size)
     return least
 

@@ -159,7 +159,9 @@ class Config:
     #: 1 MiB since a repeated one runs as one compiled call (numcoll.fast.sum):
     #: 4 MiB -> 1 MiB, the same hour, 2 ranks 1 MiB 0.82-0.84 -> 0.92, 2 MiB
     #: 0.69-0.71 -> 1.00, 4 MiB 0.80 -> 1.20; 4 ranks on 2 cores 1 MiB 0.61 ->
-    #: 0.90, 4 MiB 0.88 -> 1.13.
+    #: 0.90, 4 MiB 0.88 -> 1.13. On a group with more ranks than CPUs it is
+    #: divided by the ranks (collectives.choice._single_copy_min): 4 ranks
+    #: 256 KiB 0.57 -> 1.03, 8 ranks 512 KiB 0.39 -> 1.01.
     single_copy_allreduce_min_nbytes: int = 1 << 20
     #: How long a crashed peer's socket may stay silent after its disconnect is
     #: seen before pending receives from it fail (seconds). Lets in-flight data

@@ -215,6 +215,14 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         == "shared"
     assert choose(crowded, "broadcast", None, 1 << 20, many, single_copy_refused=None).name \
         == "shared"
+    # ... and for allreduce, whose threshold is divided by the ranks there (the
+    # arena's one-step allreduce reads every rank's buffer on every rank)
+    most = crowded.single_copy_allreduce_min_nbytes
+    for nbytes, name in ((-(-most // many), "cma_measured"), (most // many - 64, "shared")):
+        assert choose(crowded, "allreduce", None, nbytes, many,
+                      single_copy_refused=None).name == name
+    assert choose(crowded, "allreduce", None, most - 64, 2, single_copy_refused=None).name \
+        != "cma_measured"
     # Allreduce reads single-copy (a reduce-scatter and an allgather by reads)
     # from its own threshold, the other reductions never; a group whose ranks
     # cannot read each other takes the arena, and forcing cma there says why.

@@ -193,7 +193,8 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     group with more ranks than the host has CPUs (the same on every rank of
     one host, as an shm group's ranks are), but for alltoall, scatter and
     gather (a scatter's or gather's block then counts ``size`` times -- the
-    root's whole list -- against twice its threshold)."""
+    root's whole list -- against twice its threshold) and allreduce (its
+    threshold divided by ``size``)."""
     least = cfg.single_copy_min_nbytes
     if collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
@@ -202,7 +203,13 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     elif collective == "allreduce":
         least = max(least, cfg.single_copy_allreduce_min_nbytes)
     if size > (os.cpu_count() or 1):
-        if collective not in _UNCROWDED:
+        if collective == "allreduce":
+            # (the arena's one-step allreduce reads (P-1) S a rank, single copy
+            # 2 (P-1)/P S: forced, paired beside Open MPI, single copy / the
+            # arena, 4 ranks 256 KiB 0.92 / 0.61, 512 KiB 0.83 / 0.64; 8 ranks
+            # 256 KiB 0.80-0.89 / 0.51-0.53, 512 KiB 0.93 / 0.44; 128 KiB tied)
+            least = -(-least // size)
+        elif collective not in _UNCROWDED:
             least = max(least, cfg.single_copy_crowded_min_nbytes)
         elif collective in ("scatter", "gather"):
             least = -(-2 * least // size)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .partition import chunk_bounds, segments
+
 __all__ = ["allreduce_shared", "allreduce_shared_split", "reduce_shared",
            "reduce_scatter_shared", "allgather_shared", "broadcast_shared", "gather_shared",
            "scatter_shared", "barrier_shared"]

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .shared import _bytes, _copy_in, _per_round, _place
+from .shared import _bytes, _copy_in, _place, round_elements
 from .verdict import done_step, verdict
 
-__all__ = ["alltoall_shared", "alltoall_head_nbytes", "alltoall_header", "alltoall_resume",
-           "READ_WHOLE", "IN_ROUNDS"]
+__all__ = ["alltoall_shared", "alltoall_head_nbytes", "alltoall_header", "alltoall_round_zero",
+           "alltoall_resume", "rounds_word", "nbytes_word", "READ_WHOLE", "IN_ROUNDS"]
 
 #: A header's magic word: this rank offers every block to be read whole
 #: (its data starts a round late), or its data goes through the rounds
@@ -49,11 +49,39 @@ def alltoall_head_nbytes(size: int) -> int:
     return -(-8 * (_LEAD + 2 * size + 3) // 64) * 64
 
 
+def rounds_word(size: int) -> int:
+    """The header's word holding the rounds a rank needs (then its offer and
+    its lateness)."""
+    return _LEAD + 2 * size
+
+
+def nbytes_word(q: int) -> int:
+    """The header's word holding the bytes of the block for rank ``q`` (the
+    word before it: where that block lies)."""
+    return _LEAD + 1 + 2 * q
+
+
+def alltoall_round_zero(slot_nbytes: int, rank: int, size: int, send_buf, send_chunks,
+                        recv_chunks, segment_count: int | None,
+                        rest_nbytes: int | None) -> tuple[int, list, np.ndarray]:
+    """What :func:`alltoall_shared` lays out before its first round, for a
+    slot of ``slot_nbytes``: the elements of a block a round moves, this
+    rank's offer (:func:`_offer`; ``rest_nbytes`` None: none) and its header
+    (:func:`alltoall_header`). (One source for the algorithm and a repeated
+    call's compiled start, :func:`numcoll.fast.copy.fused_copy_alltoall`.)"""
+    itemsize = send_buf.itemsize
+    per_peer = round_elements(slot_nbytes, itemsize, segment_count, size - 1,
+                              alltoall_head_nbytes(size))
+    offer = _offer(send_buf, send_chunks, size, rest_nbytes)
+    return per_peer, offer, alltoall_header(rank, size, send_chunks, recv_chunks, itemsize,
+                                            per_peer, offer)
+
+
 def alltoall_header(rank: int, size: int, send_chunks, recv_chunks, itemsize: int,
                     per_peer: int, offer: list) -> np.ndarray:
     """This rank's header (int64 words, :func:`alltoall_head_nbytes` bytes)
     for blocks ``send_chunks``/``recv_chunks`` (elements), ``per_peer``
-    elements of a block a round, ``offer`` as :func:`_rest_offer` makes it.
+    elements of a block a round, ``offer`` as :func:`_offer` makes it.
 
     Its data starts a round late -- round 0 carries the header alone, so a
     block can be read whole -- where it offers reads and its largest block
@@ -68,8 +96,8 @@ def alltoall_header(rank: int, size: int, send_chunks, recv_chunks, itemsize: in
     words = np.zeros(alltoall_head_nbytes(size) // 8, np.int64)
     words[0], words[1] = (READ_WHOLE if late else IN_ROUNDS), size
     words[_LEAD:_LEAD + 2 * size:2] = offer[:size]
-    words[_LEAD + 1:_LEAD + 2 * size:2] = [n * itemsize for _, n in send_chunks]
-    at = _LEAD + 2 * size
+    words[nbytes_word(0):nbytes_word(size):2] = [n * itemsize for _, n in send_chunks]
+    at = rounds_word(size)
     words[at:at + 3] = mine + late, offer[size], late
     return words
 
@@ -109,13 +137,14 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
     if size == 1:
         return
     head = alltoall_head_nbytes(size)
-    per_peer = _per_round(comm, itemsize, segment_count, parts=size - 1,
-                          reserved_nbytes=head)
+    if rest_nbytes is not None and not comm.single_copy_usable():
+        rest_nbytes = None  # (reads refused on the group: it offers none)
+    per_peer, offer, header = alltoall_round_zero(comm.arena_slot_nbytes, rank, size, send_buf,
+                                                  send_chunks, recv_chunks, segment_count,
+                                                  rest_nbytes)
     stride = per_peer * itemsize
     others = [q for q in range(size) if q != rank]
-    offer = _rest_offer(comm, send_buf, send_chunks, rest_nbytes)
-    header = alltoall_header(rank, size, send_chunks, recv_chunks, itemsize, per_peer, offer)
-    at = _LEAD + 2 * size
+    at = rounds_word(size)
     rounds, late = int(header[at]), int(header[at + 2])
     lates = {}  # every peer's lateness (its pieces start that round), by rank
     headers = {}  # every peer's round-0 header, by rank
@@ -143,9 +172,9 @@ def alltoall_shared(comm, send_buf, send_chunks, recv_buf, recv_chunks,
                 theirs = headers[p] = comm.shared_view(step, p, 0, head).view(np.int64)
                 rounds = max(rounds, int(theirs[at]))
                 lates[p] = int(theirs[at + 2])
-                if theirs[_LEAD + 1 + 2 * rank] != n * itemsize:
+                if theirs[nbytes_word(rank)] != n * itemsize:
                     comm.size_mismatch(p, f"rank {p} sends this rank "
-                                          f"{int(theirs[_LEAD + 1 + 2 * rank]) // itemsize} "
+                                          f"{int(theirs[nbytes_word(rank)]) // itemsize} "
                                           f"elements, this rank expects {n}")
             if j < lates[p]:
                 continue
@@ -193,14 +222,13 @@ def _done_seen(comm, step: int) -> bool:
     return verdict(comm, step, None)
 
 
-def _rest_offer(comm, send_buf, send_chunks, rest_nbytes: int | None) -> list:
-    """This rank's header words after its counts: where each of its blocks
+def _offer(send_buf, send_chunks, size: int, rest_nbytes: int | None) -> list:
+    """This rank's offer, as its header carries it: where each of its blocks
     lies (its own addresses), then ``rest_nbytes + 1``; all 0 where it offers
-    no reads (``rest_nbytes`` None: not the automatic choice; reads refused
-    on the group; buffers that are not host arrays)."""
-    size = comm.size
+    no reads (``rest_nbytes`` None: not the automatic choice, or reads
+    refused on the group; buffers that are not host arrays)."""
     none = [0] * (size + 1)
-    if rest_nbytes is None or not comm.single_copy_usable():
+    if rest_nbytes is None:
         return none
     words = []
     for first, n in send_chunks:
@@ -220,7 +248,7 @@ def _rest_agreed(comm, headers: dict, lates: dict, send_chunks, offer: list, lat
     least the largest threshold offered. Every rank reads the same words:
     the same answer."""
     size, rank = comm.size, comm.rank
-    at = _LEAD + 2 * size
+    at = rounds_word(size)
     offers = [offer[size]] + [int(theirs[at + 1]) for theirs in headers.values()]
     if not min(offers):
         return False
@@ -228,7 +256,7 @@ def _rest_agreed(comm, headers: dict, lates: dict, send_chunks, offer: list, lat
                   for q, (_, n) in enumerate(send_chunks) if q != rank)
     for p, theirs in headers.items():
         sent = (0 if lates[p] else per_peer)
-        largest = max(largest, max(int(theirs[_LEAD + 1 + 2 * q]) // itemsize - sent
+        largest = max(largest, max(int(theirs[nbytes_word(q)]) // itemsize - sent
                                    for q in range(size) if q != p))
     return largest * itemsize >= max(1, max(offers) - 1)
 
@@ -248,7 +276,7 @@ def _rest_by_reads(comm, recv_buf, recv_chunks, headers: dict, lates: dict,
         start = 0 if lates[p] else min(n, per_peer)
         if n > start and refused is None:
             view = recv_buf.recv_view(first + start, n - start)
-            refused = comm.read_peer(p, int(theirs[_LEAD + 2 * rank]) + start * itemsize,
+            refused = comm.read_peer(p, int(theirs[nbytes_word(rank) - 1]) + start * itemsize,
                                      _bytes(view))
             read.append((first + start, n - start))
     if not done_step(comm, refused):

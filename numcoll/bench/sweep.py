@@ -356,7 +356,7 @@ def algorithm_name(plan: Plan, case: Case, cfg=None, context=None) -> str:
     # (gather and scatter choose by a rank's block, as the collectives do;
     # the others by the case's whole count)
     count = case.count // plan.world_size if plan.op in ("gather", "scatter") else case.count
-    # (the bench's alltoall is all_to_all_single: chosen as one with split sizes)
+    # (the bench's alltoall is all_to_all_single: chosen as its ranks may send unevenly)
     uneven = plan.op == "alltoall"
     if context is not None:
         return context.choose(plan.op, plan.algorithm, count * wire, uneven=uneven).name

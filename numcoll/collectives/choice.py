@@ -26,10 +26,11 @@ The automatic choice, in order:
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
   alltoall and scatter),
   where the ranks may read each other's memory;
-  the ``shared`` algorithms otherwise. An alltoall with split sizes
+  the ``shared`` algorithms otherwise. An ``all_to_all_single``
   (``uneven``) is the arena's at every size: its ranks may send each other
-  different amounts, and a threshold on a rank's own buffer would part ranks
-  whose buffers lie either side of it. Where the ranks may read each other,
+  different amounts, and a peer may pass split sizes where this rank passes
+  none, so a threshold on a rank's own buffer would part ranks whose buffers
+  lie either side of it. Where the ranks may read each other,
   the arena's alltoall agrees after its first round whether the rest of
   its blocks is read single-copy (``single_copy_alltoall_rest_min_nbytes``;
   :func:`numcoll.algorithms.shared_alltoall.alltoall_shared`);
@@ -89,7 +90,8 @@ def choose(cfg: Config, collective: str, requested: str | None, nbytes: int,
     whose ranks can address each other's device memory, else why not.
     ``single_copy_refused``: why this group's ranks cannot read each other's
     memory, None where they can. ``uneven``: an alltoall whose ranks may send
-    each other different amounts (split sizes given)."""
+    each other different amounts (``all_to_all_single``, with split sizes or
+    without: a peer may pass them where this rank passes none)."""
     options = CHOICES[collective]
     if requested is not None and not isinstance(requested, str):
         raise TypeError(f"{collective}: algorithm must be a str, got {type(requested).__name__}")
@@ -187,7 +189,7 @@ _UNCROWDED = frozenset(("alltoall", "scatter", "gather"))
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for gather, for alltoall (without split sizes: see
+    two for gather, for alltoall (its list form: see
     ``single_copy_alltoall_min_nbytes``) and for allreduce, and
     the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
@@ -231,7 +233,7 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         on_arena = None  # an arena here is a host's, not the group's
     else:
         on_arena = _shared(cfg, collective, nbytes, size) if shared else None
-        # (Not an alltoall with split sizes: its ranks' buffers may differ, and
+        # (Not an all_to_all_single: its ranks' buffers may differ, and
         # ranks whose buffers lie either side of a threshold would part; the
         # arena's alltoall agrees after its first round whether to read the
         # rest single-copy: choose().)

@@ -142,7 +142,7 @@ class GroupContext:
     def choose(self, collective: str, requested, nbytes: int, shared: bool = True,
                device: bool = False, uneven: bool = False) -> Choice:
         """The algorithm for ``collective`` on ``nbytes`` bytes (see :func:`choose`);
-        ``device``: the arrays are CUDA arrays; ``uneven``: an alltoall with split sizes."""
+        ``device``: the arrays are CUDA arrays; ``uneven``: an ``all_to_all_single``."""
         single_copy = self.single_copy
         return choose(self.cfg, collective, requested, nbytes, self.size, shared, self.topology,
                       self.device_peers() if device else "host arrays",

@@ -122,8 +122,6 @@ def copy(plan_address, x):
                       pids, spin_ns, yield_ns, _NO_DEADLINE, BEGIN)
     if state == DONE or state == DONE_OPEN:
         steps[0] = step + 4
-    elif state == WHERE_OPEN or state == COPIES_OPEN:
-        steps[0] = step + 3
     if state != DONE:
         plan[STATE] = state
         return state

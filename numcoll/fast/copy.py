@@ -53,9 +53,8 @@ import numpy as np
 from transports.shm.arena import SharedArena
 from transports.shm.single_copy_steps import DONE_OPEN, STATES, WHERE_OPEN
 
-from ..algorithms.shared import round_elements
-from ..algorithms.shared_alltoall import (READ_WHOLE, alltoall_head_nbytes, alltoall_header,
-                                          alltoall_resume, alltoall_shared)
+from ..algorithms.shared_alltoall import (READ_WHOLE, alltoall_resume, alltoall_round_zero,
+                                          alltoall_shared)
 from ..algorithms.single_copy import (READ, Parts, allgather_parts, alltoall_parts,
                                       broadcast_parts, fused_plan, gather_parts,
                                       published_nbytes, resume, scatter_parts)
@@ -183,13 +182,11 @@ def fused_copy_alltoall(pg, call, inp, out, rest_nbytes: int | None) -> FusedCop
     x, y = inp.reshape(-1), out.reshape(-1)
     if x.size != y.size or x.size % size or shares_memory(x, y):
         return None
-    n, itemsize, seg = x.size // size, x.itemsize, pg.context.segment(x.itemsize)
+    n, seg = x.size // size, pg.context.segment(x.itemsize)
     chunks = [(q * n, n) for q in range(size)]
     send, recv = HostBuffer(x), HostBuffer(y)
-    per_peer = round_elements(pg._transport.arena.slot_nbytes, itemsize, seg, size - 1,
-                              alltoall_head_nbytes(size))
-    offer = [x[a:a + m].ctypes.data if m else 0 for a, m in chunks] + [rest_nbytes + 1]
-    header = alltoall_header(rank, size, chunks, chunks, itemsize, per_peer, offer)
+    _, _, header = alltoall_round_zero(pg._transport.arena.slot_nbytes, rank, size, send, chunks,
+                                       chunks, seg, rest_nbytes)
     if header[0] != READ_WHOLE:
         return None  # (its data goes in round 0: a fused arena step's, moves.plan)
     parts = Parts([], [(READ, q, rank, recv, *chunks[q]) for q in range(size) if q != rank],

@@ -26,7 +26,8 @@ from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
 from ..algorithms.shared import _place
-from ..algorithms.shared_alltoall import IN_ROUNDS, alltoall_head_nbytes
+from ..algorithms.shared_alltoall import (alltoall_head_nbytes, alltoall_header, nbytes_word,
+                                          rounds_word)
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
@@ -76,7 +77,7 @@ class FusedMove(FusedCall):
                     continue
                 theirs = int(self.region[base + at:base + at + 8].view(np.int64)[0])
                 if theirs != want:
-                    if at == 8 * (4 + 2 * self.pg._size):
+                    if at == 8 * rounds_word(self.pg._size):
                         comm.size_mismatch(q, f"rank {q} needs {theirs} rounds, this rank "
                                               f"expects {int(want)}")
                     itemsize = self.call.dtype.itemsize  # (the words count bytes)
@@ -188,15 +189,17 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
             return None
         stride, count = peer * itemsize, b // itemsize
         # (alltoall_header's words, every one written, as a peer's compiled
-        # start reads them: data in round 0, no block offered to be read, one
-        # round, the bytes for each rank -- a fused step makes its one round)
-        rounds = 8 * (4 + 2 * size)
-        words = [IN_ROUNDS, size, 0, 0] + [0, b] * size + [1, 0, 0]
-        moves = [(WORD, rank, w, 8 * i, 8) for i, w in enumerate(words)]
+        # start reads them: no block offered to be read, so data in round 0,
+        # one round -- a fused step makes its one round)
+        chunks = [(q * count, count) for q in range(size)]
+        words = alltoall_header(rank, size, chunks, chunks, itemsize, peer, [0] * (size + 1))
+        rounds = 8 * rounds_word(size)
+        moves = [(WORD, rank, int(w), 8 * i, 8)
+                 for i, w in enumerate(words[:rounds_word(size) + 3])]  # (not its padding)
         moves += [(PACK, rank, q * b, head + _place(q, rank) * stride, b) for q in others]
         moves += [(LOCAL, rank, rank * b, rank * b, b)]
         moves += [(CHECK, q, rounds, 0, 1) for q in others]
-        moves += [(CHECK, q, 8 * (5 + 2 * rank), 0, b) for q in others]
+        moves += [(CHECK, q, 8 * nbytes_word(rank), 0, b) for q in others]
         moves += [(UNPACK, q, head + _place(rank, q) * stride, q * b, b) for q in others]
         return FusedMove(pg, call, x, y, moves, head + (size - 1) * stride, [out])
     if name == "reduce_scatter_tensor":

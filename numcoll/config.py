@@ -107,6 +107,18 @@ class Config:
     #: output) 1 MiB 0.93 -> 1.50, 2 MiB 1.17-1.19 -> 1.34-1.37, 4 MiB 0.91 ->
     #: 1.31 (docs/performance/single-copy.md).
     single_copy_rooted_min_nbytes: int = 512 << 10
+    #: The threshold for broadcast, a rank's buffer, on a group with no more
+    #: ranks than the host has CPUs (with more, the crowded one below). Lower
+    #: than the general one: a broadcast through the arena is two copies one
+    #: after the other (the root's in, then the peers' out), and in the VM's
+    #: far state (a cache line's round trip 0.3 us) the arena moves ~2 GB/s,
+    #: while a single-copy read is one copy, near or far. 2 ranks, paired
+    #: beside Open MPI, busbw ratio, three runs each, 512 KiB -> 64 KiB:
+    #: 64 KiB 0.67-2.29 -> 0.94-1.13, 128 KiB 0.58-2.33 -> 1.18-1.32, 256 KiB
+    #: 0.65-1.44 -> 1.42-1.61 (the high ends of the arena's: the near state;
+    #: docs/performance/single-copy.md). Allgather, scatter and gather gained
+    #: nothing from the same change (their arena copies run side by side).
+    single_copy_broadcast_min_nbytes: int = 64 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather -- a rank's block; alltoall and scatter
     #: keep the general one, a scatter counting the root's whole list against

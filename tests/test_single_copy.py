@@ -38,6 +38,7 @@ def small_threshold(monkeypatch):
     # single copy is never chosen where one fused arena step moves the call).
     monkeypatch.setenv("NUMCOLL_ARENA_SLOT_NBYTES", "4096")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", "1024")
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_BROADCAST_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ALLTOALL_REST_MIN_NBYTES", "1024")
     monkeypatch.setenv("NUMCOLL_SINGLE_COPY_CROWDED_MIN_NBYTES", "1024")
@@ -177,13 +178,20 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):
         assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name \
             == "cma_measured"
-    # The defaults: from 512 KiB (a rank's block for gather), 2 ranks.
+    # The defaults: from 512 KiB (a rank's block for gather), broadcast from
+    # 64 KiB (the arena's is two copies one after the other), 2 ranks.
     plain = Config()
-    for name in ("allgather", "broadcast", "scatter", "gather"):
-        assert choose(plain, name, None, 512 << 10, 2, single_copy_refused=None).name \
+    for name, least in (("allgather", 512 << 10), ("broadcast", 64 << 10),
+                        ("scatter", 512 << 10), ("gather", 512 << 10)):
+        assert choose(plain, name, None, least, 2, single_copy_refused=None).name \
             == "cma_measured"
-        assert choose(plain, name, None, (512 << 10) - 64, 2, single_copy_refused=None).name \
+        assert choose(plain, name, None, least - 64, 2, single_copy_refused=None).name \
             == "shared"
+    # ... its own threshold, not the general one; a crowded group's above both
+    own = current(single_copy_broadcast_min_nbytes=1 << 30)
+    assert choose(own, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    assert choose(plain, "broadcast", None, 512 << 10, (os.cpu_count() or 1) + 1,
+                  single_copy_refused=None).name == "shared"
     # Gather: the rooted threshold (broadcast copies from both ends: the general one).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
     assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"

@@ -20,7 +20,8 @@ The automatic choice, in order:
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it and for
   allreduce (a reduce-scatter and an allgather by reads), from
-  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for gather,
+  ``single_copy_min_nbytes`` (``single_copy_broadcast_min_nbytes`` for
+  broadcast, ``single_copy_rooted_min_nbytes`` for gather,
   ``single_copy_alltoall_min_nbytes`` for alltoall,
   ``single_copy_allreduce_min_nbytes`` for allreduce,
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
@@ -188,8 +189,8 @@ _UNCROWDED = frozenset(("alltoall", "scatter", "gather"))
 
 
 def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
-    """The size from which the ``cma`` algorithms are chosen: the larger of
-    two for gather, for alltoall (its list form: see
+    """The size from which the ``cma`` algorithms are chosen: broadcast's own,
+    the larger of two for gather, for alltoall (its list form: see
     ``single_copy_alltoall_min_nbytes``) and for allreduce, and
     the larger again on a
     group with more ranks than the host has CPUs (the same on every rank of
@@ -198,7 +199,9 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     root's whole list -- against twice its threshold) and allreduce (its
     threshold divided by ``size``)."""
     least = cfg.single_copy_min_nbytes
-    if collective == "gather":
+    if collective == "broadcast":
+        least = cfg.single_copy_broadcast_min_nbytes  # (lower: see numcoll.config)
+    elif collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
     elif collective == "alltoall":
         least = max(least, cfg.single_copy_alltoall_min_nbytes)

@@ -470,7 +470,8 @@ def alltoall_parts(rank: int, size: int, send_buf, send_chunks, recv_buf, recv_c
 
 # The ``cma_measured`` algorithms: single copy or the arena, call by call, as
 # rank 0 measured them lately (_say). What the automatic choice picks from
-# ``single_copy_min_nbytes``; ``cma`` and ``shared``, forced, do one way only.
+# ``single_copy_min_nbytes`` (and its twins: numcoll.config); ``cma`` and
+# ``shared``, forced, do one way only.
 def allgather_cma_measured(comm, buf, chunks, segment_count: int | None = None) -> None:
     """:func:`allgather_cma`, or the arena's allgather where rank 0 measured it faster."""
     allgather_cma(comm, buf, chunks, segment_count, measured=True)

@@ -192,7 +192,7 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     assert choose(own, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
     assert choose(plain, "broadcast", None, 512 << 10, (os.cpu_count() or 1) + 1,
                   single_copy_refused=None).name == "shared"
-    # Gather: the rooted threshold (broadcast copies from both ends: the general one).
+    # Gather: the rooted threshold (not broadcast, which has its own, nor scatter).
     rooted = current(single_copy_rooted_min_nbytes=1 << 30)
     assert choose(rooted, "gather", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
     assert choose(rooted, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "cma_measured"

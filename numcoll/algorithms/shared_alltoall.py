@@ -27,7 +27,8 @@ from .shared import _bytes, _copy_in, _place, round_elements
 from .verdict import done_step, verdict
 
 __all__ = ["alltoall_shared", "alltoall_head_nbytes", "alltoall_header", "alltoall_round_zero",
-           "alltoall_resume", "rounds_word", "nbytes_word", "READ_WHOLE", "IN_ROUNDS"]
+           "alltoall_resume", "header_words", "rounds_word", "address_word", "nbytes_word",
+           "READ_WHOLE", "IN_ROUNDS"]
 
 #: A header's magic word: this rank offers every block to be read whole
 #: (its data starts a round late), or its data goes through the rounds
@@ -46,7 +47,12 @@ def alltoall_head_nbytes(size: int) -> int:
     then the rounds this rank needs, from what size it lets the rest be read
     single-copy plus one (0: it does not), and whether its data starts a
     round late."""
-    return -(-8 * (_LEAD + 2 * size + 3) // 64) * 64
+    return -(-8 * header_words(size) // 64) * 64
+
+
+def header_words(size: int) -> int:
+    """The header's words that carry something (before its padding)."""
+    return rounds_word(size) + 3
 
 
 def rounds_word(size: int) -> int:
@@ -55,10 +61,15 @@ def rounds_word(size: int) -> int:
     return _LEAD + 2 * size
 
 
+def address_word(q: int) -> int:
+    """The header's word holding where the block for rank ``q`` lies (0
+    where the rank offers no reads)."""
+    return _LEAD + 2 * q
+
+
 def nbytes_word(q: int) -> int:
-    """The header's word holding the bytes of the block for rank ``q`` (the
-    word before it: where that block lies)."""
-    return _LEAD + 1 + 2 * q
+    """The header's word holding the bytes of the block for rank ``q``."""
+    return address_word(q) + 1
 
 
 def alltoall_round_zero(slot_nbytes: int, rank: int, size: int, send_buf, send_chunks,
@@ -95,7 +106,7 @@ def alltoall_header(rank: int, size: int, send_chunks, recv_chunks, itemsize: in
                and (mine > 1 if offer[size] == 1 else largest >= offer[size] - 1))
     words = np.zeros(alltoall_head_nbytes(size) // 8, np.int64)
     words[0], words[1] = (READ_WHOLE if late else IN_ROUNDS), size
-    words[_LEAD:_LEAD + 2 * size:2] = offer[:size]
+    words[address_word(0):address_word(size):2] = offer[:size]
     words[nbytes_word(0):nbytes_word(size):2] = [n * itemsize for _, n in send_chunks]
     at = rounds_word(size)
     words[at:at + 3] = mine + late, offer[size], late
@@ -276,7 +287,7 @@ def _rest_by_reads(comm, recv_buf, recv_chunks, headers: dict, lates: dict,
         start = 0 if lates[p] else min(n, per_peer)
         if n > start and refused is None:
             view = recv_buf.recv_view(first + start, n - start)
-            refused = comm.read_peer(p, int(theirs[nbytes_word(rank) - 1]) + start * itemsize,
+            refused = comm.read_peer(p, int(theirs[address_word(rank)]) + start * itemsize,
                                      _bytes(view))
             read.append((first + start, n - start))
     if not done_step(comm, refused):

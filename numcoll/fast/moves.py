@@ -26,8 +26,8 @@ from transports.shm.arena import HEADER_NBYTES, SharedArena
 
 from ..collectives import fused_moves, fused_step
 from ..algorithms.shared import _place
-from ..algorithms.shared_alltoall import (alltoall_head_nbytes, alltoall_header, nbytes_word,
-                                          rounds_word)
+from ..algorithms.shared_alltoall import (alltoall_head_nbytes, alltoall_header, header_words,
+                                          nbytes_word, rounds_word)
 from ..collectives.fused_moves import CHECK, INP, LOCAL, MOVES, OUT, PACK, REDUCE, UNPACK, WORD
 from .step import _NOTHING, HAS_GIL, FusedCall, fusable_dtype
 
@@ -195,7 +195,7 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
         words = alltoall_header(rank, size, chunks, chunks, itemsize, peer, [0] * (size + 1))
         rounds = 8 * rounds_word(size)
         moves = [(WORD, rank, int(w), 8 * i, 8)
-                 for i, w in enumerate(words[:rounds_word(size) + 3])]  # (not its padding)
+                 for i, w in enumerate(words[:header_words(size)])]
         moves += [(PACK, rank, q * b, head + _place(q, rank) * stride, b) for q in others]
         moves += [(LOCAL, rank, rank * b, rank * b, b)]
         moves += [(CHECK, q, rounds, 0, 1) for q in others]

@@ -451,6 +451,34 @@ def test_a_fresh_array_per_call_makes_no_plan():
         close(pgs)
 
 
+def test_a_fresh_input_beside_a_kept_output_makes_no_plan():
+    """A new input each call (a fresh view, whose object may take the freed
+    one's address and so its key) beside the same output: no plan is made,
+    as none could serve a later call -- only arrays seen twice alive, every
+    one of them, are planned."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r = pg.rank()
+            base = np.arange(4, dtype=np.float32) + 10 * r
+            out = np.zeros(4, np.float32)
+            for i in range(6):
+                inp = base[:2]
+                nc.all_gather_into_tensor(out, inp, group=pg)
+                assert out.tolist() == [0, 1, 10, 11]
+                del inp
+                sent = base + i
+                nc.all_to_all_single(out, sent, group=pg)
+                assert out.tolist() == [2 * r + i, 2 * r + 1 + i, 10 + 2 * r + i, 11 + 2 * r + i]
+                del sent
+            repeats = pg.repeats
+            return len(repeats._seen), len(repeats._replays), fused_runs(pg)
+
+        assert on_ranks(pgs, body) == [(0, 0, 0)] * 2
+    finally:
+        close(pgs)
+
+
 def test_a_started_handle_is_reused_only_when_nobody_holds_it():
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:

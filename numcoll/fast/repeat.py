@@ -249,7 +249,7 @@ class Repeats:
         if seen is not None and all(a is b for a, b in zip(arrays, seen.x)) \
                 and described(arrays) == seen.shape:
             return  # planned for these very arrays, which its run declined this time
-        if not self._twice(key, arrays[0]):
+        if not self._twice(key, *arrays):
             return
         # (an alltoall whose blocks are read whole first: moves.plan would send
         # them in round 0, through the arena)
@@ -291,7 +291,7 @@ class Repeats:
                 and out.strides == seen.strides and out.dtype == seen.dtype \
                 and _form(inp) == seen.form:
             return  # planned for these very arrays, which its run declined this time
-        if self._twice(key, out) and type(inp) is np.ndarray:
+        if type(inp) is np.ndarray and self._twice(key, out, inp):
             fused = fused_allgather(self.pg, call, out, inp) \
                 or fused_copy_allgather(self.pg, call, out, inp)
             if fused is not None:
@@ -299,15 +299,21 @@ class Repeats:
             else:
                 self._keep_replay(key, (out, inp), None, call, run)
 
-    def _twice(self, key, x) -> bool:
-        """Whether ``x`` (under ``key``) was seen before, alive; else remember it
-        (by weak reference, only until it is seen again)."""
+    def _twice(self, key, *arrays) -> bool:
+        """Whether ``arrays`` (under ``key``) were seen before, every one of
+        them alive; else remember them (by weak reference, only until they
+        are seen again). Every array, not only the first: a fresh input
+        each call beside a kept output may reuse the freed one's address,
+        hence its key, and a plan made for it would serve no later call
+        (2 ranks, an 8-byte allgather of a new view into one output took
+        90-160 us a call, planning every other call, against 25 unplanned)."""
         once = self._once.get(key)
-        if once is None or once() is not x:
-            if type(x) is np.ndarray:
+        if once is None or len(once) != len(arrays) \
+                or any(ref() is not a for ref, a in zip(once, arrays)):
+            if all(type(a) is np.ndarray for a in arrays):
                 if len(self._once) >= 4 * REPLAYS_KEPT:
                     self._once.clear()
-                self._once[key] = weakref.ref(x)
+                self._once[key] = tuple(map(weakref.ref, arrays))
             return False
         del self._once[key]
         return True

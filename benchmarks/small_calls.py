@@ -15,8 +15,12 @@ mean. The table gives the median and the lowest of ``--runs`` runs
 The rows, from the top:
 
 ``nc.all_reduce(x)``, ordinary
-    a new array object each time: the full path (builder, checks, plan
-    cache, the group's submit, Work, Comm, Record, one arena step);
+    a new array object each time, the group's plans by form forgotten before
+    each call: the full path (builder, checks, plan cache, the group's
+    submit, Work, Comm, Record, one arena step);
+``nc.all_reduce(x)``, new array
+    a new array object each time, run through its form's plan
+    (:mod:`numcoll.fast.forms`; the array's allocation included);
 ``pg.allreduce(x, blocking=True)``
     the same array: the builder's plan-cache hit, then the full submit;
 ``persistent, ordinary``
@@ -56,8 +60,9 @@ from transports.shm.ring import _cpu_relax, _load_acquire, _monotonic_ns, _sched
 #: Steps per timed batch of the bare rows.
 BATCH = 50
 ROWS = ["nc.all_reduce(x), ordinary", "pg.allreduce(x, blocking=True)", "persistent, ordinary",
-        "nc.all_reduce(x), repeat", "persistent, fused", "FusedCall.run()", "compiled step",
-        "bare arena step, N in one call", "bare arena step, no stamp check"]
+        "nc.all_reduce(x), new array", "nc.all_reduce(x), repeat", "persistent, fused",
+        "FusedCall.run()", "compiled step", "bare arena step, N in one call",
+        "bare arena step, no stamp check"]
 
 
 @njit(nogil=True, cache=True)
@@ -108,7 +113,13 @@ def _body(calls: int, runs: int) -> dict:
     fused: FusedCall = seen.fused
     arena = fused.arena
 
+    forms = pg.repeats.forms
+
     def ordinary():
+        forms.clear()  # (else the second new array plans its form: new_array below)
+        nc.all_reduce(np.ones(2, np.float32))
+
+    def new_array():
         nc.all_reduce(np.ones(2, np.float32))
 
     def method():
@@ -157,7 +168,8 @@ def _body(calls: int, runs: int) -> dict:
         return loop
 
     loops = {"nc.all_reduce(x), ordinary": ordinary, "pg.allreduce(x, blocking=True)": method,
-             "persistent, ordinary": persistent_plain, "nc.all_reduce(x), repeat": repeat,
+             "persistent, ordinary": persistent_plain, "nc.all_reduce(x), new array": new_array,
+             "nc.all_reduce(x), repeat": repeat,
              "persistent, fused": persistent, "FusedCall.run()": run, "compiled step": compiled}
     times: dict[str, list] = {name: [] for name in ROWS}
     for name in ("bare arena step, N in one call", "bare arena step, no stamp check"):

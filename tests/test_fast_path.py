@@ -1,7 +1,8 @@
 """Small calls as one fused arena step (numcoll.fast): a blocking call that
 repeats, and persistent requests. Results against a NumPy reference at 1-5
 ranks; every change to a repeated call (array, shape, layout, dtype, op,
-writability, deadline) falls back to the ordinary path with its checks; a
+writability, deadline) falls back to the ordinary path with its checks (or a
+plan by form, tests/test_fast_forms.py); a
 mismatch, a dead or missing peer, and calls interleaved with a held start are
 handled as on the ordinary path; the flight recorder sees every call."""
 
@@ -31,7 +32,8 @@ def fused_runs(pg) -> int:
     """How many of the group's calls ran fused (their flight-recorder rows)."""
     recorder = flight_recorder.recorder()
     if recorder is None:
-        return sum(int(seen.fused.meta[0]) for seen in pg.repeats._seen.values())
+        return sum(int(fused.meta[0]) for fused in
+                   [seen.fused for seen in pg.repeats._seen.values()] + pg.repeats.forms.plans())
     return sum(int(lane.meta[0]) for lane in recorder._lanes if lane.pg_id == pg._pg_id)
 
 
@@ -101,7 +103,8 @@ def test_results_are_bitwise_equal_on_every_rank():
 def test_any_change_falls_back_to_the_full_checks():
     """Each change below takes the ordinary path (the fused count does not
     move) and gives the ordinary result or error; the unchanged call after it
-    is fused again."""
+    is fused again (once a second array of its form came by, through that
+    form's plan: numcoll.fast.forms)."""
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:
         def body(pg):
@@ -120,15 +123,15 @@ def test_any_change_falls_back_to_the_full_checks():
                 call(x, np.full(4, 3, np.float32))  # seen, learnt, then ...
             x[...] = r + 1
             call(x, np.full(4, 3, np.float32), fused=True)  # ... runs fused
-            y = np.full(4, r + 1, np.float32)  # an equal array, another object
-            call(y, np.full(4, 3, np.float32))
+            y = np.full(4, r + 1, np.float32)  # an equal array, another object: the
+            call(y, np.full(4, 3, np.float32))  # second of its form, which is planned now
             x[...] = r + 1
             call(x, np.full(4, 2, np.float32), op=nc.ReduceOp.MAX)  # another op
             x.shape = (2, 2)  # the same object, reshaped in place
             x[...] = r + 1
             call(x, np.full((2, 2), 3, np.float32))
             x.shape = (4,)
-            for fused in (False, False, True):  # (the last plan learnt was for (2, 2))
+            for fused in (True, True, True):  # (x's plan is for (2, 2); its form's serves)
                 x[...] = r + 1
                 call(x, np.full(4, 3, np.float32), fused=fused)
             d = x.view(np.int32)  # another dtype (and object)
@@ -433,9 +436,10 @@ def test_eight_ranks():
         close(pgs)
 
 
-def test_a_fresh_array_per_call_makes_no_plan():
-    """Code that allocates its array per call never pays for a plan (nor fills
-    the flight recorder with lanes): only an array seen twice alive is planned."""
+def test_a_fresh_array_per_call_is_planned_once_by_its_form():
+    """Code that allocates its array per call makes no plan per array (nor
+    fills the flight recorder with lanes): the second array of a form plans
+    that form, once, and later arrays of it run fused (numcoll.fast.forms)."""
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:
         def body(pg):
@@ -444,9 +448,9 @@ def test_a_fresh_array_per_call_makes_no_plan():
                 nc.all_reduce(x, group=pg)
                 assert x.tolist() == [2.0 * i] * 2
                 del x
-            return len(pg.repeats._seen), fused_runs(pg)
+            return len(pg.repeats._seen), len(pg.repeats.forms.plans()), fused_runs(pg)
 
-        assert on_ranks(pgs, body) == [(0, 0)] * 2
+        assert on_ranks(pgs, body) == [(0, 1, 4)] * 2
     finally:
         close(pgs)
 

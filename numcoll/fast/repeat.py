@@ -37,6 +37,7 @@ from ..collectives import fused_step
 from . import moves
 from .copy import (fused_copy_allgather, fused_copy_alltoall, fused_copy_broadcast,
                    fused_copy_move)
+from .forms import Forms
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
 from .sum import fused_allreduce
@@ -132,7 +133,7 @@ def fusable(pg, call, x) -> bool:
 class Repeats:
     """The recent calls of group ``pg`` that can run fused, or be replayed."""
 
-    __slots__ = ("pg", "_seen", "_once", "default_barrier", "_replays", "roots")
+    __slots__ = ("pg", "_seen", "_once", "default_barrier", "_replays", "roots", "forms")
 
     def __init__(self, pg):
         self.pg = pg
@@ -152,6 +153,8 @@ class Repeats:
         # Global ranks (as a module function's src/dst) translated to this
         # group's ranks, by the API's repeat paths (the group's ranks are fixed)
         self.roots: dict = {}
+        #: Single-array calls planned by form, for a new array each call.
+        self.forms = Forms(pg)
 
     def allreduce(self, x, op) -> bool:
         """Run ``allreduce(x, op)`` fused if it repeats a call seen before; False
@@ -163,7 +166,8 @@ class Repeats:
                 or x.strides != seen.strides \
                 or x.dtype is not seen.dtype and x.dtype != seen.dtype \
                 or not x.flags.writeable:
-            return bool(self._replays) and self._replayed(id(x), (x,), op)
+            return bool(self._replays) and self._replayed(id(x), (x,), op) \
+                or bool(self.forms) and self.forms.run("allreduce", -1, x, op)
         fused = seen.fused  # (FusedCall.run, inlined: a frame is 0.04 us of 1.3)
         start = fused._start
         if start is None:  # (a single-copy allreduce: its own run, numcoll.fast.sum)
@@ -208,8 +212,10 @@ class Repeats:
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
                 or not x.flags.writeable:
-            return self._replayed(key, (x,), op) if arrays is None else \
-                self._replayed(key, arrays)
+            if arrays is not None:
+                return self._replayed(key, arrays)
+            return self._replayed(key, (x,), op) \
+                or bool(self.forms) and self.forms.run(key[1], key[2], x, op)
         return seen.fused.run()
 
     def _replayed(self, key, arrays: tuple, op=None) -> bool:
@@ -282,6 +288,8 @@ class Repeats:
                 self._keep(key, x, op, fused)
             else:
                 self._keep_replay(key, (x,), op, call, run)
+        else:
+            self.forms.learn(call.name, call.root, x, op, lambda: fused_call(self.pg, call, x))
 
     def learn_allgather(self, out, inp, call, run=None) -> None:
         """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""
@@ -350,4 +358,5 @@ class Repeats:
         self._seen.clear()
         self._replays.clear()
         self._once.clear()
+        self.forms.clear()
         self.default_barrier = None

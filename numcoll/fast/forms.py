@@ -1,0 +1,125 @@
+"""Small calls on a new array each time, run as one fused step planned per form.
+
+:class:`~numcoll.fast.repeat.Repeats` plans a call for the very array it was
+made for. Code like ``nc.all_reduce(np.array([loss]))`` or a reduction of a
+freshly computed array passes a new array every call, and paid the whole
+ordinary path for each: the group's Work, future, record and queue (2 ranks,
+8 bytes: 22 us a call against 2.3 for the same array repeated).
+
+The arena's step for an allreduce, a reduce or a broadcast takes its array
+as an argument (:func:`numcoll.collectives.fused_step.start`): its plan
+holds no address of it. So :class:`Forms` plans such a call once per *form*
+-- the collective, its root, the op object, the array's shape, strides and
+dtype -- when a second array of that form comes by, and runs any later
+array of that form through it. An array of the planned form passes the
+ordinary builder's checks exactly as the first did (they look at the form,
+not at the values), so the plan is what the builder would make again. What
+is checked per call: a NumPy array (not a subclass), writable and aligned,
+of the same shape, strides, dtype and op, and, where the group has shared
+arrays, small enough that it cannot be one (the ordinary path reads shared
+arrays in place: a plan made for a plain array must not take one). Anything
+else takes the ordinary path. A plan is used by one call at a time (its lock:
+another thread's call of the same form takes the ordinary path), and it
+holds no caller's array between calls.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .step import FusedCall
+
+__all__ = ["Forms"]
+
+#: Forms planned per group (the oldest is forgotten first), and forms seen once
+#: remembered (the table is emptied when full: they are only candidates).
+KEPT = 8
+SEEN_KEPT = 64
+
+
+class _Planned:
+    """One form's plan: the fused call, the op it was made with (by identity),
+    whether an array of its size may be a shared array, its lock and an empty
+    array of its type that the plan holds between calls."""
+
+    __slots__ = ("fused", "op", "shareable", "lock", "spare")
+
+    def __init__(self, fused: FusedCall, op, shareable: bool):
+        self.fused, self.op, self.shareable = fused, op, shareable
+        self.lock = threading.Lock()
+        self.spare = fused.x[:0]
+        fused.x, fused.outs = self.spare, []
+
+
+class Forms:
+    """The forms of group ``pg``'s single-array calls, planned once seen twice."""
+
+    __slots__ = ("pg", "_planned", "_seen")
+
+    def __init__(self, pg):
+        self.pg = pg
+        self._planned: dict = {}
+        self._seen: set = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._planned)
+
+    def run(self, name: str, root: int, x, op) -> bool:
+        """Run ``name`` (``allreduce``, ``reduce``, ``broadcast``) of ``x`` with
+        ``op`` (None for a broadcast) from or to group rank ``root`` (-1: none)
+        through its form's plan, if there is one and ``x`` may take it; False
+        (nothing done) if not, or the fused path cannot take it now."""
+        if type(x) is not np.ndarray:
+            return False
+        planned = self._planned.get((name, root, x.shape, x.strides, x.dtype, id(op)))
+        if planned is None or planned.op is not op:
+            return False
+        flags = x.flags
+        if not (flags.writeable and flags.aligned) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return False
+        if not planned.lock.acquire(False):
+            return False
+        fused = planned.fused
+        try:
+            fused.x, fused.outs = x.reshape(-1), [x]
+            return fused.run()
+        finally:
+            fused.x, fused.outs = planned.spare, []
+            planned.lock.release()
+
+    def learn(self, name: str, root: int, x, op, plan) -> None:
+        """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
+        that the ordinary path is about to run; the second time a form comes
+        by, keep ``plan()`` (a :class:`FusedCall` for ``x``, or None: no
+        fused step takes it) as its plan."""
+        if type(x) is not np.ndarray or not (x.flags.writeable and x.flags.aligned):
+            return
+        key = (name, root, x.shape, x.strides, x.dtype, id(op))
+        planned = self._planned
+        if key in planned:
+            return  # (planned; its run declined this time, or the op differs)
+        if key not in self._seen:
+            if len(self._seen) >= SEEN_KEPT:
+                self._seen.clear()
+            self._seen.add(key)
+            return
+        self._seen.discard(key)
+        fused = plan()
+        if type(fused) is not FusedCall:  # (a single-copy plan holds addresses)
+            return
+        if len(planned) >= KEPT:
+            planned.pop(next(iter(planned)))
+        cfg = self.pg.context.cfg
+        planned[key] = _Planned(fused, op, x.nbytes >= cfg.shared_arrays_min_nbytes)
+
+    def plans(self) -> list:
+        """The fused calls planned (for tests and diagnostics)."""
+        return [p.fused for p in self._planned.values()]
+
+    def clear(self) -> None:
+        """Forget every form (see :meth:`numcoll.fast.repeat.Repeats.clear`)."""
+        self._planned.clear()
+        self._seen.clear()

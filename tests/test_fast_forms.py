@@ -163,22 +163,22 @@ def test_a_plan_in_use_is_not_taken_and_holds_no_array_between_calls():
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:
         def body(pg):
-            for i in range(3):
-                fresh(pg, "allreduce", i, 4, np.float32)
+            # (the second array made the plan)
+            refs = [weakref.ref(fresh(pg, "allreduce", i, 4, np.float32)) for i in range(3)]
             (planned,) = pg.repeats.forms._planned.values()
             before = fused_runs(pg)
             with planned.lock:
                 x = fresh(pg, "allreduce", 3, 4, np.float32)
             in_use = fused_runs(pg) - before
             y = fresh(pg, "allreduce", 4, 4, np.float32)
-            ref = weakref.ref(y)
+            refs.append(weakref.ref(y))
             del y
             gc.collect()
-            return x.tolist(), in_use, fused_runs(pg) - before, ref() is None
+            return x.tolist(), in_use, fused_runs(pg) - before, [r() is None for r in refs]
 
         for x, in_use, fused, released in on_ranks(pgs, body):
             assert x == [float(v) for v in value(0, 3, 4, np.float32) + value(1, 3, 4, np.float32)]
-            assert (in_use, fused, released) == (0, 1, True)
+            assert (in_use, fused, released) == (0, 1, [True] * 4)
     finally:
         close(pgs)
 

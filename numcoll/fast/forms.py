@@ -26,6 +26,7 @@ holds no caller's array between calls.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class _Planned:
     def __init__(self, fused: FusedCall, op, shareable: bool):
         self.fused, self.op, self.shareable = fused, op, shareable
         self.lock = threading.Lock()
-        self.spare = fused.x[:0]
+        self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
         fused.x, fused.outs = self.spare, []
 
 
@@ -60,7 +61,9 @@ class Forms:
 
     def __init__(self, pg):
         self.pg = pg
-        self._planned: dict = {}
+        # (ordered: the oldest is dropped with one popitem, which another
+        # thread's insert cannot interrupt as it could an iterator)
+        self._planned: OrderedDict = OrderedDict()
         self._seen: set = set()
 
     def __bool__(self) -> bool:
@@ -111,7 +114,7 @@ class Forms:
         if type(fused) is not FusedCall:  # (a single-copy plan holds addresses)
             return
         if len(planned) >= KEPT:
-            planned.pop(next(iter(planned)))
+            planned.popitem(last=False)
         cfg = self.pg.context.cfg
         planned[key] = _Planned(fused, op, x.nbytes >= cfg.shared_arrays_min_nbytes)
 

@@ -138,10 +138,14 @@ FAULT = textwrap.dedent("""
     import numpy as np
     import numcoll as dist
 
-    timeout = float(os.environ["TIMEOUT_S"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    timeout = datetime.timedelta(seconds=float(os.environ["TIMEOUT_S"]))
+    # Start-up under a generous deadline, the group's own after: four ranks
+    # importing numcoll beside a loaded test run took more than 3 s to meet.
+    dist.init_process_group("gloo", timeout=max(timeout, datetime.timedelta(seconds=60)))
     rank = dist.get_rank()
     x = np.ones(1 << 20, np.float32)
+    dist.all_reduce(x)
+    dist.get_default_group().set_timeout(timeout)
     dist.all_reduce(x)
     open(os.environ["READY"] + str(rank), "w").close()
     victim = int(os.environ.get("VICTIM", -1))

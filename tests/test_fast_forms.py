@@ -223,3 +223,31 @@ def test_a_form_an_array_of_which_may_be_shared_is_never_fused(monkeypatch):
             assert x == (value(0, 9, 1024, np.float32) + value(1, 9, 1024, np.float32)).tolist()
     finally:
         close(pgs)
+
+
+def test_arrays_of_one_form_called_in_turn_each_get_a_plan_of_their_own():
+    """Two kept arrays of one form, called in turn: the second plans the form,
+    and each array that comes back through it gets its own plan (the faster
+    path), as it would without forms."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r = pg.rank()
+            a, b = np.zeros(3, np.float64), np.zeros(3, np.float64)
+            got = []
+            for i in range(6):
+                for x in (a, b):
+                    x[...] = value(r, i, 3, np.float64)
+                    nc.all_reduce(x, group=pg)
+                    got.append(x.tolist())
+            own = sorted(seen.x is a or seen.x is b for seen in pg.repeats._seen.values())
+            return got, own, len(pg.repeats.forms.plans()), fused_runs(pg)
+
+        for got, own, forms, fused in on_ranks(pgs, body):
+            assert got == [(value(0, i, 3, np.float64) + value(1, i, 3, np.float64)).tolist()
+                           for i in range(6) for _ in range(2)]
+            # a's first call is ordinary; b's too, and plans the form; each one's
+            # second runs by form and, the array seen twice, plans its own
+            assert (own, forms, fused) == ([True, True], 1, 10)
+    finally:
+        close(pgs)

@@ -42,13 +42,13 @@ SEEN_KEPT = 64
 
 class _Planned:
     """One form's plan: the fused call, the op it was made with (by identity),
-    whether an array of its size may be a shared array, its lock and an empty
-    array of its type that the plan holds between calls."""
+    the dtype, whether an array of its size may be a shared array, its lock
+    and an empty array of its type that the plan holds between calls."""
 
-    __slots__ = ("fused", "op", "shareable", "lock", "spare")
+    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare")
 
-    def __init__(self, fused: FusedCall, op, shareable: bool):
-        self.fused, self.op, self.shareable = fused, op, shareable
+    def __init__(self, fused: FusedCall, op, dtype, shareable: bool):
+        self.fused, self.op, self.dtype, self.shareable = fused, op, dtype, shareable
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
         fused.x, fused.outs = self.spare, []
@@ -69,54 +69,61 @@ class Forms:
     def __bool__(self) -> bool:
         return bool(self._planned)
 
-    def run(self, name: str, root: int, x, op) -> bool:
+    def run(self, name: str, root: int, x, op):
         """Run ``name`` (``allreduce``, ``reduce``, ``broadcast``) of ``x`` with
         ``op`` (None for a broadcast) from or to group rank ``root`` (-1: none)
-        through its form's plan, if there is one and ``x`` may take it; False
-        (nothing done) if not, or the fused path cannot take it now."""
-        if type(x) is not np.ndarray:
-            return False
-        planned = self._planned.get((name, root, x.shape, x.strides, x.dtype, id(op)))
-        if planned is None or planned.op is not op:
-            return False
+        through its form's plan, if there is one and ``x`` may take it. Returns
+        the plan's :class:`~numcoll.call.Call` once the call completed; None
+        (nothing done) if ``x`` may not take a plan, or the fused path cannot
+        take it now."""
+        # (keyed without the dtype and strides, which hash slowly: compared
+        # below. A C-contiguous array of the planned shape has its strides.)
+        planned = self._planned.get((name, root, x.shape, id(op))) \
+            if type(x) is np.ndarray else None
+        if planned is None or planned.op is not op \
+                or x.dtype is not planned.dtype and x.dtype != planned.dtype:
+            return None
         flags = x.flags
-        if not (flags.writeable and flags.aligned) \
+        if not (flags.c_contiguous and flags.writeable and flags.aligned) \
                 or planned.shareable and self.pg.context.shared_memory is not None:
-            return False
+            return None
         if not planned.lock.acquire(False):
-            return False
+            return None
         fused = planned.fused
         try:
-            fused.x, fused.outs = x.reshape(-1), [x]
-            return fused.run()
+            fused.x, fused.outs = x if x.ndim == 1 else x.reshape(-1), [x]
+            ran = fused.run()
         finally:
             fused.x, fused.outs = planned.spare, []
             planned.lock.release()
+        return fused.call if ran else None
 
     def learn(self, name: str, root: int, x, op, plan) -> None:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
         that the ordinary path is about to run; the second time a form comes
         by, keep ``plan()`` (a :class:`FusedCall` for ``x``, or None: no
-        fused step takes it) as its plan."""
+        fused step takes it) as its plan (in place of one for another dtype)."""
         if type(x) is not np.ndarray or not (x.flags.writeable and x.flags.aligned):
             return
-        key = (name, root, x.shape, x.strides, x.dtype, id(op))
-        planned = self._planned
-        if key in planned:
+        key = (name, root, x.shape, id(op))
+        planned = self._planned.get(key)
+        if planned is not None and planned.dtype == x.dtype and x.flags.c_contiguous:
             return  # (planned; its run declined this time, or the op differs)
-        if key not in self._seen:
+        form = (*key, x.strides, x.dtype)
+        if form not in self._seen:
             if len(self._seen) >= SEEN_KEPT:
                 self._seen.clear()
-            self._seen.add(key)
+            self._seen.add(form)
             return
-        self._seen.discard(key)
+        self._seen.discard(form)
         fused = plan()
         if type(fused) is not FusedCall:  # (a single-copy plan holds addresses)
             return
-        if len(planned) >= KEPT:
-            planned.popitem(last=False)
+        if len(self._planned) >= KEPT and key not in self._planned:
+            self._planned.popitem(last=False)
         cfg = self.pg.context.cfg
-        planned[key] = _Planned(fused, op, x.nbytes >= cfg.shared_arrays_min_nbytes)
+        self._planned[key] = _Planned(fused, op, x.dtype,
+                                      x.nbytes >= cfg.shared_arrays_min_nbytes)
 
     def plans(self) -> list:
         """The fused calls planned (for tests and diagnostics)."""

@@ -167,7 +167,7 @@ class Repeats:
                 or x.dtype is not seen.dtype and x.dtype != seen.dtype \
                 or not x.flags.writeable:
             return bool(self._replays) and self._replayed(id(x), (x,), op) \
-                or bool(self.forms) and self.forms.run("allreduce", -1, x, op)
+                or bool(self.forms) and self._formed(id(x), "allreduce", -1, x, op)
         fused = seen.fused  # (FusedCall.run, inlined: a frame is 0.04 us of 1.3)
         start = fused._start
         if start is None:  # (a single-copy allreduce: its own run, numcoll.fast.sum)
@@ -215,8 +215,23 @@ class Repeats:
             if arrays is not None:
                 return self._replayed(key, arrays)
             return self._replayed(key, (x,), op) \
-                or bool(self.forms) and self.forms.run(key[1], key[2], x, op)
+                or bool(self.forms) and self._formed(key, key[1], key[2], x, op)
         return seen.fused.run()
+
+    def _formed(self, key, name: str, root: int, x, op) -> bool:
+        """Run ``name`` of ``x`` through its form's plan (:mod:`.forms`) if it
+        may take it. An array that comes back a second time gets a plan of its
+        own, under ``key``, as :meth:`learn` makes it: the faster path (2 ranks,
+        two arrays of one form called in turn: 1.9 us a call by form, 1.05-1.3
+        each by its own plan), which a form's plan would otherwise keep it from."""
+        call = self.forms.run(name, root, x, op)
+        if call is None:
+            return False
+        if self._twice(key, x):
+            fused = fused_call(self.pg, call, x)
+            if fused is not None:
+                self._keep(key, x, op, fused)
+        return True
 
     def _replayed(self, key, arrays: tuple, op=None) -> bool:
         """Run the replay under ``key`` on ``arrays`` if it was made for them."""

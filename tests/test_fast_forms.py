@@ -251,3 +251,21 @@ def test_arrays_of_one_form_called_in_turn_each_get_a_plan_of_their_own():
             assert (own, forms, fused) == ([True, True], 1, 10)
     finally:
         close(pgs)
+
+
+def test_two_dtypes_of_one_shape_called_in_turn_each_keep_their_plan():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            got = []
+            for i in range(5):
+                for dtype in (np.float32, np.float64):
+                    got.append(fresh(pg, "allreduce", i, 4, dtype).tolist())
+            return got, len(pg.repeats.forms.plans()), fused_runs(pg)
+
+        for got, forms, fused in on_ranks(pgs, body):
+            assert got == [(value(0, i, 4, d) + value(1, i, 4, d)).tolist()
+                           for i in range(5) for d in (np.float32, np.float64)]
+            assert (forms, fused) == (2, 6)
+    finally:
+        close(pgs)

@@ -14,8 +14,8 @@ dtype -- when a second array of that form comes by, and runs any later
 array of that form through it. An array of the planned form passes the
 ordinary builder's checks exactly as the first did (they look at the form,
 not at the values), so the plan is what the builder would make again. What
-is checked per call: a NumPy array (not a subclass), writable and aligned,
-of the same shape, strides, dtype and op, and, where the group has shared
+is checked per call: a NumPy array (not a subclass), C-contiguous, writable
+and aligned, of the same shape, dtype and op, and, where the group has shared
 arrays, small enough that it cannot be one (the ordinary path reads shared
 arrays in place: a plan made for a plain array must not take one). Anything
 else takes the ordinary path. A plan is used by one call at a time (its lock:
@@ -76,9 +76,10 @@ class Forms:
         the plan's :class:`~numcoll.call.Call` once the call completed; None
         (nothing done) if ``x`` may not take a plan, or the fused path cannot
         take it now."""
-        # (keyed without the dtype and strides, which hash slowly: compared
-        # below. A C-contiguous array of the planned shape has its strides.)
-        planned = self._planned.get((name, root, x.shape, id(op))) \
+        # (keyed by the dtype's number, not the dtype, which hashes slowly: the
+        # dtype is compared below; a C-contiguous array of the planned shape
+        # has its strides)
+        planned = self._planned.get((name, root, x.shape, x.dtype.num, id(op))) \
             if type(x) is np.ndarray else None
         if planned is None or planned.op is not op \
                 or x.dtype is not planned.dtype and x.dtype != planned.dtype:
@@ -102,10 +103,11 @@ class Forms:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
         that the ordinary path is about to run; the second time a form comes
         by, keep ``plan()`` (a :class:`FusedCall` for ``x``, or None: no
-        fused step takes it) as its plan (in place of one for another dtype)."""
+        fused step takes it) as its plan (in place of one for a dtype of the
+        same number, of another byte order)."""
         if type(x) is not np.ndarray or not (x.flags.writeable and x.flags.aligned):
             return
-        key = (name, root, x.shape, id(op))
+        key = (name, root, x.shape, x.dtype.num, id(op))
         planned = self._planned.get(key)
         if planned is not None and planned.dtype == x.dtype and x.flags.c_contiguous:
             return  # (planned; its run declined this time, or the op differs)

@@ -205,15 +205,13 @@ class Repeats:
         seen = self._seen.get((timeout, "barrier"))
         return seen is not None and seen.fused.run()
 
-    def _repeat(self, key, x, op, arrays: tuple | None = None) -> bool:
-        """The fused plan under ``key`` on ``x`` with ``op`` if it holds; else
-        the replay under ``key`` of ``arrays`` (default ``(x,)``, with ``op``)."""
+    def _repeat(self, key, x, op) -> bool:
+        """The fused plan under ``key`` (``(id(x), name, root)``) on ``x`` with
+        ``op`` if it holds; else the replay under ``key``, or its form's plan."""
         seen = self._seen.get(key)
         if seen is None or seen.x is not x or seen.op is not op or x.shape != seen.shape \
                 or x.strides != seen.strides or x.dtype != seen.dtype \
                 or not x.flags.writeable:
-            if arrays is not None:
-                return self._replayed(key, arrays)
             return self._replayed(key, (x,), op) \
                 or bool(self.forms) and self._formed(key, key[1], key[2], x, op)
         return seen.fused.run()

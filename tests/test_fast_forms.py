@@ -13,15 +13,11 @@ import pytest
 
 import numcoll as nc
 
-from test_fast_path import close, fused_runs
+from test_fast_path import close, fused_runs, logged_all_reduce, reference, value
 from test_process_group import groups, on_ranks
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif("not __import__('transports').shm_available()")]
-
-
-def value(rank, i, n, dtype):
-    return ((np.arange(n) % 7) + 3 * rank + i + 1).astype(dtype)
 
 
 def fresh(pg, name, i, n, dtype, op=nc.ReduceOp.SUM, root=0):
@@ -40,9 +36,7 @@ def expected(name, rank, size, i, n, dtype, op=nc.ReduceOp.SUM, root=0):
     parts = [value(r, i, n, dtype) for r in range(size)]
     if name == "broadcast":
         return parts[root]
-    total = np.maximum.reduce(parts) if op == nc.ReduceOp.MAX else np.sum(parts, axis=0,
-                                                                           dtype=dtype)
-    return total if name == "allreduce" or rank == root else parts[rank]
+    return reference(op, parts) if name == "allreduce" or rank == root else parts[rank]
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -76,13 +70,7 @@ def test_arrays_the_form_does_not_fit_take_the_ordinary_path():
         def body(pg):
             r = pg.rank()
             log = []
-
-            def call(x, expect, op=nc.ReduceOp.SUM, fused=False):
-                before = fused_runs(pg)
-                nc.all_reduce(x, op=op, group=pg)
-                np.testing.assert_array_equal(x, expect)
-                log.append(fused_runs(pg) - before == int(fused))
-
+            call = logged_all_reduce(pg, log)
             for fused in (False, False, True):
                 call(np.full(4, r + 1, np.float32), np.full(4, 3, np.float32), fused=fused)
             locked = np.full(4, r + 1, np.float32)

@@ -45,6 +45,19 @@ REDUCE = {nc.ReduceOp.SUM: np.add, nc.ReduceOp.PRODUCT: np.multiply,
           nc.ReduceOp.MIN: np.minimum, nc.ReduceOp.MAX: np.maximum}
 
 
+def logged_all_reduce(pg, log: list):
+    """``call(arr, expect, op, fused)``: ``nc.all_reduce(arr, op)`` on ``pg``,
+    its result checked against ``expect``; ``log`` gets whether the fused
+    count moved by ``fused`` (1 or 0)."""
+    def call(arr, expect, op=nc.ReduceOp.SUM, fused=False):
+        before = fused_runs(pg)
+        nc.all_reduce(arr, op=op, group=pg)
+        np.testing.assert_array_equal(arr, expect)
+        log.append(fused_runs(pg) - before == int(fused))
+
+    return call
+
+
 def reference(op, arrays):
     out = arrays[0].copy()
     for a in arrays[1:]:
@@ -111,13 +124,7 @@ def test_any_change_falls_back_to_the_full_checks():
             r = pg.rank()
             x = np.zeros(4, np.float32)
             log = []
-
-            def call(arr, expect, op=nc.ReduceOp.SUM, fused=False):
-                before = fused_runs(pg)
-                nc.all_reduce(arr, op=op, group=pg)
-                np.testing.assert_array_equal(arr, expect)
-                log.append(fused_runs(pg) - before == int(fused))
-
+            call = logged_all_reduce(pg, log)
             for _ in range(2):
                 x[...] = r + 1
                 call(x, np.full(4, 3, np.float32))  # seen, learnt, then ...

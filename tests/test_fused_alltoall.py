@@ -65,6 +65,7 @@ def test_repeated_calls_run_fused_and_right(size, mode):
         assert ran == ["shared+cma"] * 12
 
 
+@pytest.mark.slow
 def test_a_rank_on_the_ordinary_path_meets_a_fused_one():
     """Rank 1 passes new arrays every call (the ordinary path, which publishes
     the same header); rank 0 the same ones (a fused start)."""
@@ -76,6 +77,7 @@ def test_a_rank_on_the_ordinary_path_meets_a_fused_one():
     assert ran0 == ran1 == ["shared+cma"] * 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["copies", "steps"])
 def test_a_start_that_stops_is_finished_from_where_it_stopped(where):
     """Its compiled reads fail (no such pid: the step-by-step reads do not),
@@ -101,6 +103,7 @@ def test_a_start_that_stops_is_finished_from_where_it_stopped(where):
         assert ran == ["shared+cma"] * 10
 
 
+@pytest.mark.slow
 def test_a_refusal_published_by_a_peer_sends_every_rank_through_the_rounds():
     """From call 4 rank 1's reads are refused (EPERM; its compiled ones fail:
     no such pid): its *done* step says so, rank 0's start -- its reads made

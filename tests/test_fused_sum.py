@@ -88,6 +88,7 @@ def test_repeated_allreduces_run_fused_and_right(monkeypatch, size, mode, dtype)
         assert ran == ["cma"] * 12
 
 
+@pytest.mark.slow
 def test_a_rank_on_the_ordinary_path_meets_a_fused_one(monkeypatch):
     monkeypatch.setenv("NUMCOLL_ALGORITHM", "allreduce:cma")
 
@@ -99,6 +100,7 @@ def test_a_rank_on_the_ordinary_path_meets_a_fused_one(monkeypatch):
     assert ran0 == ran1 == ["cma"] * 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["copies", "steps"])
 def test_a_call_that_stops_is_finished_from_where_it_stopped(monkeypatch, where):
     """Its compiled reads fail (no such pid; the step-by-step reads do not),
@@ -126,6 +128,7 @@ def test_a_call_that_stops_is_finished_from_where_it_stopped(monkeypatch, where)
         assert ran == ["cma"] * 10
 
 
+@pytest.mark.slow
 def test_a_call_that_stops_between_the_phases_is_finished_from_the_allgather(monkeypatch):
     """Rank 1, on the ordinary path, publishes its allgather's *where* 20 ms
     after its reduce-scatter; rank 0's compiled call waits 2 ms at most, so
@@ -155,6 +158,7 @@ def test_a_call_that_stops_between_the_phases_is_finished_from_the_allgather(mon
     assert ran0 == ran1 == ["cma"] * 6
 
 
+@pytest.mark.slow
 def test_rank_0_says_the_arena_and_every_rank_follows():
     """The automatic choice (``cma_measured``): rank 0 says, call by call,
     single copy or the arena; a fused call it sends to the arena takes the
@@ -180,6 +184,7 @@ def test_rank_0_says_the_arena_and_every_rank_follows():
     assert got[1][0] == got[0][0]
 
 
+@pytest.mark.slow
 def test_a_refusal_sends_every_rank_through_the_arena(monkeypatch):
     """From call 4 rank 1's reads are refused (EPERM; its compiled ones fail:
     no such pid): its *done* step says so, rank 0's compiled call finds the

@@ -53,7 +53,7 @@ from ..kernels.cpu_loops import _maximum, _minimum
 __all__ = ["OPS", "NO_REDUCE", "BROADCAST", "GATHER", "STARTED", "COMPLETED", "MOVED", "META",
            "SOURCE", "OWN", "GROUP", "HELD", "STEPS", "NOW_SEQ", "NOW_STEP", "ROWS", "GROUP_SEQ",
            "GROUP_BLOCKED", "GROUP_CLAIMED", "GROUP_WORDS", "NOT_TAKEN", "DONE_HELD", "start",
-           "finish", "combine", "entry"]
+           "finish", "combine", "entry", "point_source"]
 
 #: Reduction codes the fused step knows (others take the ordinary path).
 OPS = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3}
@@ -356,6 +356,23 @@ def combine(plan_address, x, step):
     plan = _plan_at(plan_address)
     _combine(carray(_pointer(plan[REGION], np.uint8), (plan[REGION_NBYTES],)), plan,
              _bytes_of(x), step)
+
+
+@njit(nogil=True, cache=True)
+def point_source(plan_address, x, source):
+    """Point an allgather's plan (``x``: its output's bytes) at ``source``,
+    this call's input: SOURCE its address, OWN whether it is not the output's
+    own chunk (torch's in-place form: nothing to copy). -1, the plan
+    untouched, if ``source`` overlaps ``x`` other than as that chunk; else 0.
+    (Compiled: ``ndarray.ctypes.data`` takes 1.7 us in Python, this call 0.5.)"""
+    plan = _plan_at(plan_address)
+    at, nbytes, first = source.ctypes.data, source.nbytes, x.ctypes.data
+    own = first + plan[RANK] * nbytes
+    if at != own and at < first + x.nbytes and first < at + nbytes:
+        return -1
+    plan[SOURCE] = at
+    plan[OWN] = at != own
+    return 0
 
 
 def entry(function, x):

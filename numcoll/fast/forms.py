@@ -21,6 +21,13 @@ arrays in place: a plan made for a plain array must not take one). Anything
 else takes the ordinary path. A plan is used by one call at a time (its lock:
 another thread's call of the same form takes the ordinary path), and it
 holds no caller's array between calls.
+
+An ``all_gather_into_tensor(out, inp)`` is planned by form too: the form of
+both arrays. Its step copies ``inp`` from an address in its plan (the
+output is its argument), so a run first points the plan at this call's
+``inp``, and at whether ``inp`` is ``out``'s own chunk (torch's in-place
+form: nothing to copy). An ``inp`` that overlaps ``out`` otherwise takes the
+ordinary path, whose overlap check raises.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..collectives import fused_step
 from .step import FusedCall
 
 __all__ = ["Forms"]
@@ -52,6 +60,8 @@ class _Planned:
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
         fused.x, fused.outs = self.spare, []
+        if fused.source is not None:  # (an allgather's input)
+            fused.source = self.spare
 
 
 class Forms:
@@ -99,6 +109,34 @@ class Forms:
             planned.lock.release()
         return fused.call if ran else None
 
+    def run_allgather(self, out, inp):
+        """:meth:`run` for ``all_gather_into_tensor(out, inp)``: through the
+        plan of the arrays' form, if there is one and they may take it."""
+        if type(out) is not np.ndarray or type(inp) is not np.ndarray:
+            return None
+        planned = self._planned.get(("allgather", out.shape, inp.shape, inp.dtype.num))
+        if planned is None or out.dtype != planned.dtype or inp.dtype != planned.dtype:
+            return None
+        flags, in_flags = out.flags, inp.flags
+        if not (flags.c_contiguous and flags.writeable and flags.aligned
+                and in_flags.c_contiguous and in_flags.aligned) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return None
+        if not planned.lock.acquire(False):
+            return None
+        fused = planned.fused
+        try:
+            x = (out if out.ndim == 1 else out.reshape(-1)).view(np.uint8)
+            if fused_step.point_source(fused.address, x, inp) != 0:
+                return None  # (overlapping, not the own chunk: the ordinary path's error)
+            fused.x, fused.outs, fused.source = x, [out], inp
+            ran = fused.run()
+        finally:
+            fused.x = fused.source = planned.spare
+            fused.outs = []
+            planned.lock.release()
+        return fused.call if ran else None
+
     def learn(self, name: str, root: int, x, op, plan) -> None:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
         that the ordinary path is about to run; the second time a form comes
@@ -107,11 +145,28 @@ class Forms:
         same number, of another byte order)."""
         if type(x) is not np.ndarray or not (x.flags.writeable and x.flags.aligned):
             return
-        key = (name, root, x.shape, x.dtype.num, id(op))
+        self._learn((name, root, x.shape, x.dtype.num, id(op)), x, (x.strides, x.dtype), plan,
+                    op)
+
+    def learn_allgather(self, out, inp, plan) -> None:
+        """:meth:`learn` for ``all_gather_into_tensor(out, inp)``; ``plan()``:
+        a :class:`FusedCall` for these arrays, or None."""
+        if type(out) is not np.ndarray or type(inp) is not np.ndarray \
+                or not (out.flags.writeable and out.flags.aligned and inp.flags.aligned) \
+                or out.dtype != inp.dtype:
+            return
+        self._learn(("allgather", out.shape, inp.shape, inp.dtype.num), out,
+                    (out.strides, inp.strides, inp.dtype), plan, None, inp.nbytes)
+
+    def _learn(self, key: tuple, x, form: tuple, plan, op, nbytes: int | None = None) -> None:
+        """Plan ``key`` (of array ``x``: its dtype, whether it is C-contiguous;
+        ``form``: the rest that must match to count as the same form; ``op``:
+        the op object) the second time its form comes by. ``nbytes``: what
+        decides whether the call's arrays could be shared arrays (default: ``x``'s)."""
         planned = self._planned.get(key)
         if planned is not None and planned.dtype == x.dtype and x.flags.c_contiguous:
             return  # (planned; its run declined this time, or the op differs)
-        form = (*key, x.strides, x.dtype)
+        form = (*key, *form)
         if form not in self._seen:
             if len(self._seen) >= SEEN_KEPT:
                 self._seen.clear()
@@ -124,8 +179,8 @@ class Forms:
         if len(self._planned) >= KEPT and key not in self._planned:
             self._planned.popitem(last=False)
         cfg = self.pg.context.cfg
-        self._planned[key] = _Planned(fused, op, x.dtype,
-                                      x.nbytes >= cfg.shared_arrays_min_nbytes)
+        self._planned[key] = _Planned(fused, op, x.dtype, (x.nbytes if nbytes is None else nbytes)
+                                      >= cfg.shared_arrays_min_nbytes)
 
     def plans(self) -> list:
         """The fused calls planned (for tests and diagnostics)."""

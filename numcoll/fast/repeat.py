@@ -193,7 +193,8 @@ class Repeats:
         if seen is None or seen.x is not out or seen.op is not inp \
                 or out.shape != seen.shape or out.strides != seen.strides \
                 or out.dtype != seen.dtype or not out.flags.writeable:
-            return self._replayed(key, (out, inp))
+            return self._replayed(key, (out, inp)) \
+                or bool(self.forms) and self._formed_allgather(key, out, inp)
         shape, strides, dtype = seen.form
         if inp.shape != shape or inp.strides != strides or inp.dtype != dtype:
             return self._replayed(key, (out, inp))
@@ -229,6 +230,17 @@ class Repeats:
             fused = fused_call(self.pg, call, x)
             if fused is not None:
                 self._keep(key, x, op, fused)
+        return True
+
+    def _formed_allgather(self, key, out, inp) -> bool:
+        """:meth:`_formed` for ``all_gather_into_tensor(out, inp)``."""
+        call = self.forms.run_allgather(out, inp)
+        if call is None:
+            return False
+        if self._twice(key, out, inp):
+            fused = fused_allgather(self.pg, call, out, inp)
+            if fused is not None:
+                self._keep(key, out, inp, fused)
         return True
 
     def _replayed(self, key, arrays: tuple, op=None) -> bool:
@@ -319,6 +331,8 @@ class Repeats:
                 self._keep(key, out, inp, fused)
             else:
                 self._keep_replay(key, (out, inp), None, call, run)
+        else:
+            self.forms.learn_allgather(out, inp, lambda: fused_allgather(self.pg, call, out, inp))
 
     def _twice(self, key, *arrays) -> bool:
         """Whether ``arrays`` (under ``key``) were seen before, every one of

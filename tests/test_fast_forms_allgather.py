@@ -1,8 +1,9 @@
-"""``all_gather_into_tensor`` on new arrays each call, run fused through a plan
-per form (numcoll.fast.forms): the ordinary path's results at 2 and 3 ranks,
-apart, in place and into a kept output; arrays the form does not fit taking
-the ordinary path (its errors included); a mismatch failing on both ranks; a
-plan used by one call at a time and holding no caller's array."""
+"""``all_gather_into_tensor`` and ``all_gather`` (torch's list form) on new
+arrays each call, run fused through a plan per form (numcoll.fast.forms):
+the ordinary path's results at 2 and 3 ranks, apart, in place and into kept
+outputs; arrays the form does not fit taking the ordinary path (its errors
+included); a mismatch failing on both ranks; a plan used by one call at a
+time and holding no caller's array; ranks as processes."""
 
 import gc
 import weakref
@@ -177,15 +178,129 @@ def test_a_form_whose_input_may_be_shared_is_never_fused(monkeypatch):
         close(pgs)
 
 
+def listed(pg, i, n, dtype, form="new", outs=None, inp=None):
+    """One ``all_gather(outs, inp)`` of this rank's ``value(rank, i, n)`` into
+    a new list of new arrays (or ``outs``; ``form``: "own row", the input is
+    this rank's array of the list); the list afterwards, flat."""
+    size, r = pg.size(), pg.rank()
+    outs = [np.empty(n, dtype) for _ in range(size)] if outs is None else outs
+    inp = outs[r] if form == "own row" else np.empty(n, dtype) if inp is None else inp
+    inp[...] = value(r, i, n, dtype)
+    nc.all_gather(outs, inp, group=pg)
+    return np.concatenate([o.reshape(-1) for o in outs]).tolist()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("form", ["new", "own row", "kept", "2-d"])
+def test_fresh_all_gather_lists_run_fused_by_their_form_and_agree(size, form):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    calls, n, dtype = 6, 5, np.int32
+    try:
+        def body(pg):
+            kept = [np.empty(n, dtype) for _ in range(size)], np.empty(n, dtype)
+            got = []
+            for i in range(calls):
+                if form == "kept":
+                    got.append(listed(pg, i, n, dtype, "new", *kept))
+                elif form == "2-d":
+                    outs = [np.empty((1, n), dtype) for _ in range(size)]
+                    got.append(listed(pg, i, n, dtype, "new", outs, np.empty((1, n), dtype)))
+                else:
+                    got.append(listed(pg, i, n, dtype, form))
+            return got, fused_runs(pg), pg.sequence_number()
+
+        for got, fused, seq in on_ranks(pgs, body):
+            assert got == [want(size, i, n, dtype) for i in range(calls)]
+            assert (fused, seq) == (calls - 2, calls)
+    finally:
+        close(pgs)
+
+
+def test_lists_the_form_does_not_fit_take_the_ordinary_path():
+    """After the form int32[4] is planned: a tuple, a strided input are not
+    fused and give the ordinary result (a strided array of the list is
+    fused); a list whose arrays overlap, a read-only array, another dtype,
+    shape or length get the ordinary path's errors; the planned form still
+    runs."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    n = 4
+    try:
+        def body(pg):
+            r, log = pg.rank(), []
+
+            def call(i, outs=None, inp=None, fused=False):
+                before = fused_runs(pg)
+                got = listed(pg, i, n, np.int32, "new", outs, inp)
+                log.append((got == want(2, i, n, np.int32), fused_runs(pg) - before == fused))
+
+            for i in range(3):
+                call(i, fused=i == 2)
+            call(3, [np.empty(2 * n, np.int32)[::2], np.empty(n, np.int32)], fused=True)
+            call(4, (np.empty(n, np.int32), np.empty(n, np.int32)))
+            call(5, inp=np.empty(2 * n, np.int32)[::2])
+            one = np.empty(n, np.int32)
+            locked = np.empty(n, np.int32)
+            locked.flags.writeable = False
+            for outs, error in (([one, one], "overlap"), ([one, locked], "read-only|writ"),
+                                ([one, np.empty(n, np.int64)], "dtype"),
+                                ([one, np.empty((2, 2), np.int32)], "size"),
+                                ([one], "expected length 2")):
+                with pytest.raises(ValueError, match=error):
+                    nc.all_gather(outs, value(r, 6, n, np.int32), group=pg)
+            call(7, fused=True)
+            return log, pg.sequence_number()
+
+        for log, seq in on_ranks(pgs, body):
+            assert log == [(True, True)] * 7, log
+            assert seq == 7  # (the refused calls are not numbered)
+    finally:
+        close(pgs)
+
+
+def test_a_list_mismatch_against_a_form_plan_fails_on_both_ranks():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
+    try:
+        def body(pg):
+            for i in range(3):
+                listed(pg, i, 4, np.float32)
+            # rank 0 by the form's plan, rank 1 on the ordinary path
+            listed(pg, 3, 4 if pg.rank() == 0 else 5, np.float32)
+
+        with pytest.raises(nc.CollectiveMismatchError, match="Detected mismatch"):
+            on_ranks(pgs, body)
+    finally:
+        close(pgs)
+
+
+def test_a_list_plan_holds_no_array_between_calls():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            refs = []
+            for i in range(4):  # (the second call made the plan, the rest ran on it)
+                outs, inp = [np.empty(4, np.float32) for _ in range(2)], np.empty(4, np.float32)
+                listed(pg, i, 4, np.float32, "new", outs, inp)
+                refs += [weakref.ref(a) for a in (*outs, inp)]
+            del outs, inp
+            gc.collect()
+            return fused_runs(pg), [ref() is None for ref in refs]
+
+        assert on_ranks(pgs, body) == [(2, [True] * 12)] * 2
+    finally:
+        close(pgs)
+
+
 def fresh_allgathers(calls, n):
-    """``calls`` allgathers on new arrays, each checked: whether all were
-    right, and how many ran fused."""
+    """``calls`` allgathers into one tensor and ``calls`` into a list, on new
+    arrays, each checked: whether all were right, and how many ran fused."""
     pg = nc.get_default_group()
     right = [gathered(pg, i, n, np.float32).tolist() == want(pg.size(), i, n, np.float32)
              for i in range(calls)]
+    right += [listed(pg, i, n, np.float32) == want(pg.size(), i, n, np.float32)
+              for i in range(calls)]
     return all(right), fused_runs(pg)
 
 
 def test_ranks_as_processes_run_fused_by_form_and_agree():
     assert nc.launch(fresh_allgathers, 2, (20, 5), transport="shm",
-                     timeout=timedelta(seconds=60)) == [(True, 18)] * 2
+                     timeout=timedelta(seconds=60)) == [(True, 36)] * 2

@@ -274,12 +274,20 @@ def broadcast(pg, tensor, src=None, group=None, async_op=False, group_src=None):
     return call, run
 
 
-@collective
+def _all_gather_form(pg, tensor_list, tensor, group=None, async_op=False):
+    return (repeats := pg.repeats) is not None and type(tensor_list) is list and \
+        repeats.all_gather(tensor_list, tensor)
+
+
+@functools.partial(collective, fast=_all_gather_form)
 def all_gather(pg, tensor_list, tensor, group=None, async_op=False):
     """Every rank's ``tensor`` into ``tensor_list[rank]``, on every rank."""
     tensor_list = _tensor_list(tensor_list, "tensor_list")
     _same_dtype(tensor_list, tensor)
-    return movement.allgather(pg.context, [tensor_list], [tensor])
+    call, run = movement.allgather(pg.context, [tensor_list], [tensor])
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_all_gather(tensor_list, tensor, call)
+    return call, run
 
 
 def _all_gather_into_tensor_repeat(pg, output_tensor, input_tensor, group=None,

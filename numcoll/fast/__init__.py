@@ -6,7 +6,7 @@
 - :mod:`.request`: persistent requests whose start and wait are one
   compiled call each;
 - :mod:`.repeat`: blocking calls recognised as repeats of a recent one;
-- :mod:`.forms`: small allreduce, reduce, broadcast and
+- :mod:`.forms`: small allreduce, reduce, broadcast, ``all_gather`` and
   ``all_gather_into_tensor`` calls on new arrays each time, run through a
   plan per form;
 - :mod:`.moves`: the plans of the data-moving ones (allgather, gather,

@@ -27,7 +27,13 @@ both arrays. Its step copies ``inp`` from an address in its plan (the
 output is its argument), so a run first points the plan at this call's
 ``inp``, and at whether ``inp`` is ``out``'s own chunk (torch's in-place
 form: nothing to copy). An ``inp`` that overlaps ``out`` otherwise takes the
-ordinary path, whose overlap check raises.
+ordinary path, which reads it before it writes.
+
+An ``all_gather(outs, inp)`` (torch's list form) is planned by the form of
+``inp``, every array of ``outs`` of its shape and dtype: the plan gathers
+into a buffer of its own, then each array of ``outs`` gets its rank's row.
+A list whose arrays may overlap each other takes the ordinary path (which
+raises).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ __all__ = ["Forms"]
 #: remembered (the table is emptied when full: they are only candidates).
 KEPT = 8
 SEEN_KEPT = 64
+#: The "op" of an all_gather's plan: its outputs are a list, its plan gathers
+#: into a buffer of its own.
+_LIST = object()
 
 
 class _Planned:
@@ -53,13 +62,18 @@ class _Planned:
     the dtype, whether an array of its size may be a shared array, its lock
     and an empty array of its type that the plan holds between calls."""
 
-    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare")
+    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare", "rows")
 
     def __init__(self, fused: FusedCall, op, dtype, shareable: bool):
         self.fused, self.op, self.dtype, self.shareable = fused, op, dtype, shareable
+        #: An all_gather's own buffer (what the plan gathers into), by rank.
+        self.rows = fused.x.view(dtype).reshape(fused.pg._size, -1) \
+            if op is _LIST else None
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
-        fused.x, fused.outs = self.spare, []
+        fused.outs = []
+        if op is not _LIST:  # (an all_gather's x is its own buffer, kept)
+            fused.x = self.spare
         if fused.source is not None:  # (an allgather's input)
             fused.source = self.spare
 
@@ -137,6 +151,41 @@ class Forms:
             planned.lock.release()
         return fused.call if ran else None
 
+    def run_all_gather(self, outs, inp):
+        """:meth:`run` for ``all_gather(outs, inp)``: through the plan of
+        ``inp``'s form, if there is one and ``outs`` and ``inp`` may take it;
+        then each array of ``outs`` gets its rank's row."""
+        if type(inp) is not np.ndarray or len(outs) != self.pg._size:
+            return None
+        planned = self._planned.get(("all_gather", inp.shape, inp.dtype.num))
+        if planned is None or inp.dtype != planned.dtype \
+                or not (inp.flags.c_contiguous and inp.flags.aligned) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return None
+        shape, dtype = inp.shape, inp.dtype
+        for i, out in enumerate(outs):
+            if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype \
+                    or not out.flags.writeable:
+                return None
+            for other in outs[:i]:  # (may: the ordinary path decides exactly, and raises)
+                if np.may_share_memory(out, other):
+                    return None
+        if not planned.lock.acquire(False):
+            return None
+        fused = planned.fused
+        try:
+            fused_step.point_source(fused.address, fused.x, inp)  # (its own buffer: 0)
+            fused.source = inp
+            ran = fused.run()
+        finally:
+            fused.source = planned.spare
+            planned.lock.release()
+        if not ran:
+            return None
+        for out, row in zip(outs, planned.rows):
+            out[...] = row.reshape(shape)
+        return fused.call
+
     def learn(self, name: str, root: int, x, op, plan) -> None:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
         that the ordinary path is about to run; the second time a form comes
@@ -157,6 +206,17 @@ class Forms:
             return
         self._learn(("allgather", out.shape, inp.shape, inp.dtype.num), out,
                     (out.strides, inp.strides, inp.dtype), plan, None, inp.nbytes)
+
+    def learn_all_gather(self, outs, inp, plan) -> None:
+        """:meth:`learn` for ``all_gather(outs, inp)``; ``plan()``: a
+        :class:`FusedCall` gathering ``inp`` into a buffer of its own, or None."""
+        if type(inp) is not np.ndarray or not inp.flags.aligned:
+            return
+        for out in outs:
+            if type(out) is not np.ndarray or out.shape != inp.shape or out.dtype != inp.dtype:
+                return
+        self._learn(("all_gather", inp.shape, inp.dtype.num), inp, (inp.strides, inp.dtype),
+                    plan, _LIST)
 
     def _learn(self, key: tuple, x, form: tuple, plan, op, nbytes: int | None = None) -> None:
         """Plan ``key`` (of array ``x``: its dtype, whether it is C-contiguous;

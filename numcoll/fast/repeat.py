@@ -109,6 +109,20 @@ def fused_allgather(pg, call, out, inp) -> FusedCall | None:
                      source=inp.reshape(-1))
 
 
+def fused_all_gather(pg, call, inp) -> FusedCall | None:
+    """The :class:`FusedCall` of ``call``, an ``all_gather(outs, inp)`` (torch's
+    list form, as the ordinary builder checked and made it), gathering into a
+    buffer of its own (the caller copies each rank's row out), if one arena
+    step does it: ``inp`` a C-contiguous NumPy array within a slot and one
+    round. Else None."""
+    if call.name != "allgather" or not fusable(pg, call, None) or type(inp) is not np.ndarray \
+            or not inp.flags.c_contiguous or inp.size == 0 \
+            or inp.nbytes > pg._transport.arena.slot_nbytes or not _one_round(pg, inp):
+        return None
+    rows = np.empty(pg._size * inp.nbytes, np.uint8)
+    return FusedCall(pg, call, rows, fused_step.GATHER, -1, [], source=inp.reshape(-1))
+
+
 def _one_round(pg, x) -> bool:
     """Whether the arena algorithms move ``x`` in one round (the segment setting
     may force more)."""
@@ -333,6 +347,15 @@ class Repeats:
                 self._keep_replay(key, (out, inp), None, call, run)
         else:
             self.forms.learn_allgather(out, inp, lambda: fused_allgather(self.pg, call, out, inp))
+
+    def all_gather(self, outs, inp) -> bool:
+        """Run ``all_gather(outs, inp)`` (torch's list form) through its form's
+        plan (:mod:`.forms`) if it may take it."""
+        return bool(self.forms) and self.forms.run_all_gather(outs, inp) is not None
+
+    def learn_all_gather(self, outs, inp, call) -> None:
+        """:meth:`learn` for an ``all_gather(outs, inp)`` (``call``)."""
+        self.forms.learn_all_gather(outs, inp, lambda: fused_all_gather(self.pg, call, inp))
 
     def _twice(self, key, *arrays) -> bool:
         """Whether ``arrays`` (under ``key``) were seen before, every one of

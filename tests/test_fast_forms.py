@@ -257,3 +257,30 @@ def test_two_dtypes_of_one_shape_called_in_turn_each_keep_their_plan():
             assert (forms, fused) == (2, 6)
     finally:
         close(pgs)
+
+
+def test_a_run_promoted_by_a_late_peer_holds_no_array_afterwards():
+    """A form's run whose peer comes after the wait's spin and yield phases
+    is finished by the group (promoted, as any fused call): its Work's
+    future held the array until the plan's next promoted run."""
+    import time
+
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            for i in range(3):  # (the second array made the plan)
+                fresh(pg, "allreduce", i, 4, np.float32)
+            if pg.rank() == 1:
+                time.sleep(0.1)  # (the yield phase is 2 ms)
+            x = fresh(pg, "allreduce", 3, 4, np.float32)
+            ref = weakref.ref(x)
+            got = x.tolist()
+            del x
+            gc.collect()
+            return got, ref() is None, fused_runs(pg)
+
+        for got, released, fused in on_ranks(pgs, body):
+            assert got == (value(0, 3, 4, np.float32) + value(1, 3, 4, np.float32)).tolist()
+            assert (released, fused) == (True, 2)
+    finally:
+        close(pgs)

@@ -466,8 +466,8 @@ def test_a_fresh_input_beside_a_kept_output_makes_no_plan():
     """A new input each call (a fresh view, whose object may take the freed
     one's address and so its key) beside the same output: no plan is made
     for them, as none could serve a later call -- only arrays seen twice
-    alive, every one of them, are planned. (The allgather runs by its form's
-    plan from the third call: numcoll.fast.forms.)"""
+    alive, every one of them, are planned. (Both run by their form's plan
+    from the third call: numcoll.fast.forms.)"""
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:
         def body(pg):
@@ -486,7 +486,7 @@ def test_a_fresh_input_beside_a_kept_output_makes_no_plan():
             repeats = pg.repeats
             return len(repeats._seen), len(repeats._replays), fused_runs(pg)
 
-        assert on_ranks(pgs, body) == [(0, 0, 4)] * 2
+        assert on_ranks(pgs, body) == [(0, 0, 8)] * 2
     finally:
         close(pgs)
 

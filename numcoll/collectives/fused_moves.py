@@ -45,7 +45,7 @@ from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STE
                          _start_phases)
 
 __all__ = ["PACK", "WORD", "LOCAL", "UNPACK", "CHECK", "REDUCE", "MOVES", "INP", "OUT", "step",
-           "finish", "unpack", "entry"]
+           "finish", "unpack", "entry", "point"]
 
 PACK, WORD, LOCAL, UNPACK, CHECK, REDUCE = 0, 1, 2, 3, 4, 5
 
@@ -181,6 +181,20 @@ def finish(plan_address, typed_out, step, seq):
     spin_until = _monotonic_ns() + plan[SPIN]
     return _wait_and_unpack(region, plan, moves, out, typed_out, step, seq, spin_until,
                             spin_until + plan[YIELD])
+
+
+@njit(nogil=True, cache=True)
+def point(plan_address, inp, out):
+    """Point a planned call at ``inp`` and ``out``, this call's arrays (of the
+    sizes it was planned for: a plan by form, numcoll.fast.forms). -1, the
+    plan untouched, if they overlap; else 0."""
+    plan = _plan_at(plan_address)
+    at, to = inp.ctypes.data, out.ctypes.data
+    if at < to + out.nbytes and to < at + inp.nbytes:
+        return -1
+    plan[INP] = at
+    plan[OUT] = to
+    return 0
 
 
 def entry(function, typed_out):

@@ -6,9 +6,9 @@
 - :mod:`.request`: persistent requests whose start and wait are one
   compiled call each;
 - :mod:`.repeat`: blocking calls recognised as repeats of a recent one;
-- :mod:`.forms`: small allreduce, reduce, broadcast, ``all_gather`` and
-  ``all_gather_into_tensor`` calls on new arrays each time, run through a
-  plan per form;
+- :mod:`.forms`: small allreduce, reduce, broadcast, allgather (both
+  forms), reduce_scatter_tensor and all_to_all_single calls on new arrays
+  each time, run through a plan per form;
 - :mod:`.moves`: the plans of the data-moving ones (allgather, gather,
   scatter, alltoall, reduce_scatter) as tables of copies.
 """

@@ -66,7 +66,7 @@ from .moves import plain
 from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_alltoall", "fused_copy_broadcast",
-           "fused_copy_move", "run_held"]
+           "fused_copy_move", "reads_whole", "run_held"]
 
 #: How much longer a start within a slot waits for its peers, per byte this
 #: rank copies (ns): a peer copying as much as it does at 1 GB/s, several
@@ -196,6 +196,20 @@ def fused_copy_alltoall(pg, call, inp, out, rest_nbytes: int | None) -> FusedCop
                       comm, send, chunks, recv, chunks, seg, rest_nbytes, state, step))
     own = (y[rank * n:(rank + 1) * n], x[rank * n:(rank + 1) * n])
     return FusedCopy(pg, call, parts, y.view(np.uint8), [out], own=own, ran="shared+cma")
+
+
+def reads_whole(pg, send, chunks, rest_nbytes: int | None) -> bool:
+    """Whether the arena's ``alltoall_shared`` of ``send`` (a HostBuffer, in
+    equal ``chunks``) offering reads from ``rest_nbytes`` (None: none) has its
+    blocks read whole, its round 0 carrying the header alone: a repeated
+    call's plan is then :func:`fused_copy_alltoall`'s, else a fused arena
+    step's (:func:`numcoll.fast.moves.plan`), which sends the data in round 0."""
+    if rest_nbytes is None:
+        return False
+    _, _, header = alltoall_round_zero(pg._transport.arena.slot_nbytes, pg._rank, pg._size,
+                                       send, chunks, chunks, pg.context.segment(send.itemsize),
+                                       rest_nbytes)
+    return header[0] == READ_WHOLE  # (as fused_copy_alltoall finds it)
 
 
 def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:

@@ -29,6 +29,11 @@ output is its argument), so a run first points the plan at this call's
 form: nothing to copy). An ``inp`` that overlaps ``out`` otherwise takes the
 ordinary path, which reads it before it writes.
 
+A ``reduce_scatter_tensor(out, inp)`` or an ``all_to_all_single(out, inp)``
+without split sizes is planned by the form of both arrays too, if they do
+not overlap: its plan (:class:`~numcoll.fast.moves.FusedMove`) holds both
+addresses, which a run points at this call's arrays first.
+
 An ``all_gather(outs, inp)`` (torch's list form) is planned by the form of
 ``inp``, every array of ``outs`` of its shape and dtype: the plan gathers
 into a buffer of its own, then each array of ``outs`` gets its rank's row.
@@ -43,7 +48,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..collectives import fused_step
+from ..collectives import fused_moves, fused_step
+from .moves import FusedMove
 from .step import FusedCall
 
 __all__ = ["Forms"]
@@ -55,6 +61,7 @@ SEEN_KEPT = 64
 #: The "op" of an all_gather's plan: its outputs are a list, its plan gathers
 #: into a buffer of its own.
 _LIST = object()
+_NO_BYTES = np.empty(0, np.uint8)
 
 
 class _Planned:
@@ -74,6 +81,9 @@ class _Planned:
         fused.outs = []
         if op is not _LIST:  # (an all_gather's x is its own buffer, kept)
             fused.x = self.spare
+        if type(fused) is FusedMove:  # (its input's and output's bytes, its typed output)
+            fused.inp = fused.out = _NO_BYTES
+            fused.typed_out = self.spare
         if fused.source is not None:  # (an allgather's input)
             fused.source = self.spare
 
@@ -81,7 +91,7 @@ class _Planned:
 class Forms:
     """The forms of group ``pg``'s single-array calls, planned once seen twice."""
 
-    __slots__ = ("pg", "_planned", "_seen")
+    __slots__ = ("pg", "_planned", "_seen", "_refused")
 
     def __init__(self, pg):
         self.pg = pg
@@ -89,6 +99,8 @@ class Forms:
         # thread's insert cannot interrupt as it could an iterator)
         self._planned: OrderedDict = OrderedDict()
         self._seen: set = set()
+        # Forms whose plan() gave None (no fused step takes them): not asked again.
+        self._refused: set = set()
 
     def __bool__(self) -> bool:
         return bool(self._planned)
@@ -120,6 +132,7 @@ class Forms:
             ran = fused.run()
         finally:
             fused.x, fused.outs = planned.spare, []
+            fused.work = None  # (a promoted run's Work: its future holds the arrays)
             planned.lock.release()
         return fused.call if ran else None
 
@@ -148,6 +161,7 @@ class Forms:
         finally:
             fused.x = fused.source = planned.spare
             fused.outs = []
+            fused.work = None  # (a promoted run's Work: its future holds the arrays)
             planned.lock.release()
         return fused.call if ran else None
 
@@ -179,12 +193,48 @@ class Forms:
             ran = fused.run()
         finally:
             fused.source = planned.spare
+            fused.work = None  # (a promoted run's Work: its future holds the arrays)
             planned.lock.release()
         if not ran:
             return None
         for out, row in zip(outs, planned.rows):
             out[...] = row.reshape(shape)
         return fused.call
+
+    def run_move(self, name: str, op, out, inp):
+        """:meth:`run` for ``reduce_scatter_tensor(out, inp, op)`` or
+        ``all_to_all_single(out, inp)`` (``name`` "alltoall_base", ``op``
+        None): through the plan of the arrays' form, if they may take it."""
+        if type(out) is not np.ndarray or type(inp) is not np.ndarray:
+            return None
+        planned = self._planned.get((name, out.shape, inp.shape, inp.dtype.num, id(op)))
+        if planned is None or planned.op is not op or inp.dtype != planned.dtype \
+                or out.dtype != planned.dtype:
+            return None
+        flags, in_flags = out.flags, inp.flags
+        if not (flags.c_contiguous and flags.writeable and flags.aligned
+                and in_flags.c_contiguous and in_flags.aligned) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return None
+        if not planned.lock.acquire(False):
+            return None
+        fused = planned.fused
+        try:
+            if fused_moves.point(fused.address, inp, out) != 0:
+                return None  # (overlapping: the ordinary path's forms and checks)
+            flat = out if out.ndim == 1 else out.reshape(-1)
+            fused.inp, fused.out, fused.outs = inp, flat.view(np.uint8), [out]
+            # (a reduce_scatter reads its output typed; an alltoall's is its bytes)
+            fused.x = fused.typed_out = flat if planned.spare.dtype == flat.dtype \
+                else fused.out
+            ran = fused.run()
+        finally:
+            fused.x = fused.typed_out = planned.spare
+            fused.inp = fused.out = _NO_BYTES
+            fused.outs = []
+            fused.work = None  # (a promoted run's Work: its future holds the arrays)
+            planned.lock.release()
+        return fused.call if ran else None
 
     def learn(self, name: str, root: int, x, op, plan) -> None:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``
@@ -207,6 +257,17 @@ class Forms:
         self._learn(("allgather", out.shape, inp.shape, inp.dtype.num), out,
                     (out.strides, inp.strides, inp.dtype), plan, None, inp.nbytes)
 
+    def learn_move(self, name: str, op, out, inp, plan) -> None:
+        """:meth:`learn` for :meth:`run_move`'s calls; ``plan()``: a
+        :class:`~numcoll.fast.moves.FusedMove` for these arrays, or None."""
+        if type(out) is not np.ndarray or type(inp) is not np.ndarray \
+                or not (out.flags.writeable and out.flags.aligned and inp.flags.aligned) \
+                or out.dtype != inp.dtype or np.may_share_memory(out, inp):
+            return
+        self._learn((name, out.shape, inp.shape, inp.dtype.num, id(op)), out,
+                    (out.strides, inp.strides, inp.dtype), plan, op,
+                    max(out.nbytes, inp.nbytes))
+
     def learn_all_gather(self, outs, inp, plan) -> None:
         """:meth:`learn` for ``all_gather(outs, inp)``; ``plan()``: a
         :class:`FusedCall` gathering ``inp`` into a buffer of its own, or None."""
@@ -227,6 +288,8 @@ class Forms:
         if planned is not None and planned.dtype == x.dtype and x.flags.c_contiguous:
             return  # (planned; its run declined this time, or the op differs)
         form = (*key, *form)
+        if form in self._refused:
+            return
         if form not in self._seen:
             if len(self._seen) >= SEEN_KEPT:
                 self._seen.clear()
@@ -234,7 +297,12 @@ class Forms:
             return
         self._seen.discard(form)
         fused = plan()
-        if type(fused) is not FusedCall:  # (a single-copy plan holds addresses)
+        if type(fused) is not FusedCall and type(fused) is not FusedMove:
+            # (none, or a single-copy plan, which holds addresses a form's run
+            # does not repoint: the form keeps the ordinary path)
+            if len(self._refused) >= SEEN_KEPT:
+                self._refused.clear()
+            self._refused.add(form)
             return
         if len(self._planned) >= KEPT and key not in self._planned:
             self._planned.popitem(last=False)
@@ -250,3 +318,4 @@ class Forms:
         """Forget every form (see :meth:`numcoll.fast.repeat.Repeats.clear`)."""
         self._planned.clear()
         self._seen.clear()
+        self._refused.clear()

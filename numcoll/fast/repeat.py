@@ -34,9 +34,10 @@ import numpy as np
 from transports.shm.arena import SharedArena
 
 from ..collectives import fused_step
+from ..memory.host import HostBuffer
 from . import moves
 from .copy import (fused_copy_allgather, fused_copy_alltoall, fused_copy_broadcast,
-                   fused_copy_move)
+                   fused_copy_move, reads_whole)
 from .forms import Forms
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
@@ -107,6 +108,23 @@ def fused_allgather(pg, call, out, inp) -> FusedCall | None:
         return None
     return FusedCall(pg, call, out.reshape(-1).view(np.uint8), fused_step.GATHER, -1, [out],
                      source=inp.reshape(-1))
+
+
+#: The data-moving calls planned by form too (numcoll.fast.forms), as move() names them.
+_BY_FORM = ("reduce_scatter_tensor", "alltoall_base")
+
+
+def _moved_by_step(pg, call, inp, out, run):
+    """The fused arena step of ``call`` (:func:`numcoll.fast.moves.plan`), or
+    None: also where its ordinary ``run``, an alltoall, has its blocks read
+    whole in a later round (a repeat's plan is then a fused copy)."""
+    if call.name == "alltoall_base" and type(inp) is np.ndarray and inp.flags.c_contiguous:
+        flat = inp.reshape(-1)
+        n = flat.size // pg._size
+        if reads_whole(pg, HostBuffer(flat), [(q * n, n) for q in range(pg._size)],
+                       getattr(run, "rest_nbytes", None)):
+            return None
+    return moves.plan(pg, call, inp, out)
 
 
 def fused_all_gather(pg, call, inp) -> FusedCall | None:
@@ -257,6 +275,18 @@ class Repeats:
                 self._keep(key, out, inp, fused)
         return True
 
+    def _formed_move(self, name: str, extra, key, arrays: tuple) -> bool:
+        """:meth:`_formed` for :meth:`move`'s ``name`` in ``_BY_FORM`` (the
+        caller's ``arrays``: output, input; ``key``: theirs). Arrays that come
+        back get their own plan, as :meth:`learn_move` makes it."""
+        out, inp = arrays
+        call = self.forms.run_move(name, extra, out, inp)
+        if call is None:
+            return False
+        if self._twice(key, out, inp):
+            self._plan_move(key, arrays, call, inp, out, None, True)
+        return True
+
     def _replayed(self, key, arrays: tuple, op=None) -> bool:
         """Run the replay under ``key`` on ``arrays`` if it was made for them."""
         replay = self._replays.get(key)
@@ -273,7 +303,8 @@ class Repeats:
         key = (name, extra, *map(id, arrays))
         seen = self._seen.get(key)
         if seen is None:
-            return self._replayed(key, arrays)
+            return self._replayed(key, arrays) or bool(self.forms) \
+                and name in _BY_FORM and self._formed_move(name, extra, key, arrays)
         for a, b, (shape, strides, dtype, writeable) in zip(arrays, seen.x, seen.shape):
             if a is not b or a.shape != shape or a.strides != strides or a.dtype != dtype \
                     or a.flags.writeable is not writeable:
@@ -295,7 +326,14 @@ class Repeats:
                 and described(arrays) == seen.shape:
             return  # planned for these very arrays, which its run declined this time
         if not self._twice(key, *arrays):
+            if fuse and name in _BY_FORM:
+                self.forms.learn_move(name, extra, out, inp,
+                                      lambda: _moved_by_step(self.pg, call, inp, out, run))
             return
+        self._plan_move(key, arrays, call, inp, out, run, fuse)
+
+    def _plan_move(self, key, arrays: tuple, call, inp, out, run, fuse: bool) -> None:
+        """The plan :meth:`learn_move` keeps for ``arrays``, seen twice."""
         # (an alltoall whose blocks are read whole first: moves.plan would send
         # them in round 0, through the arena)
         fused = (fused_copy_alltoall(self.pg, call, inp, out, getattr(run, "rest_nbytes", None))

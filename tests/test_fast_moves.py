@@ -76,21 +76,27 @@ def test_every_form_repeated_runs_fused_and_agrees(size, count):
         for log, fused in on_ranks(pgs, body):
             assert all(log), [i for i, ok in enumerate(log) if not ok]
             # 7 forms (gather's output and scatter's input by the root only):
-            # the calls after the second of each ran fused.
-            assert fused == 7 * (CALLS - 2)
+            # the calls after the second of each ran fused; and the two
+            # allgathers' arrays are of one form (numcoll.fast.forms), planned
+            # by the first call of the second: each one's second call ran by it.
+            assert fused == 7 * (CALLS - 2) + 2
     finally:
         close(pgs)
 
 
-def test_a_fused_rank_meets_an_ordinary_one():
-    """Rank 0 repeats its arrays (fused), rank 1 passes fresh ones (the
-    ordinary path): the same steps, the same results."""
+@pytest.mark.parametrize("forms", [False, True])
+def test_a_fused_rank_meets_an_ordinary_one(forms):
+    """Rank 0 repeats its arrays (fused), rank 1 passes fresh ones: the
+    ordinary path (its forms forgotten before each call), or its forms'
+    plans (numcoll.fast.forms). The same steps, the same results."""
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
     try:
         def body(pg):
             r, count, log = pg.rank(), 5, []
             keep_out, keep_in = np.zeros(2 * count), np.zeros(2 * count)
             for i in range(CALLS):
+                if r == 1 and not forms:
+                    pg.repeats.forms.clear()
                 out, inp = (keep_out, keep_in) if r == 0 else (np.zeros(10), np.zeros(10))
                 inp[...] = np.arange(10) + 100 * r + i
                 nc.all_to_all_single(out, inp, group=pg)
@@ -103,7 +109,9 @@ def test_a_fused_rank_meets_an_ordinary_one():
 
         (log0, fused0), (log1, fused1) = on_ranks(pgs, body)
         assert all(log0) and all(log1)
-        assert fused1 == 0 and fused0 == CALLS - 2  # rank 0's reduce_scatter: a new view each call
+        # (rank 0's reduce_scatter, a new view each call, by its form from the
+        # third call; rank 1's calls, both by form, or none fused)
+        assert (fused0, fused1) == (2 * (CALLS - 2), 2 * (CALLS - 2) * forms)
     finally:
         close(pgs)
 

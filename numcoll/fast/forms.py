@@ -141,15 +141,8 @@ class Forms:
         plan of the arrays' form, if there is one and they may take it."""
         if type(out) is not np.ndarray or type(inp) is not np.ndarray:
             return None
-        planned = self._planned.get(("allgather", out.shape, inp.shape, inp.dtype.num))
-        if planned is None or out.dtype != planned.dtype or inp.dtype != planned.dtype:
-            return None
-        flags, in_flags = out.flags, inp.flags
-        if not (flags.c_contiguous and flags.writeable and flags.aligned
-                and in_flags.c_contiguous and in_flags.aligned) \
-                or planned.shareable and self.pg.context.shared_memory is not None:
-            return None
-        if not planned.lock.acquire(False):
+        planned = self._taken(("allgather", out.shape, inp.shape, inp.dtype.num), out, inp)
+        if planned is None:
             return None
         fused = planned.fused
         try:
@@ -207,16 +200,8 @@ class Forms:
         None): through the plan of the arrays' form, if they may take it."""
         if type(out) is not np.ndarray or type(inp) is not np.ndarray:
             return None
-        planned = self._planned.get((name, out.shape, inp.shape, inp.dtype.num, id(op)))
-        if planned is None or planned.op is not op or inp.dtype != planned.dtype \
-                or out.dtype != planned.dtype:
-            return None
-        flags, in_flags = out.flags, inp.flags
-        if not (flags.c_contiguous and flags.writeable and flags.aligned
-                and in_flags.c_contiguous and in_flags.aligned) \
-                or planned.shareable and self.pg.context.shared_memory is not None:
-            return None
-        if not planned.lock.acquire(False):
+        planned = self._taken((name, out.shape, inp.shape, inp.dtype.num, id(op)), out, inp, op)
+        if planned is None:
             return None
         fused = planned.fused
         try:
@@ -235,6 +220,22 @@ class Forms:
             fused.work = None  # (a promoted run's Work: its future holds the arrays)
             planned.lock.release()
         return fused.call if ran else None
+
+    def _taken(self, key: tuple, out, inp, op=None):
+        """The plan of ``key`` for a call on NumPy arrays ``out`` and ``inp``,
+        its lock taken, if they may take it: of its dtype and ``op`` (the
+        object), C-contiguous and aligned, ``out`` writable, neither possibly
+        a shared array. Else None."""
+        planned = self._planned.get(key)
+        if planned is None or planned.op is not op or out.dtype != planned.dtype \
+                or inp.dtype != planned.dtype:
+            return None
+        flags, in_flags = out.flags, inp.flags
+        if not (flags.c_contiguous and flags.writeable and flags.aligned
+                and in_flags.c_contiguous and in_flags.aligned) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return None
+        return planned if planned.lock.acquire(False) else None
 
     def learn(self, name: str, root: int, x, op, plan) -> None:
         """Note the form of ``x`` in a call ``name`` with ``op`` and ``root``

@@ -127,21 +127,26 @@ def test_a_rank_on_a_form_plan_meets_ranks_on_the_ordinary_and_repeat_paths():
         close(pgs)
 
 
-def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():
+def a_mismatch_fails_on_both_ranks(call):
+    """Calls ``call(pg, i, False)`` 0-2 plan a form; call 3 -- rank 0's by the
+    form's plan, rank 1's ``call(pg, 3, True)`` of another form on the
+    ordinary path -- fails with the mismatch error on both ranks."""
     pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
     try:
         def body(pg):
             for i in range(3):
-                fresh(pg, "allreduce", i, 4, np.float32)
-            if pg.rank() == 0:
-                fresh(pg, "allreduce", 3, 4, np.float32)  # the form's plan
-            else:
-                fresh(pg, "allreduce", 3, 4, np.float64)
+                call(pg, i, False)
+            call(pg, 3, pg.rank() == 1)
 
         with pytest.raises(nc.CollectiveMismatchError, match="Detected mismatch"):
             on_ranks(pgs, body)
     finally:
         close(pgs)
+
+
+def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():
+    a_mismatch_fails_on_both_ranks(lambda pg, i, other: fresh(
+        pg, "allreduce", i, 4, np.float64 if other else np.float32))
 
 
 def test_a_plan_in_use_is_not_taken_and_holds_no_array_between_calls():

@@ -15,6 +15,7 @@ import pytest
 
 import numcoll as nc
 
+from test_fast_forms import a_mismatch_fails_on_both_ranks
 from test_fast_path import close, fused_runs, reference, value
 from test_process_group import groups, on_ranks
 
@@ -104,18 +105,8 @@ def test_arrays_the_form_does_not_fit_take_the_ordinary_path():
 
 
 def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():
-    pgs = groups(2, transport="shm", timeout=timedelta(seconds=20))
-    try:
-        def body(pg):
-            for i in range(3):
-                moved(pg, "alltoall", i, 4, np.float32)
-            # rank 0 by the form's plan, rank 1 on the ordinary path
-            moved(pg, "alltoall", 3, 4, np.float32 if pg.rank() == 0 else np.float64)
-
-        with pytest.raises(nc.CollectiveMismatchError, match="Detected mismatch"):
-            on_ranks(pgs, body)
-    finally:
-        close(pgs)
+    a_mismatch_fails_on_both_ranks(lambda pg, i, other: moved(
+        pg, "alltoall", i, 4, np.float64 if other else np.float32))
 
 
 def test_a_plan_in_use_is_not_taken_and_holds_no_array_between_calls():

@@ -78,14 +78,25 @@ class _Planned:
             if op is _LIST else None
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
-        fused.outs = []
-        if op is not _LIST:  # (an all_gather's x is its own buffer, kept)
+        self.put_back()
+
+    def put_back(self) -> None:
+        """Between calls, the plan holds its placeholders, no caller's array:
+        nor a promoted run's Work, whose future holds the call's arrays."""
+        fused = self.fused
+        fused.outs, fused.work = [], None
+        if self.op is not _LIST:  # (an all_gather's x is its own buffer, kept)
             fused.x = self.spare
+        if fused.source is not None:  # (an allgather's input)
+            fused.source = self.spare
         if type(fused) is FusedMove:  # (its input's and output's bytes, its typed output)
             fused.inp = fused.out = _NO_BYTES
             fused.typed_out = self.spare
-        if fused.source is not None:  # (an allgather's input)
-            fused.source = self.spare
+
+    def release(self) -> None:
+        """After a call: :meth:`put_back`, then let go of the lock."""
+        self.put_back()
+        self.lock.release()
 
 
 class Forms:
@@ -131,9 +142,7 @@ class Forms:
             fused.x, fused.outs = x if x.ndim == 1 else x.reshape(-1), [x]
             ran = fused.run()
         finally:
-            fused.x, fused.outs = planned.spare, []
-            fused.work = None  # (a promoted run's Work: its future holds the arrays)
-            planned.lock.release()
+            planned.release()
         return fused.call if ran else None
 
     def run_allgather(self, out, inp):
@@ -152,10 +161,7 @@ class Forms:
             fused.x, fused.outs, fused.source = x, [out], inp
             ran = fused.run()
         finally:
-            fused.x = fused.source = planned.spare
-            fused.outs = []
-            fused.work = None  # (a promoted run's Work: its future holds the arrays)
-            planned.lock.release()
+            planned.release()
         return fused.call if ran else None
 
     def run_all_gather(self, outs, inp):
@@ -185,9 +191,7 @@ class Forms:
             fused.source = inp
             ran = fused.run()
         finally:
-            fused.source = planned.spare
-            fused.work = None  # (a promoted run's Work: its future holds the arrays)
-            planned.lock.release()
+            planned.release()
         if not ran:
             return None
         for out, row in zip(outs, planned.rows):
@@ -214,11 +218,7 @@ class Forms:
                 else fused.out
             ran = fused.run()
         finally:
-            fused.x = fused.typed_out = planned.spare
-            fused.inp = fused.out = _NO_BYTES
-            fused.outs = []
-            fused.work = None  # (a promoted run's Work: its future holds the arrays)
-            planned.lock.release()
+            planned.release()
         return fused.call if ran else None
 
     def _taken(self, key: tuple, out, inp, op=None):

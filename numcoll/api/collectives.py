@@ -24,7 +24,7 @@ import warnings
 from datetime import timedelta
 
 from ..collectives import exchange, fused_step, movement, p2p, reductions
-from ..fast import moves
+from ..fast.repeat import rooted_sides
 from ..memory.arrays import as_array
 from ..ops import ReduceOp
 from ..options import (AllreduceCoalescedOptions, BarrierOptions, GatherOptions,
@@ -378,10 +378,8 @@ def _learn_rooted(pg, name: str, root: int, tensor, blocks: list, call, run) -> 
     array, else a replay."""
     if (repeats := pg.repeats) is None:
         return
-    whole = moves.span(blocks) if blocks else None
-    inp, out = (tensor, whole) if name == "gather" else (whole, tensor)
-    repeats.learn_move(name, root, (tensor, *blocks), call, inp, out, run,
-                       fuse=not blocks or whole is not None)
+    inp, out, fuse = rooted_sides(name, tensor, blocks)
+    repeats.learn_move(name, root, (tensor, *blocks), call, inp, out, run, fuse)
 
 
 def _gather_repeat(pg, tensor, gather_list=None, dst=None, group=None, async_op=False,

@@ -39,6 +39,15 @@ An ``all_gather(outs, inp)`` (torch's list form) is planned by the form of
 into a buffer of its own, then each array of ``outs`` gets its rank's row.
 A list whose arrays may overlap each other takes the ordinary path (which
 raises).
+
+A ``gather(tensor, gather_list, dst)`` or a ``scatter(tensor, scatter_list,
+src)`` is planned by the form of ``tensor`` and its root, every array of the
+root's list of ``tensor``'s shape and dtype. The root's plan moves the list's
+arrays through a buffer of its own (a gather's root copies each rank's row
+out of it after the step, a scatter's root copies the list into it before);
+``tensor`` is pointed at each call. On the root, an array of the list that
+may overlap ``tensor`` (other than being it: torch's in-place form) or, for a
+gather, another array of the list takes the ordinary path.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import numpy as np
 
 from ..collectives import fused_moves, fused_step
 from .moves import FusedMove
-from .step import FusedCall
+from .step import _NOTHING, FusedCall
 
 __all__ = ["Forms"]
 
@@ -61,6 +70,9 @@ SEEN_KEPT = 64
 #: The "op" of an all_gather's plan: its outputs are a list, its plan gathers
 #: into a buffer of its own.
 _LIST = object()
+#: The "op" of a gather's or a scatter's plan: on the root, its list moves
+#: through a buffer of its own.
+_ROOTED = object()
 _NO_BYTES = np.empty(0, np.uint8)
 
 
@@ -69,13 +81,18 @@ class _Planned:
     the dtype, whether an array of its size may be a shared array, its lock
     and an empty array of its type that the plan holds between calls."""
 
-    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare", "rows")
+    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare", "rows", "own")
 
     def __init__(self, fused: FusedCall, op, dtype, shareable: bool):
         self.fused, self.op, self.dtype, self.shareable = fused, op, dtype, shareable
-        #: An all_gather's own buffer (what the plan gathers into), by rank.
-        self.rows = fused.x.view(dtype).reshape(fused.pg._size, -1) \
-            if op is _LIST else None
+        #: The plan's own buffer, its bytes (an all_gather's; a gather's or a
+        #: scatter's on the root), and the same by rank in ``dtype``; else None.
+        self.own = fused.x if op is _LIST else None
+        if op is _ROOTED:  # (a gather's root gathers into it, a scatter's sends from it)
+            own = fused.out if fused.call.name == "gather" else fused.inp
+            self.own = own if own.size else None
+        self.rows = None if self.own is None else \
+            self.own.view(dtype).reshape(fused.pg._size, -1)
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
         self.put_back()
@@ -190,13 +207,12 @@ class Forms:
             fused_step.point_source(fused.address, fused.x, inp)  # (its own buffer: 0)
             fused.source = inp
             ran = fused.run()
+            if ran:  # (before the lock is let go: another call of the form would gather into it)
+                for out, row in zip(outs, planned.rows):
+                    out[...] = row.reshape(shape)
         finally:
             planned.release()
-        if not ran:
-            return None
-        for out, row in zip(outs, planned.rows):
-            out[...] = row.reshape(shape)
-        return fused.call
+        return fused.call if ran else None
 
     def run_move(self, name: str, op, out, inp):
         """:meth:`run` for ``reduce_scatter_tensor(out, inp, op)`` or
@@ -220,6 +236,69 @@ class Forms:
         finally:
             planned.release()
         return fused.call if ran else None
+
+    def run_rooted(self, name: str, root: int, tensor, blocks):
+        """:meth:`run` for ``gather(tensor, blocks, root)`` or ``scatter(tensor,
+        blocks, root)`` (``name``; ``blocks`` the root's list, empty elsewhere):
+        through the plan of ``tensor``'s form, if the arrays may take it."""
+        if type(tensor) is not np.ndarray:
+            return None
+        planned = self._planned.get((name, root, tensor.shape, tensor.dtype.num))
+        gather = name == "gather"
+        if planned is None or tensor.dtype != planned.dtype:
+            return None
+        flags = tensor.flags
+        if not (flags.c_contiguous and flags.aligned) or not (gather or flags.writeable) \
+                or planned.shareable and self.pg.context.shared_memory is not None:
+            return None
+        rows = planned.rows
+        if rows is None:
+            if blocks:  # (a list off the root: the ordinary path's error)
+                return None
+        elif not self._fit(gather, tensor, blocks, root, len(rows)):
+            return None
+        if not planned.lock.acquire(False):
+            return None
+        fused = planned.fused
+        try:
+            flat = (tensor if tensor.ndim == 1 else tensor.reshape(-1)).view(np.uint8)
+            own = _NOTHING if rows is None else planned.own
+            inp, out = (flat, own) if gather else (own, flat)
+            if not gather and rows is not None:
+                for row, block in zip(rows, blocks):
+                    row[...] = block.reshape(-1)
+            fused_moves.point(fused.address, inp, out)  # (the own buffer overlaps nothing)
+            fused.inp, fused.out, fused.outs = inp, out, [tensor]
+            fused.x = fused.typed_out = out
+            ran = fused.run()
+            if ran and gather and rows is not None:  # (before another call gathers into it)
+                shape = tensor.shape
+                for block, row in zip(blocks, rows):
+                    block[...] = row.reshape(shape)
+        finally:
+            planned.release()
+        return fused.call if ran else None
+
+    @staticmethod
+    def _fit(gather: bool, tensor, blocks, root: int, size: int) -> bool:
+        """Whether the root's (group rank ``root``'s) ``blocks`` fit a plan of
+        ``tensor``'s form: ``size`` NumPy arrays of its shape and dtype
+        (writable, for a gather), none overlapping ``tensor`` but the root's
+        own entry being ``tensor`` (torch's in-place form), nor, for a
+        gather, each other (may: the ordinary path decides exactly)."""
+        if len(blocks) != size:
+            return False
+        shape, dtype = tensor.shape, tensor.dtype
+        for i, block in enumerate(blocks):
+            if type(block) is not np.ndarray or block.shape != shape or block.dtype != dtype \
+                    or gather and not block.flags.writeable \
+                    or not (i == root and block is tensor) and np.may_share_memory(block, tensor):
+                return False
+            if gather:
+                for other in blocks[:i]:
+                    if np.may_share_memory(block, other):
+                        return False
+        return True
 
     def _taken(self, key: tuple, out, inp, op=None):
         """The plan of ``key`` for a call on NumPy arrays ``out`` and ``inp``,
@@ -279,6 +358,19 @@ class Forms:
                 return
         self._learn(("all_gather", inp.shape, inp.dtype.num), inp, (inp.strides, inp.dtype),
                     plan, _LIST)
+
+    def learn_rooted(self, name: str, root: int, tensor, blocks, plan) -> None:
+        """:meth:`learn` for ``gather`` or ``scatter`` (``name``) of ``tensor``
+        with the root's list ``blocks`` (empty elsewhere); ``plan()``: a
+        :class:`~numcoll.fast.moves.FusedMove` moving the root's list through
+        a buffer of its own, or None."""
+        if type(tensor) is not np.ndarray or not tensor.flags.aligned \
+                or name == "scatter" and not tensor.flags.writeable:
+            return
+        if blocks and not self._fit(name == "gather", tensor, blocks, root, len(blocks)):
+            return
+        self._learn((name, root, tensor.shape, tensor.dtype.num), tensor,
+                    (tensor.strides, tensor.dtype, len(blocks)), plan, _ROOTED)
 
     def _learn(self, key: tuple, x, form: tuple, plan, op, nbytes: int | None = None) -> None:
         """Plan ``key`` (of array ``x``: its dtype, whether it is C-contiguous;

@@ -43,7 +43,7 @@ from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
 from .sum import fused_allreduce
 
-__all__ = ["Repeats", "fusable", "fused_call", "fused_allgather"]
+__all__ = ["Repeats", "fusable", "fused_call", "fused_allgather", "rooted_sides"]
 
 #: Calls remembered per group (the oldest is forgotten first).
 KEPT = 8
@@ -110,8 +110,10 @@ def fused_allgather(pg, call, out, inp) -> FusedCall | None:
                      source=inp.reshape(-1))
 
 
-#: The data-moving calls planned by form too (numcoll.fast.forms), as move() names them.
+#: The data-moving calls planned by form too (numcoll.fast.forms), as move() names them:
+#: those of two arrays, and the rooted ones of an array and the root's list.
 _BY_FORM = ("reduce_scatter_tensor", "alltoall_base")
+_ROOTED = ("gather", "scatter")
 
 
 def _moved_by_step(pg, call, inp, out, run):
@@ -139,6 +141,28 @@ def fused_all_gather(pg, call, inp) -> FusedCall | None:
         return None
     rows = np.empty(pg._size * inp.nbytes, np.uint8)
     return FusedCall(pg, call, rows, fused_step.GATHER, -1, [], source=inp.reshape(-1))
+
+
+def fused_rooted(pg, call, tensor, root_side: bool) -> FusedCall | None:
+    """The :class:`~numcoll.fast.moves.FusedMove` of ``call``, a ``gather``
+    or ``scatter`` of ``tensor`` (as the ordinary builder checked and made
+    it), moving the root's list (``root_side``: this rank is the root)
+    through a buffer of its own, if one arena step does it. Else None."""
+    if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous or tensor.size == 0:
+        return None
+    own = np.empty((pg._size, tensor.size), tensor.dtype) if root_side else None
+    return moves.plan(pg, call, tensor, own) if call.name == "gather" \
+        else moves.plan(pg, call, own, tensor)
+
+
+def rooted_sides(name: str, tensor, blocks) -> tuple:
+    """A gather's or a scatter's (``name``) flat input and output for a plan
+    of its own (:func:`numcoll.fast.moves.plan`): ``tensor``, and the root's
+    ``blocks`` where they lie back to back in one array (None off the root);
+    and whether such a plan can take them."""
+    whole = moves.span(blocks) if blocks else None
+    inp, out = (tensor, whole) if name == "gather" else (whole, tensor)
+    return inp, out, not blocks or whole is not None
 
 
 def _one_round(pg, x) -> bool:
@@ -277,14 +301,21 @@ class Repeats:
 
     def _formed_move(self, name: str, extra, key, arrays: tuple) -> bool:
         """:meth:`_formed` for :meth:`move`'s ``name`` in ``_BY_FORM`` (the
-        caller's ``arrays``: output, input; ``key``: theirs). Arrays that come
-        back get their own plan, as :meth:`learn_move` makes it."""
-        out, inp = arrays
-        call = self.forms.run_move(name, extra, out, inp)
-        if call is None:
-            return False
-        if self._twice(key, out, inp):
-            self._plan_move(key, arrays, call, inp, out, None, True)
+        caller's ``arrays``: output, input) or ``_ROOTED`` (``arrays``: the
+        tensor, then the root's list); ``key``: theirs. Arrays that come back
+        get their own plan, as :meth:`learn_move` makes it."""
+        if name in _ROOTED:
+            call = self.forms.run_rooted(name, extra, arrays[0], arrays[1:])
+            if call is None:
+                return False
+            inp, out, fuse = rooted_sides(name, arrays[0], arrays[1:])
+        else:
+            out, inp = arrays
+            call, fuse = self.forms.run_move(name, extra, out, inp), True
+            if call is None:
+                return False
+        if self._twice(key, *arrays):
+            self._plan_move(key, arrays, call, inp, out, None, fuse)
         return True
 
     def _replayed(self, key, arrays: tuple, op=None) -> bool:
@@ -304,7 +335,8 @@ class Repeats:
         seen = self._seen.get(key)
         if seen is None:
             return self._replayed(key, arrays) or bool(self.forms) \
-                and name in _BY_FORM and self._formed_move(name, extra, key, arrays)
+                and (name in _BY_FORM or name in _ROOTED) \
+                and self._formed_move(name, extra, key, arrays)
         for a, b, (shape, strides, dtype, writeable) in zip(arrays, seen.x, seen.shape):
             if a is not b or a.shape != shape or a.strides != strides or a.dtype != dtype \
                     or a.flags.writeable is not writeable:
@@ -326,7 +358,11 @@ class Repeats:
                 and described(arrays) == seen.shape:
             return  # planned for these very arrays, which its run declined this time
         if not self._twice(key, *arrays):
-            if fuse and name in _BY_FORM:
+            if name in _ROOTED:
+                tensor, blocks = arrays[0], arrays[1:]
+                self.forms.learn_rooted(name, extra, tensor, blocks,
+                                        lambda: fused_rooted(self.pg, call, tensor, bool(blocks)))
+            elif fuse and name in _BY_FORM:
                 self.forms.learn_move(name, extra, out, inp,
                                       lambda: _moved_by_step(self.pg, call, inp, out, run))
             return

@@ -446,13 +446,21 @@ def scatter(pg, tensor, scatter_list=None, src=None, group=None, async_op=False,
     return call, run
 
 
-@collective
+def _all_to_all_form(pg, output_tensor_list, input_tensor_list, group=None, async_op=False):
+    return (repeats := pg.repeats) is not None and \
+        repeats.all_to_all(output_tensor_list, input_tensor_list)
+
+
+@functools.partial(collective, fast=_all_to_all_form)
 def all_to_all(pg, output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Rank r's ``input_tensor_list[q]`` lands in rank q's ``output_tensor_list[r]``."""
     output_tensor_list = _tensor_list(output_tensor_list, "output_tensor_list")
     input_tensor_list = _tensor_list(input_tensor_list, "input_tensor_list")
     _same_dtype(output_tensor_list, input_tensor_list)
-    return exchange.alltoall(pg.context, output_tensor_list, input_tensor_list)
+    call, run = exchange.alltoall(pg.context, output_tensor_list, input_tensor_list)
+    if (repeats := pg.repeats) is not None:
+        repeats.learn_all_to_all(output_tensor_list, input_tensor_list, call, run)
+    return call, run
 
 
 def _all_to_all_single_repeat(pg, output, input, output_split_sizes=None,

@@ -7,8 +7,8 @@
   compiled call each;
 - :mod:`.repeat`: blocking calls recognised as repeats of a recent one;
 - :mod:`.forms`: small allreduce, reduce, broadcast, allgather (both
-  forms), reduce_scatter_tensor, all_to_all_single, gather and scatter
-  calls on new arrays each time, run through a plan per form;
+  forms), reduce_scatter_tensor, all_to_all (both forms), gather and
+  scatter calls on new arrays each time, run through a plan per form;
 - :mod:`.moves`: the plans of the data-moving ones (allgather, gather,
   scatter, alltoall, reduce_scatter) as tables of copies.
 """

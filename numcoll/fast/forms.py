@@ -40,6 +40,12 @@ into a buffer of its own, then each array of ``outs`` gets its rank's row.
 A list whose arrays may overlap each other takes the ordinary path (which
 raises).
 
+An ``all_to_all(outs, inps)`` (torch's list form) is planned by the form
+of ``inps[0]``, every array of both lists of its shape and dtype: the plan
+moves both lists through buffers of its own (the inputs copied in first, so
+they may overlap anything; outputs that may overlap each other take the
+ordinary path).
+
 A ``gather(tensor, gather_list, dst)`` or a ``scatter(tensor, scatter_list,
 src)`` is planned by the form of ``tensor`` and its root, every array of the
 root's list of ``tensor``'s shape and dtype. The root's plan moves the list's
@@ -73,6 +79,9 @@ _LIST = object()
 #: The "op" of a gather's or a scatter's plan: on the root, its list moves
 #: through a buffer of its own.
 _ROOTED = object()
+#: The "op" of an all_to_all's plan: both lists move through buffers of its own.
+_EXCHANGE = object()
+_LISTS = (list, tuple)
 _NO_BYTES = np.empty(0, np.uint8)
 
 
@@ -93,6 +102,9 @@ class _Planned:
             self.own = own if own.size else None
         self.rows = None if self.own is None else \
             self.own.view(dtype).reshape(fused.pg._size, -1)
+        if op is _EXCHANGE:  # (its input's rows, its output's)
+            self.rows = tuple(a.view(dtype).reshape(fused.pg._size, -1)
+                              for a in (fused.inp, fused.out))
         self.lock = threading.Lock()
         self.spare = np.empty(0, fused.x.dtype)  # (not a view: it would keep x's memory)
         self.put_back()
@@ -106,7 +118,9 @@ class _Planned:
             fused.x = self.spare
         if fused.source is not None:  # (an allgather's input)
             fused.source = self.spare
-        if type(fused) is FusedMove:  # (its input's and output's bytes, its typed output)
+        if type(fused) is FusedMove and self.op is not _EXCHANGE:
+            # (its input's and output's bytes, its typed output; an all_to_all's
+            # are its own buffers, kept)
             fused.inp = fused.out = _NO_BYTES
             fused.typed_out = self.spare
 
@@ -237,6 +251,57 @@ class Forms:
             planned.release()
         return fused.call if ran else None
 
+    def run_all_to_all(self, outs, inps):
+        """:meth:`run` for ``all_to_all(outs, inps)``: through the plan of the
+        form of ``inps[0]``, if every array of both lists may take it: the
+        inputs copied into the plan's buffer, the step, the outputs copied
+        out of its other buffer."""
+        inp = inps[0] if type(inps) in _LISTS and inps else None
+        if type(inp) is not np.ndarray or type(outs) not in _LISTS:
+            return None
+        planned = self._planned.get(("all_to_all", inp.shape, inp.dtype.num))
+        if planned is None or inp.dtype != planned.dtype \
+                or planned.shareable and self.pg.context.shared_memory is not None \
+                or not self._fit_lists(outs, inps, len(planned.rows[0])):
+            return None
+        if not planned.lock.acquire(False):
+            return None
+        fused = planned.fused
+        into, out_of = planned.rows
+        try:
+            for row, a in zip(into, inps):  # (every input first: an output may be one)
+                row[...] = a.reshape(-1)
+            ran = fused.run()
+            if ran:  # (before the lock is let go: another call of the form would use them)
+                shape = inp.shape
+                for out, row in zip(outs, out_of):
+                    out[...] = row.reshape(shape)
+        finally:
+            planned.release()
+        return fused.call if ran else None
+
+    @staticmethod
+    def _fit_lists(outs, inps, size: int) -> bool:
+        """Whether an all_to_all's lists fit a plan of ``inps[0]``'s form:
+        ``size`` NumPy arrays each of its shape and dtype, the outputs
+        writable and not overlapping each other (may: the ordinary path
+        decides exactly). Inputs are copied first, so they may overlap
+        anything."""
+        if len(outs) != size or len(inps) != size:
+            return False
+        shape, dtype = inps[0].shape, inps[0].dtype
+        for a in inps:
+            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+                return False
+        for i, out in enumerate(outs):
+            if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype \
+                    or not out.flags.writeable:
+                return False
+            for other in outs[:i]:
+                if np.may_share_memory(out, other):
+                    return False
+        return True
+
     def run_rooted(self, name: str, root: int, tensor, blocks):
         """:meth:`run` for ``gather(tensor, blocks, root)`` or ``scatter(tensor,
         blocks, root)`` (``name``; ``blocks`` the root's list, empty elsewhere):
@@ -358,6 +423,15 @@ class Forms:
                 return
         self._learn(("all_gather", inp.shape, inp.dtype.num), inp, (inp.strides, inp.dtype),
                     plan, _LIST)
+
+    def learn_all_to_all(self, outs, inps, plan) -> None:
+        """:meth:`learn` for ``all_to_all(outs, inps)``; ``plan()``: a
+        :class:`~numcoll.fast.moves.FusedMove` over buffers of its own, or None."""
+        inp = inps[0]
+        if type(inp) is not np.ndarray or not self._fit_lists(outs, inps, len(inps)):
+            return
+        self._learn(("all_to_all", inp.shape, inp.dtype.num), inp, (inp.strides, inp.dtype),
+                    plan, _EXCHANGE)
 
     def learn_rooted(self, name: str, root: int, tensor, blocks, plan) -> None:
         """:meth:`learn` for ``gather`` or ``scatter`` (``name``) of ``tensor``

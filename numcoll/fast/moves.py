@@ -87,8 +87,8 @@ class FusedMove(FusedCall):
 
 def plan(pg, call, inp, out) -> FusedMove | None:
     """The fused step of ``call`` (gather_single,
-    scatter, alltoall_base or reduce_scatter_tensor, as the ordinary builder
-    made it) over this rank's ``inp`` and ``out`` (NumPy arrays; None where
+    scatter, alltoall_base, alltoall or reduce_scatter_tensor, as the
+    ordinary builder made it) over this rank's ``inp`` and ``out`` (NumPy arrays; None where
     this rank passes none: a gather's non-root output, a scatter's non-root
     input), if one step of the ``shared`` algorithm moves it; else None."""
     if call.algorithm != "shared" or pg._size < 2 or pg._closed or \
@@ -181,7 +181,7 @@ def _planned(pg, call, inp, out, x, y, per_round, own: bool):
         moves = [(PACK, rank, q * b, _place(q, rank) * stride, b) for q in others]
         moves += [] if own else [(LOCAL, rank, root * b, 0, b)]
         return FusedMove(pg, call, x, y, moves, (size - 2) * stride + b, [out])
-    if name == "alltoall_base":
+    if name in ("alltoall_base", "alltoall"):  # (the list form's: over buffers of its own)
         b = x.size // size
         head = alltoall_head_nbytes(size)
         peer = per_round(size - 1, head)

@@ -120,7 +120,8 @@ def _moved_by_step(pg, call, inp, out, run):
     """The fused arena step of ``call`` (:func:`numcoll.fast.moves.plan`), or
     None: also where its ordinary ``run``, an alltoall, has its blocks read
     whole in a later round (a repeat's plan is then a fused copy)."""
-    if call.name == "alltoall_base" and type(inp) is np.ndarray and inp.flags.c_contiguous:
+    if call.name in ("alltoall_base", "alltoall") and type(inp) is np.ndarray \
+            and inp.flags.c_contiguous:
         flat = inp.reshape(-1)
         n = flat.size // pg._size
         if reads_whole(pg, HostBuffer(flat), [(q * n, n) for q in range(pg._size)],
@@ -141,6 +142,18 @@ def fused_all_gather(pg, call, inp) -> FusedCall | None:
         return None
     rows = np.empty(pg._size * inp.nbytes, np.uint8)
     return FusedCall(pg, call, rows, fused_step.GATHER, -1, [], source=inp.reshape(-1))
+
+
+def fused_all_to_all(pg, call, inp, run) -> FusedCall | None:
+    """The :class:`~numcoll.fast.moves.FusedMove` of ``call``, an
+    ``all_to_all(outs, inps)`` (torch's list form, as the ordinary builder
+    checked and made it, ``run`` its run) of arrays like ``inp``, over an
+    input and an output buffer of its own (the caller packs and unpacks
+    the lists), if one arena step does it. Else None."""
+    if type(inp) is not np.ndarray or inp.size == 0:
+        return None
+    own = np.empty((2, pg._size * inp.size), inp.dtype)
+    return _moved_by_step(pg, call, own[0], own[1], run)
 
 
 def fused_rooted(pg, call, tensor, root_side: bool) -> FusedCall | None:
@@ -430,6 +443,18 @@ class Repeats:
     def learn_all_gather(self, outs, inp, call) -> None:
         """:meth:`learn` for an ``all_gather(outs, inp)`` (``call``)."""
         self.forms.learn_all_gather(outs, inp, lambda: fused_all_gather(self.pg, call, inp))
+
+    def all_to_all(self, outs, inps) -> bool:
+        """Run ``all_to_all(outs, inps)`` (torch's list form) through its
+        form's plan (:mod:`.forms`) if it may take it."""
+        return bool(self.forms) and self.forms.run_all_to_all(outs, inps) is not None
+
+    def learn_all_to_all(self, outs, inps, call, run) -> None:
+        """:meth:`learn` for an ``all_to_all(outs, inps)`` (``call``, ``run``)."""
+        if inps:
+            inp = inps[0]
+            self.forms.learn_all_to_all(outs, inps,
+                                        lambda: fused_all_to_all(self.pg, call, inp, run))
 
     def _twice(self, key, *arrays) -> bool:
         """Whether ``arrays`` (under ``key``) were seen before, every one of

@@ -86,11 +86,11 @@ class FusedMove(FusedCall):
 
 
 def plan(pg, call, inp, out) -> FusedMove | None:
-    """The fused step of ``call`` (gather_single,
-    scatter, alltoall_base, alltoall or reduce_scatter_tensor, as the
-    ordinary builder made it) over this rank's ``inp`` and ``out`` (NumPy arrays; None where
-    this rank passes none: a gather's non-root output, a scatter's non-root
-    input), if one step of the ``shared`` algorithm moves it; else None."""
+    """The fused step of ``call`` (gather, scatter, alltoall_base, alltoall or
+    reduce_scatter_tensor, as the ordinary builder made it) over this rank's
+    ``inp`` and ``out`` (NumPy arrays; None where this rank passes none: a
+    gather's non-root output, a scatter's non-root input), if one step of
+    the ``shared`` algorithm moves it; else None."""
     if call.algorithm != "shared" or pg._size < 2 or pg._closed or \
             not plain(inp, out):
         return None

@@ -187,6 +187,39 @@ def test_arrays_the_form_does_not_fit_take_the_ordinary_path():
         close(pgs)
 
 
+def test_zero_dimensional_arrays_run_by_form_and_agree():
+    """0-d arrays through the plans whose lists move through a buffer of
+    their own (gather, scatter, both list forms): each row one element."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            r, got = pg.rank(), []
+
+            def scalars(*values):
+                return [np.array(float(v), np.float32) for v in values]
+
+            for i in range(4):
+                lst = scalars(-1, -1) if r == 0 else None
+                nc.gather(scalars(r + i)[0], lst, dst=0, group=pg)
+                y = scalars(-1)[0]
+                nc.scatter(y, scalars(i, 10 + i) if r == 0 else None, src=0, group=pg)
+                outs = scalars(-1, -1)
+                nc.all_to_all(outs, scalars(10 * r + i, 10 * r + 1 + i), group=pg)
+                rows = scalars(-1, -1)
+                nc.all_gather(rows, scalars(r + i)[0], group=pg)
+                got.append([None if lst is None else [float(a) for a in lst], float(y),
+                            [float(a) for a in outs], [float(a) for a in rows]])
+            return got, fused_runs(pg)
+
+        for rank, (got, fused) in enumerate(on_ranks(pgs, body)):
+            assert got == [[[float(i), 1.0 + i] if rank == 0 else None, 10.0 * rank + i,
+                            [float(rank + i), 10.0 + rank + i], [float(i), 1.0 + i]]
+                           for i in range(4)]
+            assert fused == 8
+    finally:
+        close(pgs)
+
+
 def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():
     a_mismatch_fails_on_both_ranks(lambda pg, i, other: rooted(
         pg, "gather", i, 4, np.float64 if other else np.float32))

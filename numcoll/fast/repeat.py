@@ -317,17 +317,14 @@ class Repeats:
         caller's ``arrays``: output, input) or ``_ROOTED`` (``arrays``: the
         tensor, then the root's list); ``key``: theirs. Arrays that come back
         get their own plan, as :meth:`learn_move` makes it."""
-        if name in _ROOTED:
-            call = self.forms.run_rooted(name, extra, arrays[0], arrays[1:])
-            if call is None:
-                return False
-            inp, out, fuse = rooted_sides(name, arrays[0], arrays[1:])
-        else:
-            out, inp = arrays
-            call, fuse = self.forms.run_move(name, extra, out, inp), True
-            if call is None:
-                return False
+        rooted = name in _ROOTED
+        call = self.forms.run_rooted(name, extra, arrays[0], arrays[1:]) if rooted \
+            else self.forms.run_move(name, extra, *arrays)
+        if call is None:
+            return False
         if self._twice(key, *arrays):
+            inp, out, fuse = rooted_sides(name, arrays[0], arrays[1:]) if rooted \
+                else (arrays[1], arrays[0], True)
             self._plan_move(key, arrays, call, inp, out, None, fuse)
         return True
 

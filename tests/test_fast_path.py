@@ -588,6 +588,51 @@ def test_the_small_calls_beside_mpi_benchmark_times_all_four_calls():
     assert set(pathlib.Path(tempfile.gettempdir()).glob("numcoll-store-*")) == stores
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_new_arrays_benchmark_times_every_collective_three_ways():
+    """benchmarks/new_arrays.py under mpirun: a row per collective and size,
+    the ordinary path, by form and Open MPI, each a positive time, and by
+    form faster than the ordinary path at 8 bytes; no store file left."""
+    import pathlib
+    import subprocess
+    import sys
+    import tempfile
+
+    from numcoll.bench import mpi
+
+    if not mpi.mpi_available():
+        pytest.skip("mpi4py with mpirun is not installed")
+    bench = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "new_arrays.py"
+    stores = set(pathlib.Path(tempfile.gettempdir()).glob("numcoll-store-*"))
+    out = subprocess.run(["mpirun", "--allow-run-as-root", "-n", "2", "--bind-to", "none",
+                          sys.executable, str(bench), "--calls", "100", "--rounds", "2",
+                          "--sizes", "8,4K"], capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()
+            if line.split() and line.split()[0] in bench_calls()]
+    assert [(r[0], int(r[1])) for r in rows] == [(name, size) for size in (8, 4096)
+                                                 for name in bench_calls()], out.stdout
+    for name, size, ordinary, by_form, by_mpi, ratio in rows:
+        assert min(float(ordinary), float(by_form), float(by_mpi)) > 0, name
+        want = float(by_form) / float(by_mpi)  # (of the printed, rounded times)
+        assert abs(float(ratio) - want) <= 0.01 + 0.01 * want, name
+        if size == "8":  # (by tens of microseconds: a noisy machine does not close that)
+            assert float(by_form) < float(ordinary), (name, ordinary, by_form)
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("numcoll-store-*")) == stores
+
+
+def bench_calls() -> tuple:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "new_arrays.py"
+    spec = importlib.util.spec_from_file_location("new_arrays", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CALLS
+
+
 def test_the_module_functions_take_their_parameters_in_every_form_on_the_default_group():
     """The default group's busiest case (a call that waits, no group named) runs
     fused however its arguments are passed -- positional, by keyword, or the

@@ -35,7 +35,8 @@ from .fused_step import (CTRL_NBYTES, FIRST, NBYTES, NOT_TAKEN, NOW_SEQ, NOW_STE
                          REGION, REGION_NBYTES, SIZE, SOURCE, SPIN, STAMP, STEPS, STRIDE, YIELD,
                          _claim, _ended, _lane_close, _lane_open, _plan_at, _pointer)
 
-__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "wait", "entry"]
+__all__ = ["WHERE", "COPIES", "PIDS", "STATE", "start", "claim", "copy", "wait", "entry",
+           "point"]
 
 #: The plan's words (:mod:`.fused_step`'s, with words 20-25, which a move's
 #: plan uses, for these): the *where* to publish (address, bytes), the copy
@@ -133,6 +134,27 @@ def wait(plan_address, x):
     else the state it stopped in."""
     plan = _plan_at(plan_address)
     return _held(plan, x, plan[STATE])
+
+
+@njit(cache=True)
+def point(plan_address, x, base):
+    """Point a planned call at ``x`` (bytes; a plan by form,
+    numcoll.fast.forms), where every address the plan publishes (its
+    *where*) or copies to or from (its copy table) lies in one array whose
+    first byte is at ``base[0]``, as a broadcast's do: each moves by as much
+    as ``x`` lies from there, and ``base[0]`` becomes ``x``'s first byte."""
+    delta = x.ctypes.data - base[0]
+    if delta == 0:
+        return
+    plan = _plan_at(plan_address)
+    where = carray(_pointer(plan[WHERE], np.int64), (plan[WHERE + 1] // 8,))
+    for i in range(4, where.size - 1, 2):
+        if where[i + 1] != 0:  # (a range of no bytes publishes no address)
+            where[i] += delta
+    table = carray(_pointer(plan[COPIES], np.int64), (plan[COPIES + 1], 5))
+    for r in range(table.shape[0]):
+        table[r, 3] += delta
+    base[0] += delta
 
 
 def entry(function, x):

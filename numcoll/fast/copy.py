@@ -23,6 +23,12 @@ path's errors. Planned for ``all_gather_into_tensor``
 lies), equal-split ``all_to_all_single``, ``gather``, ``scatter``
 (:func:`fused_copy_move`) and ``broadcast`` (:func:`fused_copy_broadcast`).
 
+A broadcast's plan can be made for any array of its form
+(``fused_copy_broadcast(..., by_form=True)``, numcoll.fast.forms): every
+address it publishes or copies to lies in the one array, so each call
+moves them to its own array first, and the parts a promoted call finishes
+with are made for that array then.
+
 Where this rank copies more than an arena slot holds, the copies run without
 the GIL: a compiled claim, then -- the group holding the call, as it holds a
 fused call whose peers were late -- the phases in a second compiled call
@@ -212,16 +218,26 @@ def reads_whole(pg, send, chunks, rest_nbytes: int | None) -> bool:
     return header[0] == READ_WHOLE  # (as fused_copy_alltoall finds it)
 
 
-def fused_copy_broadcast(pg, call, x) -> FusedCopy | None:
+def fused_copy_broadcast(pg, call, x, by_form: bool = False) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, a ``broadcast`` of ``x`` that the
     ordinary builder checked and ran single-copy, if a fused start can run
-    it (a C-contiguous, writable NumPy array); else None."""
+    it (a C-contiguous, writable NumPy array); else None. ``by_form``: a
+    plan for any array of ``x``'s form (numcoll.fast.forms), pointed at each
+    call's array (:func:`numcoll.collectives.fused_copy.point`), that keeps
+    no array: every address a broadcast publishes or copies to lies in its
+    array, at offsets of the form's."""
     if call.name != "broadcast" or not _copies_here(pg, call) or not plain(None, x):
         return None
-    flat = x.reshape(-1)
-    parts = broadcast_parts(pg._rank, pg._size, HostBuffer(flat), call.root,
-                            pg.context.segment(x.itemsize))
-    return FusedCopy(pg, call, parts, flat.view(np.uint8), [x])
+    flat, segment = x.reshape(-1), pg.context.segment(x.itemsize)
+
+    def parts_of(flat):  # (of no array but the one given: a plan by form keeps this)
+        return broadcast_parts(pg._rank, pg._size, HostBuffer(flat), call.root, segment)
+
+    fused = FusedCopy(pg, call, parts_of(flat), flat.view(np.uint8), [x])
+    if by_form:
+        fused.parts, fused.base = None, np.array([flat.ctypes.data], np.int64)
+        fused.remake = lambda array: parts_of(array.reshape(-1))
+    return fused
 
 
 def run_held(fused) -> bool:
@@ -250,7 +266,7 @@ class FusedCopy(FusedCall):
     algorithm a start that completes says ran (the flight recorder's)."""
 
     __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
-                 "key", "_claim", "_copy", "_wait")
+                 "key", "remake", "base", "_claim", "_copy", "_wait")
 
     def __init__(self, pg, call, parts, x, outs, own=None, source=None, ran="cma"):
         super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
@@ -295,6 +311,11 @@ class FusedCopy(FusedCall):
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
         self.key = measured_key(call.name, published_nbytes(parts))
+        #: A plan by form's (numcoll.fast.forms): ``remake(x)``, the parts of
+        #: the call on array ``x`` (what a promoted call finishes with: the
+        #: plan keeps none, they would hold an array); and ``base[0]``, the
+        #: first byte of the array its addresses lie in.
+        self.remake = self.base = None
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = ran
 
@@ -351,6 +372,7 @@ class FusedCopy(FusedCall):
         self.moved()
         if self.pending:
             self.pending = False
-            resume(comm, self.parts, STATES[self.words[fused_copy.STATE]], self.step,
+            parts = self.parts if self.remake is None else self.remake(self.outs[0])
+            resume(comm, parts, STATES[self.words[fused_copy.STATE]], self.step,
                    self.call.algorithm == "cma_measured")
         return self.outs

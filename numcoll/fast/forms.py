@@ -22,6 +22,11 @@ else takes the ordinary path. A plan is used by one call at a time (its lock:
 another thread's call of the same form takes the ordinary path), and it
 holds no caller's array between calls.
 
+A broadcast that reads the root's buffer single-copy has a plan by form
+too: the compiled start of a repeated one (:class:`~numcoll.fast.copy.FusedCopy`),
+whose every address lies in the one array, pointed at each call's array
+first (:func:`numcoll.collectives.fused_copy.point`).
+
 An ``all_gather_into_tensor(out, inp)`` is planned by form too: the form of
 both arrays. Its step copies ``inp`` from an address in its plan (the
 output is its argument), so a run first points the plan at this call's
@@ -63,7 +68,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..collectives import fused_moves, fused_step
+from ..collectives import fused_copy, fused_moves, fused_step
+from .copy import FusedCopy
 from .moves import FusedMove
 from .step import _NOTHING, FusedCall
 
@@ -90,10 +96,12 @@ class _Planned:
     the dtype, whether an array of its size may be a shared array, its lock
     and an empty array of its type that the plan holds between calls."""
 
-    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare", "rows", "own")
+    __slots__ = ("fused", "op", "dtype", "shareable", "lock", "spare", "rows", "own", "copies")
 
     def __init__(self, fused: FusedCall, op, dtype, shareable: bool, shape: tuple):
         self.fused, self.op, self.dtype, self.shareable = fused, op, dtype, shareable
+        #: A broadcast read single-copy (a FusedCopy, pointed at each array).
+        self.copies = type(fused) is FusedCopy
         #: The plan's own buffer, its bytes (an all_gather's; a gather's or a
         #: scatter's on the root), and the same by rank, each row in ``dtype``
         #: and ``shape`` (the arrays it is copied to or from: a reshape per
@@ -171,7 +179,11 @@ class Forms:
             return None
         fused = planned.fused
         try:
-            fused.x, fused.outs = x if x.ndim == 1 else x.reshape(-1), [x]
+            flat = x if x.ndim == 1 else x.reshape(-1)
+            if planned.copies:  # (its addresses, moved to x; its start takes bytes)
+                flat = flat.view(np.uint8)
+                fused_copy.point(fused.address, flat, fused.base)
+            fused.x, fused.outs = flat, [x]
             ran = fused.run()
         finally:
             planned.release()
@@ -463,9 +475,11 @@ class Forms:
             return
         self._seen.discard(form)
         fused = plan()
-        if type(fused) is not FusedCall and type(fused) is not FusedMove:
-            # (none, or a single-copy plan, which holds addresses a form's run
-            # does not repoint: the form keeps the ordinary path)
+        if type(fused) is not FusedCall and type(fused) is not FusedMove \
+                and not (type(fused) is FusedCopy and fused.remake is not None):
+            # (none, or a single-copy plan made for its arrays alone, which
+            # holds addresses a form's run does not repoint: the form keeps
+            # the ordinary path)
             if len(self._refused) >= SEEN_KEPT:
                 self._refused.clear()
             self._refused.add(form)

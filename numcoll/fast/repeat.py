@@ -296,7 +296,7 @@ class Repeats:
         if call is None:
             return False
         if self._twice(key, x):
-            fused = fused_call(self.pg, call, x)
+            fused = fused_call(self.pg, call, x) or fused_copy_broadcast(self.pg, call, x)
             if fused is not None:
                 self._keep(key, x, op, fused)
         return True
@@ -412,7 +412,8 @@ class Repeats:
             else:
                 self._keep_replay(key, (x,), op, call, run)
         else:
-            self.forms.learn(call.name, call.root, x, op, lambda: fused_call(self.pg, call, x))
+            self.forms.learn(call.name, call.root, x, op, lambda: fused_call(self.pg, call, x)
+                             or fused_copy_broadcast(self.pg, call, x, by_form=True))
 
     def learn_allgather(self, out, inp, call, run=None) -> None:
         """:meth:`learn` for an ``all_gather_into_tensor(out, inp)`` (``call``)."""

@@ -1,11 +1,11 @@
-"""``broadcast`` of a new array each call where it reads the root's buffer
-single-copy (from ``single_copy_broadcast_min_nbytes``), run as one compiled
-start through a plan per form (numcoll.fast.forms: a FusedCopy whose
-addresses are pointed at each call's array, numcoll.collectives.fused_copy.point):
-the ordinary path's results at 2 and 3 ranks, every root, forced and measured;
-a rank by form meeting a rank on the ordinary path; a start the group
-finishes (a late peer) made with this call's array; a mismatch failing on
-both ranks; no caller's array kept."""
+"""``broadcast`` and ``all_gather_into_tensor`` of new arrays each call where
+they read single-copy, run as one compiled start through a plan per form
+(numcoll.fast.forms: a FusedCopy whose addresses are pointed at each call's
+arrays, numcoll.collectives.fused_copy.point): the ordinary path's results
+at 2 and 3 ranks, every root, apart and in place, forced and measured; a
+rank by form meeting a rank on the ordinary path; a start the group finishes
+(a late peer) made with this call's arrays; a mismatch failing on both
+ranks; no caller's array kept."""
 
 import gc
 import time
@@ -29,7 +29,7 @@ N = 20001  # float64 elements: 160 KiB, odd (the root's share and the rest diffe
 
 @pytest.fixture(autouse=True)
 def single_copy(monkeypatch):
-    monkeypatch.setenv("NUMCOLL_ALGORITHM", "broadcast:cma")
+    monkeypatch.setenv("NUMCOLL_ALGORITHM", "broadcast:cma,allgather:cma")
 
 
 def broadcasted(pg, i, root, n=N, dtype=np.float64, x=None, kept=None):
@@ -44,6 +44,19 @@ def broadcasted(pg, i, root, n=N, dtype=np.float64, x=None, kept=None):
         x[...] = value(root, i, n, dtype)
     nc.broadcast(x, src=root, group=pg)
     return x.tolist()
+
+
+def gathered(pg, i, in_place, kept, n=N):
+    """One ``all_gather_into_tensor`` of new arrays (kept alive in ``kept``),
+    this rank's ``value(rank, i, n)``: whether the output is right."""
+    size, r = pg.size(), pg.rank()
+    out = np.empty(n * size)
+    inp = out[r * n:(r + 1) * n] if in_place else np.empty(n)
+    kept += [out, inp]
+    inp[...] = value(r, i, n, np.float64)
+    nc.all_gather_into_tensor(out, inp, group=pg)
+    return out.tolist() == np.concatenate([value(q, i, n, np.float64)
+                                           for q in range(size)]).tolist()
 
 
 def copies_by_form(pg) -> int:
@@ -71,6 +84,46 @@ def test_new_arrays_run_single_copy_by_form_and_agree(size):
         for log in on_ranks(pgs, body):
             # the first call notes the form, the second plans it, the rest run fused
             assert log == [([True] * calls, calls - 2, 1)] * 4, log
+    finally:
+        close(pgs)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_new_allgather_arrays_run_single_copy_by_form_and_agree(size):
+    pgs = groups(size, transport="shm", timeout=timedelta(seconds=30))
+    calls = 5
+    try:
+        def body(pg):
+            log, kept = [], []
+            for in_place in (False, True):
+                pg.repeats.clear()
+                before = fused_runs(pg)
+                got = [gathered(pg, i, in_place, kept) for i in range(calls)]
+                log.append((got, fused_runs(pg) - before, copies_by_form(pg)))
+            return log
+
+        assert on_ranks(pgs, body) == [[([True] * calls, calls - 2, 1)] * 2] * size
+    finally:
+        close(pgs)
+
+
+@pytest.mark.slow
+def test_a_late_peer_allgather_by_form_agrees_and_keeps_no_array():
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            kept = []
+            got = [gathered(pg, i, False, kept) for i in range(3)]
+            if pg.rank() == 1:
+                time.sleep(0.1)  # (beyond the start's spin and yield phases)
+            got.append(gathered(pg, 3, False, kept))
+            refs = [weakref.ref(a) for a in kept]
+            del kept
+            gc.collect()
+            (planned,) = pg.repeats.forms._planned.values()
+            return got, all(r() is None for r in refs), planned.fused.parts
+
+        assert on_ranks(pgs, body) == [([True] * 4, True, None)] * 2
     finally:
         close(pgs)
 

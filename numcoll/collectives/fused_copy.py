@@ -137,24 +137,27 @@ def wait(plan_address, x):
 
 
 @njit(cache=True)
-def point(plan_address, x, base):
-    """Point a planned call at ``x`` (bytes; a plan by form,
-    numcoll.fast.forms), where every address the plan publishes (its
-    *where*) or copies to or from (its copy table) lies in one array whose
-    first byte is at ``base[0]``, as a broadcast's do: each moves by as much
-    as ``x`` lies from there, and ``base[0]`` becomes ``x``'s first byte."""
-    delta = x.ctypes.data - base[0]
-    if delta == 0:
-        return
+def point(plan_address, x, source, base):
+    """Point a planned call at ``x`` and ``source``, this call's arrays (a
+    plan by form, numcoll.fast.forms), where every address the plan copies
+    to or from (its copy table) lies in the array whose first byte was
+    ``base[0]``, and every address it publishes (its *where*) in the one
+    whose first byte was ``base[1]`` -- a broadcast's array (``source`` is
+    ``x``), an allgather's output and input: each moves by as much as ``x``,
+    or ``source``, lies from there, and ``base`` becomes their first bytes."""
+    moved, published = x.ctypes.data - base[0], source.ctypes.data - base[1]
     plan = _plan_at(plan_address)
-    where = carray(_pointer(plan[WHERE], np.int64), (plan[WHERE + 1] // 8,))
-    for i in range(4, where.size - 1, 2):
-        if where[i + 1] != 0:  # (a range of no bytes publishes no address)
-            where[i] += delta
-    table = carray(_pointer(plan[COPIES], np.int64), (plan[COPIES + 1], 5))
-    for r in range(table.shape[0]):
-        table[r, 3] += delta
-    base[0] += delta
+    if published:
+        where = carray(_pointer(plan[WHERE], np.int64), (plan[WHERE + 1] // 8,))
+        for i in range(4, where.size - 1, 2):
+            if where[i + 1] != 0:  # (a range of no bytes publishes no address)
+                where[i] += published
+        base[1] += published
+    if moved:
+        table = carray(_pointer(plan[COPIES], np.int64), (plan[COPIES + 1], 5))
+        for r in range(table.shape[0]):
+            table[r, 3] += moved
+        base[0] += moved
 
 
 def entry(function, x):

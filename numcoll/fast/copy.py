@@ -90,14 +90,17 @@ def _copies_here(pg, call, algorithms=("cma", "cma_measured")) -> bool:
         and getattr(transport, "single_copy", None) is not None
 
 
-def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
+def fused_copy_allgather(pg, call, out, inp, by_form: bool = False) -> FusedCopy | None:
     """The :class:`FusedCopy` of ``call``, an ``allgather_into_tensor`` of
     ``inp`` into ``out`` that the ordinary builder checked and ran
     single-copy, if a fused start can run it: two C-contiguous NumPy arrays
     of one dtype, ``inp`` either the output's own chunk (torch's in-place
     form) or apart from the output. Else None. (Ranks that are threads of
     one process get one too: a start within a slot looks once, holding the
-    GIL the others need, and the group finishes the call.)"""
+    GIL the others need, and the group finishes the call.) ``by_form``: a
+    plan for any arrays of their form that keeps none, as
+    :func:`fused_copy_broadcast`'s (its copies lie in ``out``, its *where*
+    in ``inp``), if its copies fit a slot (a larger one keeps its own block)."""
     if call.name != "allgather_into_tensor" or not _copies_here(pg, call) \
             or inp is None or out is None or not plain(inp, out) \
             or out.dtype != inp.dtype or out.size != inp.size * pg._size:
@@ -107,14 +110,25 @@ def fused_copy_allgather(pg, call, out, inp) -> FusedCopy | None:
     if source.ctypes.data != flat.ctypes.data + rank * source.nbytes \
             and shares_memory(source, flat):
         return None  # (the ordinary path copies such an input first)
-    n = inp.size
-    parts = allgather_parts(rank, size, HostBuffer(out.reshape(-1)),
-                            [(q * n, n) for q in range(size)], pg.context.segment(out.itemsize))
-    # The peers read this rank's input where it lies, not the chunk of the
-    # output the start has just copied it into, whose lines sit modified in
-    # this core's cache (forced cma, 2 ranks, out of place: 64 KiB 0.92-0.95x
-    # MPI's busbw against 0.56x, 256 KiB 1.04-1.11x against 0.59x).
-    return FusedCopy(pg, call, parts._replace(ranges=[source]), flat, [out], source=source)
+    n, segment = inp.size, pg.context.segment(out.itemsize)
+    if by_form and (size - 1) * source.nbytes > pg._transport.arena.slot_nbytes:
+        return None
+
+    def parts_of(out, source):  # (of no array but those given: a plan by form keeps this)
+        # The peers read this rank's input where it lies, not the chunk of the
+        # output the start has just copied it into, whose lines sit modified in
+        # this core's cache (forced cma, 2 ranks, out of place: 64 KiB 0.92-0.95x
+        # MPI's busbw against 0.56x, 256 KiB 1.04-1.11x against 0.59x).
+        return allgather_parts(rank, size, HostBuffer(out.reshape(-1)),
+                               [(q * n, n) for q in range(size)], segment)._replace(
+                                   ranges=[source])
+
+    fused = FusedCopy(pg, call, parts_of(out, source), flat, [out], source=source)
+    if by_form:
+        fused.parts = None
+        fused.base = np.array([flat.ctypes.data, source.ctypes.data], np.int64)
+        fused.remake = lambda now: parts_of(now.outs[0], now.source.reshape(-1).view(np.uint8))
+    return fused
 
 
 def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
@@ -235,8 +249,8 @@ def fused_copy_broadcast(pg, call, x, by_form: bool = False) -> FusedCopy | None
 
     fused = FusedCopy(pg, call, parts_of(flat), flat.view(np.uint8), [x])
     if by_form:
-        fused.parts, fused.base = None, np.array([flat.ctypes.data], np.int64)
-        fused.remake = lambda array: parts_of(array.reshape(-1))
+        fused.parts, fused.base = None, np.array([flat.ctypes.data] * 2, np.int64)
+        fused.remake = lambda now: parts_of(now.outs[0].reshape(-1))
     return fused
 
 
@@ -311,10 +325,11 @@ class FusedCopy(FusedCall):
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
         self.key = measured_key(call.name, published_nbytes(parts))
-        #: A plan by form's (numcoll.fast.forms): ``remake(x)``, the parts of
-        #: the call on array ``x`` (what a promoted call finishes with: the
-        #: plan keeps none, they would hold an array); and ``base[0]``, the
-        #: first byte of the array its addresses lie in.
+        #: A plan by form's (numcoll.fast.forms): ``remake(self)``, the parts
+        #: of the call on its arrays now (what a promoted call finishes with:
+        #: the plan keeps none, they would hold an array); and ``base``, the
+        #: first bytes of the arrays its addresses lie in (its copy table's,
+        #: its *where*'s: numcoll.collectives.fused_copy.point).
         self.remake = self.base = None
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = ran
@@ -372,7 +387,7 @@ class FusedCopy(FusedCall):
         self.moved()
         if self.pending:
             self.pending = False
-            parts = self.parts if self.remake is None else self.remake(self.outs[0])
+            parts = self.parts if self.remake is None else self.remake(self)
             resume(comm, parts, STATES[self.words[fused_copy.STATE]], self.step,
                    self.call.algorithm == "cma_measured")
         return self.outs

@@ -25,7 +25,9 @@ holds no caller's array between calls.
 A broadcast that reads the root's buffer single-copy has a plan by form
 too: the compiled start of a repeated one (:class:`~numcoll.fast.copy.FusedCopy`),
 whose every address lies in the one array, pointed at each call's array
-first (:func:`numcoll.collectives.fused_copy.point`).
+first (:func:`numcoll.collectives.fused_copy.point`); and so does an
+allgather read single-copy whose copies fit a slot (its copies' addresses
+lie in the output, those it publishes in the input).
 
 An ``all_gather_into_tensor(out, inp)`` is planned by form too: the form of
 both arrays. Its step copies ``inp`` from an address in its plan (the
@@ -182,7 +184,7 @@ class Forms:
             flat = x if x.ndim == 1 else x.reshape(-1)
             if planned.copies:  # (its addresses, moved to x; its start takes bytes)
                 flat = flat.view(np.uint8)
-                fused_copy.point(fused.address, flat, fused.base)
+                fused_copy.point(fused.address, flat, flat, fused.base)
             fused.x, fused.outs = flat, [x]
             ran = fused.run()
         finally:
@@ -202,6 +204,8 @@ class Forms:
             x = (out if out.ndim == 1 else out.reshape(-1)).view(np.uint8)
             if fused_step.point_source(fused.address, x, inp) != 0:
                 return None  # (overlapping, not the own chunk: the ordinary path's error)
+            if planned.copies:  # (read single-copy: its addresses, moved to these arrays)
+                fused_copy.point(fused.address, x, inp, fused.base)
             fused.x, fused.outs, fused.source = x, [out], inp
             ran = fused.run()
         finally:

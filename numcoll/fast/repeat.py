@@ -307,7 +307,8 @@ class Repeats:
         if call is None:
             return False
         if self._twice(key, out, inp):
-            fused = fused_allgather(self.pg, call, out, inp)
+            fused = fused_allgather(self.pg, call, out, inp) \
+                or fused_copy_allgather(self.pg, call, out, inp)
             if fused is not None:
                 self._keep(key, out, inp, fused)
         return True
@@ -431,7 +432,8 @@ class Repeats:
             else:
                 self._keep_replay(key, (out, inp), None, call, run)
         else:
-            self.forms.learn_allgather(out, inp, lambda: fused_allgather(self.pg, call, out, inp))
+            self.forms.learn_allgather(out, inp, lambda: fused_allgather(self.pg, call, out, inp)
+                                       or fused_copy_allgather(self.pg, call, out, inp, True))
 
     def all_gather(self, outs, inp) -> bool:
         """Run ``all_gather(outs, inp)`` (torch's list form) through its form's

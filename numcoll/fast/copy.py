@@ -125,9 +125,8 @@ def fused_copy_allgather(pg, call, out, inp, by_form: bool = False) -> FusedCopy
 
     fused = FusedCopy(pg, call, parts_of(out, source), flat, [out], source=source)
     if by_form:
-        fused.parts = None
-        fused.base = np.array([flat.ctypes.data, source.ctypes.data], np.int64)
-        fused.remake = lambda now: parts_of(now.outs[0], now.source.reshape(-1).view(np.uint8))
+        fused.keep_none(flat, source, lambda now: parts_of(
+            now.outs[0], now.source.reshape(-1).view(np.uint8)))
     return fused
 
 
@@ -249,8 +248,7 @@ def fused_copy_broadcast(pg, call, x, by_form: bool = False) -> FusedCopy | None
 
     fused = FusedCopy(pg, call, parts_of(flat), flat.view(np.uint8), [x])
     if by_form:
-        fused.parts, fused.base = None, np.array([flat.ctypes.data] * 2, np.int64)
-        fused.remake = lambda now: parts_of(now.outs[0].reshape(-1))
+        fused.keep_none(flat, flat, lambda now: parts_of(now.outs[0].reshape(-1)))
     return fused
 
 
@@ -325,14 +323,19 @@ class FusedCopy(FusedCall):
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
         self.key = measured_key(call.name, published_nbytes(parts))
-        #: A plan by form's (numcoll.fast.forms): ``remake(self)``, the parts
-        #: of the call on its arrays now (what a promoted call finishes with:
-        #: the plan keeps none, they would hold an array); and ``base``, the
-        #: first bytes of the arrays its addresses lie in (its copy table's,
-        #: its *where*'s: numcoll.collectives.fused_copy.point).
-        self.remake = self.base = None
+        self.remake = self.base = None  # (a plan by form's: keep_none())
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = ran
+
+    def keep_none(self, copied, published, remake) -> None:
+        """Make this a plan by form (numcoll.fast.forms), which keeps no
+        array: no parts (they hold the arrays); ``remake(self)`` makes them
+        for the call's arrays now, if a promoted call needs them; and
+        ``base``, the first bytes of ``copied`` and ``published``, the arrays
+        its copy table's and its *where*'s addresses lie in, which
+        :func:`numcoll.collectives.fused_copy.point` moves to each call's."""
+        self.parts, self.remake = None, remake
+        self.base = np.array([copied.ctypes.data, published.ctypes.data], np.int64)
 
     def _entries(self, x) -> tuple:
         return None, None, None  # (set in __init__: the start is this class's own)

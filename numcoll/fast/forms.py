@@ -93,6 +93,25 @@ _LISTS = (list, tuple)
 _NO_BYTES = np.empty(0, np.uint8)
 
 
+def _alike(arrays, like, size: int, written: bool = False) -> bool:
+    """Whether ``arrays`` are ``size`` NumPy arrays of ``like``'s shape and
+    dtype; ``written`` (a call's outputs): writable too, and not overlapping
+    each other (may: the ordinary path decides exactly, and raises)."""
+    if len(arrays) != size:
+        return False
+    shape, dtype = like.shape, like.dtype
+    for i, a in enumerate(arrays):
+        if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+            return False
+        if written:
+            if not a.flags.writeable:
+                return False
+            for other in arrays[:i]:
+                if np.may_share_memory(a, other):
+                    return False
+    return True
+
+
 class _Planned:
     """One form's plan: the fused call, the op it was made with (by identity),
     the dtype, whether an array of its size may be a shared array, its lock
@@ -216,21 +235,14 @@ class Forms:
         """:meth:`run` for ``all_gather(outs, inp)``: through the plan of
         ``inp``'s form, if there is one and ``outs`` and ``inp`` may take it;
         then each array of ``outs`` gets its rank's row."""
-        if type(inp) is not np.ndarray or len(outs) != self.pg._size:
+        if type(inp) is not np.ndarray:
             return None
         planned = self._planned.get(("all_gather", inp.shape, inp.dtype.num))
         if planned is None or inp.dtype != planned.dtype \
                 or not (inp.flags.c_contiguous and inp.flags.aligned) \
-                or planned.shareable and self.pg.context.shared_memory is not None:
+                or planned.shareable and self.pg.context.shared_memory is not None \
+                or not _alike(outs, inp, self.pg._size, written=True):
             return None
-        shape, dtype = inp.shape, inp.dtype
-        for i, out in enumerate(outs):
-            if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype \
-                    or not out.flags.writeable:
-                return None
-            for other in outs[:i]:  # (may: the ordinary path decides exactly, and raises)
-                if np.may_share_memory(out, other):
-                    return None
         if not planned.lock.acquire(False):
             return None
         fused = planned.fused
@@ -299,24 +311,9 @@ class Forms:
     @staticmethod
     def _fit_lists(outs, inps, size: int) -> bool:
         """Whether an all_to_all's lists fit a plan of ``inps[0]``'s form:
-        ``size`` NumPy arrays each of its shape and dtype, the outputs
-        writable and not overlapping each other (may: the ordinary path
-        decides exactly). Inputs are copied first, so they may overlap
-        anything."""
-        if len(outs) != size or len(inps) != size:
-            return False
-        shape, dtype = inps[0].shape, inps[0].dtype
-        for a in inps:
-            if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
-                return False
-        for i, out in enumerate(outs):
-            if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype \
-                    or not out.flags.writeable:
-                return False
-            for other in outs[:i]:
-                if np.may_share_memory(out, other):
-                    return False
-        return True
+        ``size`` arrays each like it, the outputs written (inputs are copied
+        first, so they may overlap anything)."""
+        return _alike(inps, inps[0], size) and _alike(outs, inps[0], size, written=True)
 
     def run_rooted(self, name: str, root: int, tensor, blocks):
         """:meth:`run` for ``gather(tensor, blocks, root)`` or ``scatter(tensor,
@@ -366,18 +363,11 @@ class Forms:
         (writable, for a gather), none overlapping ``tensor`` but the root's
         own entry being ``tensor`` (torch's in-place form), nor, for a
         gather, each other (may: the ordinary path decides exactly)."""
-        if len(blocks) != size:
+        if not _alike(blocks, tensor, size, written=gather):
             return False
-        shape, dtype = tensor.shape, tensor.dtype
         for i, block in enumerate(blocks):
-            if type(block) is not np.ndarray or block.shape != shape or block.dtype != dtype \
-                    or gather and not block.flags.writeable \
-                    or not (i == root and block is tensor) and np.may_share_memory(block, tensor):
+            if not (i == root and block is tensor) and np.may_share_memory(block, tensor):
                 return False
-            if gather:
-                for other in blocks[:i]:
-                    if np.may_share_memory(block, other):
-                        return False
         return True
 
     def _taken(self, key: tuple, out, inp, op=None):
@@ -431,11 +421,9 @@ class Forms:
     def learn_all_gather(self, outs, inp, plan) -> None:
         """:meth:`learn` for ``all_gather(outs, inp)``; ``plan()``: a
         :class:`FusedCall` gathering ``inp`` into a buffer of its own, or None."""
-        if type(inp) is not np.ndarray or not inp.flags.aligned:
+        if type(inp) is not np.ndarray or not inp.flags.aligned \
+                or not _alike(outs, inp, len(outs)):
             return
-        for out in outs:
-            if type(out) is not np.ndarray or out.shape != inp.shape or out.dtype != inp.dtype:
-                return
         self._learn(("all_gather", inp.shape, inp.dtype.num), inp, (inp.strides, inp.dtype),
                     plan, _LIST)
 

@@ -72,7 +72,7 @@ from .moves import plain
 from .step import HAS_GIL, FusedCall
 
 __all__ = ["FusedCopy", "fused_copy_allgather", "fused_copy_alltoall", "fused_copy_broadcast",
-           "fused_copy_move", "reads_whole", "run_held"]
+           "fused_copy_move", "fused_copy_rooted", "reads_whole", "run_held"]
 
 #: How much longer a start within a slot waits for its peers, per byte this
 #: rank copies (ns): a peer copying as much as it does at 1 GB/s, several
@@ -139,47 +139,80 @@ def fused_copy_move(pg, call, inp, out) -> FusedCopy | None:
     root's blocks), if a fused start can run it: C-contiguous NumPy arrays
     of one dtype, apart from each other or in the root's in-place form.
     Else None."""
-    name, rank, size, root = call.name, pg._rank, pg._size, call.root
-    if name not in ("alltoall_base", "gather", "scatter") or not _copies_here(pg, call) \
+    if call.name not in ("alltoall_base", "gather", "scatter") or not _copies_here(pg, call) \
             or not plain(inp, out):
         return None
     if inp is not None and out is not None and inp.dtype != out.dtype:
         return None
-    seg = pg.context.segment((inp if inp is not None else out).itemsize)
     x, y = (None if a is None else a.reshape(-1) for a in (inp, out))
-    own = None
+    laid = _move_parts(pg, call, x, y)
+    if laid is None:
+        return None
+    parts, own = laid
+    outs = [] if call.name == "gather" and pg._rank != call.root else [out]
+    return FusedCopy(pg, call, parts, (y if y is not None else x).view(np.uint8), outs,
+                     own=own)
+
+
+def _move_parts(pg, call, x, y) -> tuple | None:
+    """:func:`fused_copy_move`'s layout of ``call`` over this rank's flat
+    ``x`` and ``y`` (its input and output; None where it passes none): the
+    :class:`~numcoll.algorithms.single_copy.Parts`, and this rank's own
+    block as a ``(destination, source)`` pair (None: nothing to copy), or
+    None where a fused start cannot take them."""
+    name, rank, size, root = call.name, pg._rank, pg._size, call.root
+    seg = pg.context.segment((x if x is not None else y).itemsize)
     if name == "alltoall_base":
         if x is None or y is None or x.size != y.size or x.size % size or shares_memory(x, y):
             return None
         n = x.size // size
         chunks = [(q * n, n) for q in range(size)]
-        parts = alltoall_parts(rank, size, HostBuffer(x), chunks, HostBuffer(y), chunks, seg)
-        own = (y[rank * n:(rank + 1) * n], x[rank * n:(rank + 1) * n])
-        outs = [out]
-    elif rank != root:
+        return (alltoall_parts(rank, size, HostBuffer(x), chunks, HostBuffer(y), chunks, seg),
+                (y[rank * n:(rank + 1) * n], x[rank * n:(rank + 1) * n]))
+    if rank != root:
         if name == "gather" and x is not None and y is None:
-            parts = gather_parts(rank, size, HostBuffer(x), [], root, seg)
-        elif name == "scatter" and y is not None and x is None:
-            parts = scatter_parts(rank, size, [], HostBuffer(y), root, seg)
-        else:
+            return gather_parts(rank, size, HostBuffer(x), [], root, seg), None
+        if name == "scatter" and y is not None and x is None:
+            return scatter_parts(rank, size, [], HostBuffer(y), root, seg), None
+        return None
+    part, whole = (x, y) if name == "gather" else (y, x)
+    if part is None or whole is None or whole.size != part.size * size:
+        return None
+    n, own = part.size, None
+    mine = whole[root * n:(root + 1) * n]
+    if mine.ctypes.data != part.ctypes.data:
+        if shares_memory(part, whole):
             return None
-        outs = [] if name == "gather" else [out]
-    else:
-        part, whole = (x, y) if name == "gather" else (y, x)
-        if part is None or whole is None or whole.size != part.size * size:
-            return None
-        n = part.size
-        mine = whole[root * n:(root + 1) * n]
-        if mine.ctypes.data != part.ctypes.data:
-            if shares_memory(part, whole):
-                return None
-            own = (mine, part) if name == "gather" else (part, mine)
-        blocks = [HostBuffer(whole[q * n:(q + 1) * n]) for q in range(size)]
-        parts = gather_parts(rank, size, HostBuffer(part), blocks, root, seg) \
-            if name == "gather" else scatter_parts(rank, size, blocks, HostBuffer(part), root, seg)
-        outs = [out]
-    return FusedCopy(pg, call, parts, (y if y is not None else x).view(np.uint8), outs,
-                     own=own)
+        own = (mine, part) if name == "gather" else (part, mine)
+    blocks = [HostBuffer(whole[q * n:(q + 1) * n]) for q in range(size)]
+    parts = gather_parts(rank, size, HostBuffer(part), blocks, root, seg) \
+        if name == "gather" else scatter_parts(rank, size, blocks, HostBuffer(part), root, seg)
+    return parts, own
+
+
+def fused_copy_rooted(pg, call, tensor, own) -> FusedCopy | None:
+    """A plan by form (numcoll.fast.forms) of ``call``, a ``gather`` or a
+    ``scatter`` of ``tensor`` that the ordinary builder checked and ran
+    single-copy, the root's list moving through ``own`` (the plan's own
+    buffer, which it keeps; None off the root), if its copies fit a slot:
+    :func:`fused_copy_move`'s plan, keeping no caller's array. On the root
+    every address it publishes or copies to lies in ``own``; elsewhere in
+    ``tensor``, pointed at each call's (:func:`numcoll.collectives.fused_copy.point`).
+    The root's own block is each call's (its run sets ``own``). Else None."""
+    inp, out = (tensor, own) if call.name == "gather" else (own, tensor)
+    fused = fused_copy_move(pg, call, inp, out)
+    if fused is None or fused.large:
+        return None
+    dtype, lies = tensor.dtype, (tensor if own is None else own).reshape(-1).view(np.uint8)
+
+    def remake(now):  # (the parts of the call's tensor, now.x's bytes)
+        x = now.x.view(dtype)
+        whole = None if own is None else own.reshape(-1)
+        return _move_parts(pg, call, *((x, whole) if call.name == "gather" else (whole, x)))[0]
+
+    fused.own = None
+    fused.keep_none(lies, lies, remake, kept=own)
+    return fused
 
 
 def fused_copy_alltoall(pg, call, inp, out, rest_nbytes: int | None) -> FusedCopy | None:
@@ -278,7 +311,7 @@ class FusedCopy(FusedCall):
     algorithm a start that completes says ran (the flight recorder's)."""
 
     __slots__ = ("single_copy", "parts", "where", "table", "pids", "large", "own", "tuning",
-                 "key", "remake", "base", "_claim", "_copy", "_wait")
+                 "key", "remake", "base", "kept", "_claim", "_copy", "_wait")
 
     def __init__(self, pg, call, parts, x, outs, own=None, source=None, ran="cma"):
         super().__init__(pg, call, x, fused_step.GATHER, -1, outs, publishes=source is not None,
@@ -323,18 +356,20 @@ class FusedCopy(FusedCall):
         self.tuning = single_copy.tuning if rank == 0 and call.algorithm == "cma_measured" \
             else None
         self.key = measured_key(call.name, published_nbytes(parts))
-        self.remake = self.base = None  # (a plan by form's: keep_none())
+        self.remake = self.base = self.kept = None  # (a plan by form's: keep_none())
         if self.lane is not None:  # (a start that completes copied: as the ordinary path says)
             self.lane.algorithm = ran
 
-    def keep_none(self, copied, published, remake) -> None:
+    def keep_none(self, copied, published, remake, kept=None) -> None:
         """Make this a plan by form (numcoll.fast.forms), which keeps no
-        array: no parts (they hold the arrays); ``remake(self)`` makes them
-        for the call's arrays now, if a promoted call needs them; and
-        ``base``, the first bytes of ``copied`` and ``published``, the arrays
-        its copy table's and its *where*'s addresses lie in, which
-        :func:`numcoll.collectives.fused_copy.point` moves to each call's."""
-        self.parts, self.remake = None, remake
+        caller's array: no parts (they hold the arrays); ``remake(self)``
+        makes them for the call's arrays now, if a promoted call needs them;
+        and ``base``, the first bytes of ``copied`` and ``published``, the
+        arrays its copy table's and its *where*'s addresses lie in, which
+        :func:`numcoll.collectives.fused_copy.point` moves to each call's.
+        ``kept``: a buffer of the plan's own that addresses lie in (a rooted
+        call's on the root), kept alive here."""
+        self.parts, self.remake, self.kept = None, remake, kept
         self.base = np.array([copied.ctypes.data, published.ctypes.data], np.int64)
 
     def _entries(self, x) -> tuple:

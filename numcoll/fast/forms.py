@@ -27,7 +27,8 @@ too: the compiled start of a repeated one (:class:`~numcoll.fast.copy.FusedCopy`
 whose every address lies in the one array, pointed at each call's array
 first (:func:`numcoll.collectives.fused_copy.point`); and so does an
 allgather read single-copy whose copies fit a slot (its copies' addresses
-lie in the output, those it publishes in the input).
+lie in the output, those it publishes in the input), and a gather or a
+scatter (on the root they lie in the plan's own buffer, elsewhere in ``tensor``).
 
 An ``all_gather_into_tensor(out, inp)`` is planned by form too: the form of
 both arrays. Its step copies ``inp`` from an address in its plan (the
@@ -121,7 +122,7 @@ class _Planned:
 
     def __init__(self, fused: FusedCall, op, dtype, shareable: bool, shape: tuple):
         self.fused, self.op, self.dtype, self.shareable = fused, op, dtype, shareable
-        #: A broadcast read single-copy (a FusedCopy, pointed at each array).
+        #: Read single-copy (a FusedCopy, pointed at each call's arrays).
         self.copies = type(fused) is FusedCopy
         #: The plan's own buffer, its bytes (an all_gather's; a gather's or a
         #: scatter's on the root), and the same by rank, each row in ``dtype``
@@ -129,8 +130,9 @@ class _Planned:
         #: row and call took 0.25 us); else None.
         self.own = fused.x if op is _LIST else None
         if op is _ROOTED:  # (a gather's root gathers into it, a scatter's sends from it)
-            own = fused.out if fused.call.name == "gather" else fused.inp
-            self.own = own if own.size else None
+            own = fused.kept if self.copies else \
+                fused.out if fused.call.name == "gather" else fused.inp
+            self.own = own if own is not None and own.size else None
         size, shape = fused.pg._size, shape or (1,)  # (a 0-d array's row: one element)
         self.rows = None if self.own is None else self.own.view(dtype).reshape(size, *shape)
         if op is _EXCHANGE:  # (its input's rows, its output's)
@@ -144,6 +146,8 @@ class _Planned:
         nor a promoted run's Work, whose future holds the call's arrays."""
         fused = self.fused
         fused.outs, fused.work = [], None
+        if self.copies:  # (a rooted call's own block: a pair of the call's arrays)
+            fused.own = None
         if self.op is not _LIST:  # (an all_gather's x is its own buffer, kept)
             fused.x = self.spare
         if fused.source is not None:  # (an allgather's input)
@@ -338,23 +342,44 @@ class Forms:
         if not planned.lock.acquire(False):
             return None
         fused = planned.fused
+        # (read single-copy: the root's own block is the call's own pair, no row)
+        skip = root if planned.copies else -1
         try:
             flat = (tensor if tensor.ndim == 1 else tensor.reshape(-1)).view(np.uint8)
-            own = _NOTHING if rows is None else planned.own
-            inp, out = (flat, own) if gather else (own, flat)
             if not gather and rows is not None:
-                for row, block in zip(rows, blocks):
-                    row[...] = block
-            fused_moves.point(fused.address, inp, out)  # (the own buffer overlaps nothing)
-            fused.inp, fused.out, fused.outs = inp, out, [tensor]
-            fused.x = fused.typed_out = out
+                for q, (row, block) in enumerate(zip(rows, blocks)):
+                    if q != skip:
+                        row[...] = block
+            if planned.copies:
+                self._point_rooted_copy(fused, gather, root, tensor, flat, blocks)
+            else:
+                own = _NOTHING if rows is None else planned.own
+                inp, out = (flat, own) if gather else (own, flat)
+                fused_moves.point(fused.address, inp, out)  # (the own buffer overlaps nothing)
+                fused.inp, fused.out, fused.x = inp, out, out
+                fused.typed_out = out
+            fused.outs = [tensor]
             ran = fused.run()
             if ran and gather and rows is not None:  # (before another call gathers into it)
-                for block, row in zip(blocks, rows):
-                    block[...] = row
+                for q, (block, row) in enumerate(zip(blocks, rows)):
+                    if q != skip:
+                        block[...] = row
         finally:
             planned.release()
         return fused.call if ran else None
+
+    @staticmethod
+    def _point_rooted_copy(fused: FusedCopy, gather: bool, root: int, tensor, flat, blocks):
+        """Point a rooted plan read single-copy
+        (:func:`~numcoll.fast.copy.fused_copy_rooted`) at this call's arrays:
+        off the root, at ``tensor`` (``flat``, its bytes), where its addresses
+        lie; on the root, whose lie in its own buffer, the root's own block
+        becomes the pair the call copies, unless ``tensor`` is it."""
+        if not blocks:
+            fused_copy.point(fused.address, flat, flat, fused.base)
+        elif blocks[root] is not tensor:
+            fused.own = (blocks[root], tensor) if gather else (tensor, blocks[root])
+        fused.x = flat
 
     @staticmethod
     def _fit(gather: bool, tensor, blocks, root: int, size: int) -> bool:

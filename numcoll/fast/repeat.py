@@ -37,7 +37,7 @@ from ..collectives import fused_step
 from ..memory.host import HostBuffer
 from . import moves
 from .copy import (fused_copy_allgather, fused_copy_alltoall, fused_copy_broadcast,
-                   fused_copy_move, reads_whole)
+                   fused_copy_move, fused_copy_rooted, reads_whole)
 from .forms import Forms
 from .replay import Replay, described
 from .step import HAS_GIL, FusedCall, fusable_dtype
@@ -160,12 +160,14 @@ def fused_rooted(pg, call, tensor, root_side: bool) -> FusedCall | None:
     """The :class:`~numcoll.fast.moves.FusedMove` of ``call``, a ``gather``
     or ``scatter`` of ``tensor`` (as the ordinary builder checked and made
     it), moving the root's list (``root_side``: this rank is the root)
-    through a buffer of its own, if one arena step does it. Else None."""
+    through a buffer of its own, if one arena step does it; or, where the
+    call reads single-copy, its :func:`~numcoll.fast.copy.fused_copy_rooted`
+    over the same buffer. Else None."""
     if type(tensor) is not np.ndarray or not tensor.flags.c_contiguous or tensor.size == 0:
         return None
     own = np.empty((pg._size, tensor.size), tensor.dtype) if root_side else None
-    return moves.plan(pg, call, tensor, own) if call.name == "gather" \
-        else moves.plan(pg, call, own, tensor)
+    return (moves.plan(pg, call, tensor, own) if call.name == "gather"
+            else moves.plan(pg, call, own, tensor)) or fused_copy_rooted(pg, call, tensor, own)
 
 
 def rooted_sides(name: str, tensor, blocks) -> tuple:

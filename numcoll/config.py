@@ -119,6 +119,19 @@ class Config:
     #: docs/performance/single-copy.md). Allgather, scatter and gather gained
     #: nothing from the same change (their arena copies run side by side).
     single_copy_broadcast_min_nbytes: int = 64 << 10
+    #: Scatter reads single-copy unmeasured (``cma``) from a rank's block of
+    #: this many bytes up to the general threshold (``cma_measured`` from
+    #: there; on groups with more ranks than CPUs both count as that rule
+    #: says, below). Its arena path is two copies one after the other (the
+    #: root's into its slot, each peer's out), where single copy reads once,
+    #: near or far; at these sizes the measured choice's own cost (rank 0's
+    #: timing, its calls through the arena taking the ordinary path) took
+    #: what single copy saved. 2 ranks, paired beside Open MPI, busbw ratio,
+    #: the root's whole list, two runs, the arena / forced cma / cma_measured:
+    #: 128 KiB 0.71-0.78 / 0.90-0.96 / 0.75, 256 KiB 0.71-0.72 / 0.99-1.08 /
+    #: 0.72-0.77, 512 KiB 0.74 / 1.16 / 0.81-1.13; at 64 KiB the three tie
+    #: (0.87-0.94 / 0.80).
+    single_copy_scatter_min_nbytes: int = 64 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather -- a rank's block; alltoall and scatter
     #: keep the general one, a scatter counting the root's whole list against

@@ -186,7 +186,20 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
         assert choose(plain, name, None, least, 2, single_copy_refused=None).name \
             == "cma_measured"
         assert choose(plain, name, None, least - 64, 2, single_copy_refused=None).name \
-            == "shared"
+            == ("cma" if name == "scatter" else "shared")
+    # Scatter below that, from a rank's block of 64 KiB: cma itself, unmeasured;
+    # the arena below, where the ranks cannot read each other, or on a crowded
+    # group below twice its threshold over the ranks.
+    for nbytes, chosen in ((64 << 10, "cma"), ((64 << 10) - 64, "shared")):
+        assert choose(plain, "scatter", None, nbytes, 2, single_copy_refused=None).name == chosen
+    assert choose(plain, "scatter", None, 64 << 10, 2, single_copy_refused="no").name == "shared"
+    assert choose(current(single_copy=0), "scatter", None, 64 << 10, 2,
+                  single_copy_refused=None).name == "shared"
+    many = (os.cpu_count() or 1) + 2
+    share = -(-2 * (64 << 10) // many)
+    for nbytes, chosen in ((share, "cma"), (share - 64, "shared")):
+        assert choose(plain, "scatter", None, nbytes, many, single_copy_refused=None).name \
+            == chosen
     # ... its own threshold, not the general one; a crowded group's above both
     own = current(single_copy_broadcast_min_nbytes=1 << 30)
     assert choose(own, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "shared"

@@ -25,8 +25,10 @@ The automatic choice, in order:
   ``single_copy_alltoall_min_nbytes`` for alltoall,
   ``single_copy_allreduce_min_nbytes`` for allreduce,
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
-  alltoall and scatter),
-  where the ranks may read each other's memory;
+  alltoall and scatter), where the ranks may read each other's memory:
+  ``cma_measured``, single copy or the arena as rank 0 measured them; and
+  ``cma`` itself for a scatter from ``single_copy_scatter_min_nbytes`` up
+  to there;
   the ``shared`` algorithms otherwise. An ``all_to_all_single``
   (``uneven``) is the arena's at every size: its ranks may send each other
   different amounts, and a peer may pass split sizes where this rank passes
@@ -188,7 +190,7 @@ def check_forced(cfg: Config) -> None:
 _UNCROWDED = frozenset(("alltoall", "scatter", "gather"))
 
 
-def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
+def _single_copy_min(cfg: Config, collective: str, size: int, least: int | None = None) -> int:
     """The size from which the ``cma`` algorithms are chosen: broadcast's own,
     the larger of two for gather, for alltoall (its list form: see
     ``single_copy_alltoall_min_nbytes``) and for allreduce, and
@@ -197,8 +199,9 @@ def _single_copy_min(cfg: Config, collective: str, size: int) -> int:
     one host, as an shm group's ranks are), but for alltoall, scatter and
     gather (a scatter's or gather's block then counts ``size`` times -- the
     root's whole list -- against twice its threshold) and allreduce (its
-    threshold divided by ``size``)."""
-    least = cfg.single_copy_min_nbytes
+    threshold divided by ``size``). ``least``: another threshold, adjusted
+    for such a group as the general one is."""
+    least = cfg.single_copy_min_nbytes if least is None else least
     if collective == "broadcast":
         least = cfg.single_copy_broadcast_min_nbytes  # (lower: see numcoll.config)
     elif collective == "gather":
@@ -243,9 +246,12 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
         if on_arena in ("shared", "shared_split") and "cma" in CHOICES[collective] \
                 and not uneven \
                 and single_copy_refused is None and cfg.single_copy \
-                and nbytes >= _single_copy_min(cfg, collective, size) \
                 and _single_copy_fits(cfg, size):
-            on_arena = "cma_measured"
+            if nbytes >= _single_copy_min(cfg, collective, size):
+                on_arena = "cma_measured"
+            elif collective == "scatter" and nbytes >= _single_copy_min(
+                    cfg, collective, size, cfg.single_copy_scatter_min_nbytes):
+                on_arena = "cma"  # (unmeasured: see single_copy_scatter_min_nbytes)
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":

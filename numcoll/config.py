@@ -107,31 +107,39 @@ class Config:
     #: output) 1 MiB 0.93 -> 1.50, 2 MiB 1.17-1.19 -> 1.34-1.37, 4 MiB 0.91 ->
     #: 1.31 (docs/performance/single-copy.md).
     single_copy_rooted_min_nbytes: int = 512 << 10
-    #: The threshold for broadcast, a rank's buffer, on a group with no more
-    #: ranks than the host has CPUs (with more, the crowded one below). Lower
-    #: than the general one: a broadcast through the arena is two copies one
-    #: after the other (the root's in, then the peers' out), and in the VM's
-    #: far state (a cache line's round trip 0.3 us) the arena moves ~2 GB/s,
-    #: while a single-copy read is one copy, near or far. 2 ranks, paired
-    #: beside Open MPI, busbw ratio, three runs each, 512 KiB -> 64 KiB:
+    #: Below the general threshold, broadcast, scatter and allgather read
+    #: single-copy *unmeasured* (``cma``) from thresholds of their own up to
+    #: it (where the measured choice, ``cma_measured``, takes over); on a
+    #: group with more ranks than the host has CPUs, counted as the general
+    #: one is there (below: broadcast and allgather from the crowded one, so
+    #: not at all; scatter's list against twice it). Broadcast, a rank's
+    #: buffer: a broadcast through the arena is two copies one after the
+    #: other (the root's in, then the peers' out), and in the VM's far state
+    #: (a cache line's round trip 0.3 us) the arena moves ~2 GB/s, while a
+    #: single-copy read is one copy, near or far. 2 ranks, paired beside Open
+    #: MPI, busbw ratio, three runs each, 512 KiB -> 64 KiB (measured then):
     #: 64 KiB 0.67-2.29 -> 0.94-1.13, 128 KiB 0.58-2.33 -> 1.18-1.32, 256 KiB
-    #: 0.65-1.44 -> 1.42-1.61 (the high ends of the arena's: the near state;
-    #: docs/performance/single-copy.md). Allgather, scatter and gather gained
-    #: nothing from the same change (their arena copies run side by side).
+    #: 0.65-1.44 -> 1.42-1.61 (docs/performance/single-copy.md). Unmeasured
+    #: rather than measured, three runs: 64 KiB 0.93-1.09 -> 1.16-1.17, 128 KiB
+    #: 1.19-1.50 -> 1.37-1.46, 256 KiB 1.42-1.84 -> 1.57-1.73, 512 KiB
+    #: 1.46-1.70 -> 1.80-1.85: rank 0 timing each call and saying which way
+    #: it goes cost 1.5-5 us a call, its calls through the arena the ordinary
+    #: path (a fused start cannot take them).
     single_copy_broadcast_min_nbytes: int = 64 << 10
-    #: Scatter reads single-copy unmeasured (``cma``) from a rank's block of
-    #: this many bytes up to the general threshold (``cma_measured`` from
-    #: there; on groups with more ranks than CPUs both count as that rule
-    #: says, below). Its arena path is two copies one after the other (the
-    #: root's into its slot, each peer's out), where single copy reads once,
-    #: near or far; at these sizes the measured choice's own cost (rank 0's
-    #: timing, its calls through the arena taking the ordinary path) took
-    #: what single copy saved. 2 ranks, paired beside Open MPI, busbw ratio,
-    #: the root's whole list, two runs, the arena / forced cma / cma_measured:
-    #: 128 KiB 0.71-0.78 / 0.90-0.96 / 0.75, 256 KiB 0.71-0.72 / 0.99-1.08 /
-    #: 0.72-0.77, 512 KiB 0.74 / 1.16 / 0.81-1.13; at 64 KiB the three tie
-    #: (0.87-0.94 / 0.80).
+    #: ... scatter, a rank's block: its arena path is two copies one after the
+    #: other too. 2 ranks, the root's whole list, two runs, the arena / forced
+    #: cma / cma_measured: 128 KiB 0.71-0.78 / 0.90-0.96 / 0.75, 256 KiB
+    #: 0.71-0.72 / 0.99-1.08 / 0.72-0.77, 512 KiB 0.74 / 1.16 / 0.81-1.13.
     single_copy_scatter_min_nbytes: int = 64 << 10
+    #: ... allgather, its whole output: the arena's copies run side by side,
+    #: but in a launch where handing the slot's lines from core to core is
+    #: slow (as often as every other launch in one hour) they move a quarter
+    #: of Open MPI's bytes, while a single-copy read does not slow down. 2
+    #: ranks, three runs, the arena / forced cma (out of place, in place):
+    #: 64 KiB 0.37-0.98 / 0.93-1.02, 128 KiB 0.27-0.79 / 0.85-1.04, 256 KiB
+    #: 0.21-0.88 / 0.95-1.03; at 32 KiB the arena's fast launches were ahead
+    #: (1.24-1.27 against 0.89-0.97).
+    single_copy_allgather_min_nbytes: int = 64 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather -- a rank's block; alltoall and scatter
     #: keep the general one, a scatter counting the root's whole list against
@@ -292,7 +300,11 @@ _RANGES = {"segment_nbytes": (8, None), "cuda_threads": (1, 1024),  # CUDA's blo
            "single_copy_rooted_min_nbytes": (0, None),
            "single_copy_crowded_min_nbytes": (0, None),
            "single_copy_alltoall_rest_min_nbytes": (0, None),
-           "single_copy_alltoall_min_nbytes": (0, None)}
+           "single_copy_alltoall_min_nbytes": (0, None),
+           "single_copy_allreduce_min_nbytes": (0, None),
+           "single_copy_broadcast_min_nbytes": (0, None),
+           "single_copy_scatter_min_nbytes": (0, None),
+           "single_copy_allgather_min_nbytes": (0, None)}
 
 
 def _from_env(name: str):

@@ -132,6 +132,40 @@ def test_every_moving_collective_reads_single_copy(size):
         close(pgs)
 
 
+def test_below_the_general_threshold_three_read_single_copy_unmeasured(monkeypatch):
+    """Broadcast, scatter and allgather from thresholds of their own up to the
+    general one: ``cma`` (rank 0 keeps no times of them), right results;
+    gather the arena's; from the general threshold, measured."""
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_MIN_NBYTES", str(64 << 10))
+    monkeypatch.setenv("NUMCOLL_SINGLE_COPY_ROOTED_MIN_NBYTES", "0")
+    for name in ("BROADCAST", "SCATTER", "ALLGATHER"):
+        monkeypatch.setenv(f"NUMCOLL_SINGLE_COPY_{name}_MIN_NBYTES", "1024")
+    pgs = shm_groups(2)
+    try:
+        def body(pg):
+            r, n, root = pg.rank(), N, 1
+            x, out = inputs(r, n), np.zeros(2 * n)
+            pg.allgather_into_tensor(out, x).wait()
+            assert np.array_equal(out, np.concatenate([inputs(0, n), inputs(1, n)]))
+            pg.broadcast([x], nc.BroadcastOptions(root_rank=root)).wait()
+            assert np.array_equal(x, inputs(root, n))
+            got, sources = np.zeros(n), [[inputs(100 + q, n) for q in range(2)]]
+            pg.scatter([got], sources if r == root else [],
+                       nc.ScatterOptions(root_rank=root)).wait()
+            assert np.array_equal(got, inputs(100 + r, n))
+            targets = [[np.zeros(n) for _ in range(2)]] if r == root else []
+            pg.gather(targets, [x], nc.GatherOptions(root_rank=root)).wait()
+            tuning = pg._transport.single_copy.tuning
+            below = algorithms(pg, 4), len(tuning)
+            big = np.zeros(10 * n)  # (80 KB a rank: measured)
+            pg.allgather_into_tensor(np.zeros(20 * n), big).wait()
+            return below, len(tuning) if r == 0 else 1
+
+        assert on_ranks(pgs, body) == [((["cma", "cma", "cma", "shared"], 0), 1)] * 2
+    finally:
+        close(pgs)
+
+
 def test_processes_read_each_other_single_copy():
     def body():
         pg = nc.get_default_group()
@@ -178,31 +212,37 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     for name, fused in (("allgather", 2 * 4096), ("broadcast", 4096)):
         assert choose(cfg, name, None, fused, 2, single_copy_refused=None).name \
             == "cma_measured"
-    # The defaults: from 512 KiB (a rank's block for gather), broadcast from
-    # 64 KiB (the arena's is two copies one after the other), 2 ranks.
+    # The defaults: measured from 512 KiB (a rank's block for gather), 2 ranks;
+    # below it, broadcast, scatter and allgather read single-copy unmeasured
+    # from 64 KiB (a rank's buffer; allgather's whole output), the arena below.
     plain = Config()
-    for name, least in (("allgather", 512 << 10), ("broadcast", 64 << 10),
-                        ("scatter", 512 << 10), ("gather", 512 << 10)):
-        assert choose(plain, name, None, least, 2, single_copy_refused=None).name \
+    for name in ("allgather", "broadcast", "scatter", "gather"):
+        assert choose(plain, name, None, 512 << 10, 2, single_copy_refused=None).name \
             == "cma_measured"
-        assert choose(plain, name, None, least - 64, 2, single_copy_refused=None).name \
-            == ("cma" if name == "scatter" else "shared")
-    # Scatter below that, from a rank's block of 64 KiB: cma itself, unmeasured;
-    # the arena below, where the ranks cannot read each other, or on a crowded
-    # group below twice its threshold over the ranks.
-    for nbytes, chosen in ((64 << 10, "cma"), ((64 << 10) - 64, "shared")):
-        assert choose(plain, "scatter", None, nbytes, 2, single_copy_refused=None).name == chosen
-    assert choose(plain, "scatter", None, 64 << 10, 2, single_copy_refused="no").name == "shared"
-    assert choose(current(single_copy=0), "scatter", None, 64 << 10, 2,
-                  single_copy_refused=None).name == "shared"
+        for nbytes, chosen in (((512 << 10) - 64, "cma"), (64 << 10, "cma"),
+                               ((64 << 10) - 64, "shared")):
+            assert choose(plain, name, None, nbytes, 2, single_copy_refused=None).name \
+                == (chosen if name != "gather" else "shared"), (name, nbytes)
+        # (not where the ranks cannot read each other, nor with single copy off)
+        assert choose(plain, name, None, 64 << 10, 2, single_copy_refused="no").name == "shared"
+        assert choose(current(single_copy=0), name, None, 64 << 10, 2,
+                      single_copy_refused=None).name == "shared"
+    # A crowded group counts as it counts the general threshold: scatter's list
+    # against twice it; broadcast and allgather from the crowded one, measured.
     many = (os.cpu_count() or 1) + 2
     share = -(-2 * (64 << 10) // many)
     for nbytes, chosen in ((share, "cma"), (share - 64, "shared")):
         assert choose(plain, "scatter", None, nbytes, many, single_copy_refused=None).name \
             == chosen
-    # ... its own threshold, not the general one; a crowded group's above both
-    own = current(single_copy_broadcast_min_nbytes=1 << 30)
-    assert choose(own, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name == "shared"
+    for name in ("allgather", "broadcast"):
+        assert choose(plain, name, None, (1 << 20) - 64, many, single_copy_refused=None).name \
+            == "shared"
+    # ... a threshold of its own above the general one: measured from the general.
+    own = current(single_copy_broadcast_min_nbytes=1 << 30, single_copy_min_nbytes=1 << 20)
+    assert choose(own, "broadcast", None, (1 << 20) - 64, 2, single_copy_refused=None).name \
+        == "shared"
+    assert choose(own, "broadcast", None, 1 << 20, 2, single_copy_refused=None).name \
+        == "cma_measured"
     assert choose(plain, "broadcast", None, 512 << 10, (os.cpu_count() or 1) + 1,
                   single_copy_refused=None).name == "shared"
     # Gather: the rooted threshold (not broadcast, which has its own, nor scatter).

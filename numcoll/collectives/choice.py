@@ -20,15 +20,15 @@ The automatic choice, in order:
 - a group whose ranks share one arena (``shm``): the ``cma`` (single-copy)
   algorithms for the collectives that move data without reducing it and for
   allreduce (a reduce-scatter and an allgather by reads), from
-  ``single_copy_min_nbytes`` (``single_copy_broadcast_min_nbytes`` for
-  broadcast, ``single_copy_rooted_min_nbytes`` for gather,
+  ``single_copy_min_nbytes`` (``single_copy_rooted_min_nbytes`` for gather,
   ``single_copy_alltoall_min_nbytes`` for alltoall,
   ``single_copy_allreduce_min_nbytes`` for allreduce,
   ``single_copy_crowded_min_nbytes`` with more ranks than CPUs, but for
   alltoall and scatter), where the ranks may read each other's memory:
   ``cma_measured``, single copy or the arena as rank 0 measured them; and
-  ``cma`` itself for a scatter from ``single_copy_scatter_min_nbytes`` up
-  to there;
+  ``cma`` itself, unmeasured, for broadcast, scatter and allgather from
+  thresholds of their own up to there (``single_copy_broadcast_min_nbytes``,
+  ``single_copy_scatter_min_nbytes``, ``single_copy_allgather_min_nbytes``);
   the ``shared`` algorithms otherwise. An ``all_to_all_single``
   (``uneven``) is the arena's at every size: its ranks may send each other
   different amounts, and a peer may pass split sizes where this rank passes
@@ -190,21 +190,25 @@ def check_forced(cfg: Config) -> None:
 _UNCROWDED = frozenset(("alltoall", "scatter", "gather"))
 
 
+#: The collectives that read single-copy unmeasured (``cma``) below the general
+#: threshold, from a threshold of their own (its Config field): numcoll.config.
+_UNMEASURED = {"broadcast": "single_copy_broadcast_min_nbytes",
+               "scatter": "single_copy_scatter_min_nbytes",
+               "allgather": "single_copy_allgather_min_nbytes"}
+
+
 def _single_copy_min(cfg: Config, collective: str, size: int, least: int | None = None) -> int:
-    """The size from which the ``cma`` algorithms are chosen: broadcast's own,
-    the larger of two for gather, for alltoall (its list form: see
-    ``single_copy_alltoall_min_nbytes``) and for allreduce, and
-    the larger again on a
-    group with more ranks than the host has CPUs (the same on every rank of
-    one host, as an shm group's ranks are), but for alltoall, scatter and
+    """The size from which the ``cma_measured`` algorithms are chosen: the
+    general threshold, the larger of two for gather, for alltoall (its list
+    form: see ``single_copy_alltoall_min_nbytes``) and for allreduce, and the
+    larger again on a group with more ranks than the host has CPUs (the same
+    on every rank of one host, as an shm group's ranks are), but for alltoall, scatter and
     gather (a scatter's or gather's block then counts ``size`` times -- the
     root's whole list -- against twice its threshold) and allreduce (its
-    threshold divided by ``size``). ``least``: another threshold, adjusted
-    for such a group as the general one is."""
+    threshold divided by ``size``). ``least``: another threshold (one of
+    :data:`_UNMEASURED`'s), adjusted for such a group as the general one is."""
     least = cfg.single_copy_min_nbytes if least is None else least
-    if collective == "broadcast":
-        least = cfg.single_copy_broadcast_min_nbytes  # (lower: see numcoll.config)
-    elif collective == "gather":
+    if collective == "gather":
         least = max(least, cfg.single_copy_rooted_min_nbytes)
     elif collective == "alltoall":
         least = max(least, cfg.single_copy_alltoall_min_nbytes)
@@ -249,9 +253,9 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
                 and _single_copy_fits(cfg, size):
             if nbytes >= _single_copy_min(cfg, collective, size):
                 on_arena = "cma_measured"
-            elif collective == "scatter" and nbytes >= _single_copy_min(
-                    cfg, collective, size, cfg.single_copy_scatter_min_nbytes):
-                on_arena = "cma"  # (unmeasured: see single_copy_scatter_min_nbytes)
+            elif collective in _UNMEASURED and nbytes >= _single_copy_min(
+                    cfg, collective, size, getattr(cfg, _UNMEASURED[collective])):
+                on_arena = "cma"
     if on_arena is not None:
         return on_arena
     if collective == "allreduce":

@@ -138,7 +138,10 @@ class Config:
     #: ranks, three runs, the arena / forced cma (out of place, in place):
     #: 64 KiB 0.37-0.98 / 0.93-1.02, 128 KiB 0.27-0.79 / 0.85-1.04, 256 KiB
     #: 0.21-0.88 / 0.95-1.03; at 32 KiB the arena's fast launches were ahead
-    #: (1.24-1.27 against 0.89-0.97).
+    #: (1.24-1.27 against 0.89-0.97). Counted so that each peer's chunk is as
+    #: large as on 2 ranks (times the ranks over 2): more ranks read smaller
+    #: chunks, one read each, where the arena's copies are unchanged (not
+    #: measured: this VM has 2 CPUs, and more ranks than CPUs never take it).
     single_copy_allgather_min_nbytes: int = 64 << 10
     #: The same threshold for groups with more ranks than the host has CPUs
     #: (allgather, broadcast, gather -- a rank's block; alltoall and scatter

@@ -237,6 +237,17 @@ def test_the_choice_by_size_forced_and_refused(monkeypatch):
     for name in ("allgather", "broadcast"):
         assert choose(plain, name, None, (1 << 20) - 64, many, single_copy_refused=None).name \
             == "shared"
+    # An uncrowded group of more ranks: an allgather's output counts so that a
+    # peer's chunk is as large as on 2 ranks (broadcast and scatter a rank's).
+    from numcoll.collectives import choice
+
+    with monkeypatch.context() as patched:
+        patched.setattr(choice.os, "cpu_count", lambda: 64)
+        for name, least in (("allgather", 4 * (64 << 10) // 2), ("broadcast", 64 << 10),
+                            ("scatter", 64 << 10)):
+            for nbytes, chosen in ((least, "cma"), (least - 64, "shared")):
+                assert choose(plain, name, None, nbytes, 4, single_copy_refused=None).name \
+                    == chosen, (name, nbytes)
     # ... a threshold of its own above the general one: measured from the general.
     own = current(single_copy_broadcast_min_nbytes=1 << 30, single_copy_min_nbytes=1 << 20)
     assert choose(own, "broadcast", None, (1 << 20) - 64, 2, single_copy_refused=None).name \

@@ -197,6 +197,18 @@ _UNMEASURED = {"broadcast": "single_copy_broadcast_min_nbytes",
                "allgather": "single_copy_allgather_min_nbytes"}
 
 
+def _unmeasured_min(cfg: Config, collective: str, size: int) -> int:
+    """The size from which ``collective`` (one of :data:`_UNMEASURED`) reads
+    single-copy unmeasured: its threshold, adjusted as the general one is; an
+    allgather's (its whole output) scaled so that each peer's chunk is as
+    large as on 2 ranks (measured there: more ranks read smaller chunks, one
+    ``process_vm_readv`` each, where the arena's copies are unchanged)."""
+    least = getattr(cfg, _UNMEASURED[collective])
+    if collective == "allgather":
+        least = least * size // 2
+    return _single_copy_min(cfg, collective, size, least)
+
+
 def _single_copy_min(cfg: Config, collective: str, size: int, least: int | None = None) -> int:
     """The size from which the ``cma_measured`` algorithms are chosen: the
     general threshold, the larger of two for gather, for alltoall (its list
@@ -253,8 +265,7 @@ def _automatic(cfg: Config, collective: str, nbytes: int, size: int, shared: boo
                 and _single_copy_fits(cfg, size):
             if nbytes >= _single_copy_min(cfg, collective, size):
                 on_arena = "cma_measured"
-            elif collective in _UNMEASURED and nbytes >= _single_copy_min(
-                    cfg, collective, size, getattr(cfg, _UNMEASURED[collective])):
+            elif collective in _UNMEASURED and nbytes >= _unmeasured_min(cfg, collective, size):
                 on_arena = "cma"
     if on_arena is not None:
         return on_arena

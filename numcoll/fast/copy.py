@@ -210,7 +210,6 @@ def fused_copy_rooted(pg, call, tensor, own) -> FusedCopy | None:
         whole = None if own is None else own.reshape(-1)
         return _move_parts(pg, call, *((x, whole) if call.name == "gather" else (whole, x)))[0]
 
-    fused.own = None
     fused.keep_none(lies, lies, remake, kept=own)
     return fused
 
@@ -362,14 +361,15 @@ class FusedCopy(FusedCall):
 
     def keep_none(self, copied, published, remake, kept=None) -> None:
         """Make this a plan by form (numcoll.fast.forms), which keeps no
-        caller's array: no parts (they hold the arrays); ``remake(self)``
+        caller's array: no parts, nor an own block's pair (they hold the
+        arrays: a run sets its own pair); ``remake(self)``
         makes them for the call's arrays now, if a promoted call needs them;
         and ``base``, the first bytes of ``copied`` and ``published``, the
         arrays its copy table's and its *where*'s addresses lie in, which
         :func:`numcoll.collectives.fused_copy.point` moves to each call's.
         ``kept``: a buffer of the plan's own that addresses lie in (a rooted
         call's on the root), kept alive here."""
-        self.parts, self.remake, self.kept = None, remake, kept
+        self.parts, self.own, self.remake, self.kept = None, None, remake, kept
         self.base = np.array([copied.ctypes.data, published.ctypes.data], np.int64)
 
     def _entries(self, x) -> tuple:

@@ -144,6 +144,26 @@ def a_mismatch_fails_on_both_ranks(call):
         close(pgs)
 
 
+def by_form_beside_the_ordinary_path(call, calls: int) -> list:
+    """``call(pg, i)`` (whether its result is right) for ``i`` in
+    ``range(calls)`` on 2 ranks, rank 1 forgetting its forms before each
+    call (the ordinary path, every time), rank 0 running by form: each
+    rank's results and fused runs."""
+    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
+    try:
+        def body(pg):
+            got = []
+            for i in range(calls):
+                if pg.rank() == 1:
+                    pg.repeats.clear()
+                got.append(call(pg, i))
+            return got, fused_runs(pg)
+
+        return on_ranks(pgs, body)
+    finally:
+        close(pgs)
+
+
 def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():
     a_mismatch_fails_on_both_ranks(lambda pg, i, other: fresh(
         pg, "allreduce", i, 4, np.float64 if other else np.float32))

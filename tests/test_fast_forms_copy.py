@@ -17,7 +17,7 @@ import pytest
 
 import numcoll as nc
 
-from test_fast_forms import a_mismatch_fails_on_both_ranks
+from test_fast_forms import a_mismatch_fails_on_both_ranks, by_form_beside_the_ordinary_path
 from test_fast_path import close, fused_runs, value
 from test_process_group import groups, on_ranks
 
@@ -148,20 +148,10 @@ def test_measured_calls_agree(monkeypatch):
 def test_a_rank_by_form_meets_a_rank_on_the_ordinary_path():
     """Rank 1 forgets its forms before each call; rank 0 runs by form: the
     same *where*, the same copies, the same results, either rank the root."""
-    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
-    try:
-        def body(pg):
-            got, kept = [], []
-            for i in range(8):
-                if pg.rank() == 1:
-                    pg.repeats.clear()
-                got.append(broadcasted(pg, i, i // 4, kept=kept)
-                           == value(i // 4, i, N, np.float64).tolist())
-            return got, fused_runs(pg)
-
-        assert on_ranks(pgs, body) == [([True] * 8, 4), ([True] * 8, 0)]
-    finally:
-        close(pgs)
+    kept = []
+    assert by_form_beside_the_ordinary_path(lambda pg, i: broadcasted(
+        pg, i, i // 4, kept=kept) == value(i // 4, i, N, np.float64).tolist(), 8) \
+        == [([True] * 8, 4), ([True] * 8, 0)]
 
 
 @pytest.mark.slow

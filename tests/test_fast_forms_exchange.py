@@ -15,7 +15,7 @@ import pytest
 
 import numcoll as nc
 
-from test_fast_forms import a_mismatch_fails_on_both_ranks
+from test_fast_forms import a_mismatch_fails_on_both_ranks, by_form_beside_the_ordinary_path
 from test_fast_path import close, fused_runs, value
 from test_process_group import groups, on_ranks
 
@@ -122,22 +122,10 @@ def test_a_rank_by_form_meets_a_rank_on_the_ordinary_path(n):
     time); rank 0 runs by form: the same header, the same results. Blocks
     of 128 KiB, which the ordinary path offers to be read whole in a round
     of their own, are not planned by form."""
-    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
-    try:
-        def body(pg):
-            got = []
-            for i in range(6):
-                if pg.rank() == 1:
-                    pg.repeats.clear()
-                got.append(exchanged(pg, i, n, np.float32) == want(pg.rank(), 2, i, n,
-                                                                   np.float32))
-            return got, fused_runs(pg)
-
-        for rank, (got, fused) in enumerate(on_ranks(pgs, body)):
-            assert got == [True] * 6
-            assert fused == (4 if rank == 0 and n == 3 else 0)
-    finally:
-        close(pgs)
+    for rank, (got, fused) in enumerate(by_form_beside_the_ordinary_path(lambda pg, i: exchanged(
+            pg, i, n, np.float32) == want(pg.rank(), 2, i, n, np.float32), 6)):
+        assert got == [True] * 6
+        assert fused == (4 if rank == 0 and n == 3 else 0)
 
 
 def test_a_mismatch_against_a_form_plan_fails_on_both_ranks():

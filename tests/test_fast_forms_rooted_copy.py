@@ -18,7 +18,7 @@ import pytest
 
 import numcoll as nc
 
-from test_fast_forms import a_mismatch_fails_on_both_ranks
+from test_fast_forms import a_mismatch_fails_on_both_ranks, by_form_beside_the_ordinary_path
 from test_fast_forms_copy import copies_by_form
 from test_fast_forms_rooted import rooted, want
 from test_fast_path import close, fused_runs
@@ -109,21 +109,11 @@ def test_rank_0_saying_the_arena_sends_the_root_s_list_through_it(monkeypatch):
 
 def test_a_rank_by_form_meets_a_rank_on_the_ordinary_path():
     """Rank 1 forgets its forms before each call; rank 0 runs by form: the
-    same *where*, the same copies, the same results, either rank the root."""
-    pgs = groups(2, transport="shm", timeout=timedelta(seconds=30))
-    try:
-        def body(pg):
-            got, kept = [], []
-            for name in NAMES:
-                for i in range(8):
-                    if pg.rank() == 1:
-                        pg.repeats.clear()
-                    got.append(kept_rooted(pg, name, i, i // 4, kept))
-            return got, fused_runs(pg)
-
-        assert on_ranks(pgs, body) == [([True] * 16, 8), ([True] * 16, 0)]
-    finally:
-        close(pgs)
+    same *where*, the same copies, the same results, either rank the root
+    (gather, then scatter, eight calls each)."""
+    kept = []
+    assert by_form_beside_the_ordinary_path(lambda pg, i: kept_rooted(
+        pg, NAMES[i // 8], i % 8, i % 8 // 4, kept), 16) == [([True] * 16, 8), ([True] * 16, 0)]
 
 
 @pytest.mark.slow
